@@ -1,0 +1,1 @@
+"""Advantage estimators and policy losses (algorithm-side; engines never see these)."""

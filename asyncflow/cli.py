@@ -1,0 +1,72 @@
+"""``asyncflow`` command line: ``train``, ``bench``.
+
+Heavy modules (torch, transformers, ray) are imported only inside the commands, so
+``--help`` and ``--dry-run`` are instant. A user mistake (bad config, bad override,
+missing file) prints one line ``asyncflow: error: ...`` and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from asyncflow.config import ConfigError, dump_config, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="asyncflow", description="Asynchronous streaming RL post-training for LLMs.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("train", help="run a training job (default: built-in GRPO example, async mode, local Ray)")
+    t.add_argument("config", nargs="?", help="YAML config file (optional)")
+    t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 mode=sync")
+    t.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    b = sub.add_parser("bench", help="compare sync, stream and async on the same resources")
+    b.add_argument("config", nargs="?", help="YAML config file (optional)")
+    b.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
+    b.add_argument("--samples", type=int, default=None, help="samples per measured run (default from the bench preset)")
+    b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, long-tailed), b (+ remote reward latency)")
+    b.add_argument("--modes", default="sync,stream,async", help="comma list of modes")
+    b.add_argument("--out", default=None, help="write the table as JSON here too")
+    return p
+
+
+def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
+    """Allow ``asyncflow train key=value`` without a config file."""
+    if config is not None and "=" in config and not os.path.exists(config):
+        return None, [config, *overrides]
+    return config, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
+    try:
+        config, overrides = _split(args.config, args.overrides)
+        cfg = load_config(config, overrides)
+        if args.command == "train":
+            if args.dry_run:
+                print(dump_config(cfg), end="")
+                return 0
+            from asyncflow.observe.report import format_summary
+            from asyncflow.workflow.driver import train
+
+            print(format_summary(train(cfg)))
+            return 0
+        if args.command == "bench":
+            from asyncflow.bench import run_bench
+
+            run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
+                      modes=args.modes.split(","), out=args.out)
+            return 0
+    except ConfigError as e:
+        print(f"asyncflow: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asyncflow: interrupted", file=sys.stderr)
+        return 130
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

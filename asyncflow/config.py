@@ -1,0 +1,214 @@
+"""Typed configuration: YAML file + ``key=value`` overrides, validated at load.
+
+Every field is documented here and nowhere else; ``asyncflow train --dry-run`` prints the
+resolved config. User mistakes raise :class:`ConfigError` with one line that names the
+field, the bad value and the fix; the CLI prints it without a traceback.
+
+This module must stay light: it does not import torch (the CLI parses configs before any
+heavy import).
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user mistake in a config file or override. The message is one line."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str | None = Field(None, description="Local Hugging Face model folder; None = the built-in tiny model.")
+    hidden_size: int = Field(128, gt=0, description="Built-in model: hidden size.")
+    num_layers: int = Field(2, gt=0, description="Built-in model: transformer layers.")
+    num_heads: int = Field(4, gt=0, description="Built-in model: attention heads.")
+    num_kv_heads: int = Field(2, gt=0, description="Built-in model: key/value heads (GQA).")
+    intermediate_size: int = Field(512, gt=0, description="Built-in model: MLP width.")
+
+    @model_validator(mode="after")
+    def _heads(self) -> "ModelConfig":
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError("hidden_size must be divisible by num_heads and num_heads by num_kv_heads")
+        return self
+
+    def dims(self) -> dict:
+        return dict(hidden_size=self.hidden_size, num_layers=self.num_layers, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, intermediate_size=self.intermediate_size)
+
+
+class TaskConfig(_Section):
+    name: Literal["addition"] = Field("addition", description="Built-in verifiable task.")
+    digits: int = Field(2, ge=1, le=4, description="Operand digits of the addition task.")
+    holdout_frac: float = Field(0.2, gt=0, lt=1, description="Fraction of problems held out for evaluation.")
+    eval_n: int = Field(500, gt=0, description="Held-out problems scored at each evaluation.")
+
+
+class WarmStartConfig(_Section):
+    enabled: bool = Field(True, description="Run a short SFT warm-start before RL (built-in model only).")
+    target_acc: float = Field(0.65, gt=0, le=1, description="Stop SFT at this held-out greedy accuracy.")
+    cache_dir: str = Field("~/.cache/asyncflow/warmstart", description="Warm-started models are cached here.")
+
+
+class RolloutConfig(_Section):
+    group_size: int = Field(8, ge=2, description="Answers sampled per prompt (GRPO group).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used by the trainer's log-probs).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    max_new_tokens: int = Field(8, gt=0, description="Longest answer, in tokens.")
+    max_batch: int = Field(64, gt=0, description="Continuous-batching slots of one rollout worker.")
+    recompute_on_swap: bool = Field(True, description="At a weight swap, rebuild the KV cache of unfinished answers under the new weights.")
+    gen_len: Literal["natural", "longtail"] = Field(
+        "natural", description="'longtail' forces each answer's length from a long-tailed distribution (benchmark workload emulation).")
+    longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")
+    longtail_long: int = Field(48, gt=0, description="longtail: length of the long answers.")
+    longtail_frac: float = Field(0.125, ge=0, le=1, description="longtail: fraction of long answers.")
+
+
+class RewardConfig(_Section):
+    latency_ms: tuple[float, float] | None = Field(
+        None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
+    concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
+
+
+class AlgorithmConfig(_Section):
+    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference model (0 = no reference role).")
+    std_normalize: bool = Field(True, description="Divide group advantages by the group std (False = Dr.GRPO).")
+
+
+class TrainConfig(_Section):
+    steps: int = Field(40, gt=0, description="Optimizer steps (policy versions) of RL.")
+    prompts_per_step: int = Field(16, gt=0, description="Prompts per step; the batch is prompts_per_step x group_size answers.")
+    micro_prompts: int = Field(4, gt=0, description="Prompts (whole groups) per streamed micro-batch of the trainer.")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
+
+
+class ResourcesConfig(_Section):
+    threads_per_role: int = Field(1, gt=0, description="torch threads of each role process (stream/async).")
+    sync_threads: int = Field(0, ge=0, description="torch threads of the colocated sync worker (0 = all cores).")
+
+
+class RunConfig(_Section):
+    """The whole job."""
+
+    mode: Literal["sync", "stream", "async"] = Field("async", description="sync: colocated phases; stream: overlapped, on-policy; async: stream + bounded staleness.")
+    staleness: int = Field(1, ge=0, description="async: a sample generated by policy version w is trained at version v only if v - w <= staleness.")
+    launcher: Literal["local", "ray"] = Field("ray", description="local: roles as threads in this process; ray: roles as Ray actors.")
+    seed: int = Field(0, description="Random seed.")
+    run_dir: str = Field("runs", description="Parent folder of run folders.")
+    progress: bool = Field(True, description="Show a progress bar.")
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    warmstart: WarmStartConfig = WarmStartConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    train: TrainConfig = TrainConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+
+    @property
+    def effective_staleness(self) -> int:
+        """0 for sync and stream (on-policy), the configured bound for async."""
+        return self.staleness if self.mode == "async" else 0
+
+    @property
+    def batch_size(self) -> int:
+        return self.train.prompts_per_step * self.rollout.group_size
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load ``path`` (YAML; None = defaults) and apply ``key=value`` overrides, then validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' not found (give a YAML file, or none for the built-in default)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides:
+        _apply_override(data, item)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, path)) from None
+
+
+def _apply_override(data: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value (example: train.steps=20)")
+    key, raw = item.split("=", 1)
+    keys = key.strip().split(".")
+    model: type[BaseModel] | None = RunConfig
+    node = data
+    for i, k in enumerate(keys):
+        fields = model.model_fields if model is not None else {}
+        if model is not None and k not in fields:
+            where = ".".join(keys[:i]) or "the top level"
+            close = difflib.get_close_matches(k, list(fields), n=1)
+            hint = f" (did you mean '{'.'.join(keys[:i] + close)}'?)" if close else f"; known: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{key}' at {where}{hint}")
+        if i == len(keys) - 1:
+            try:
+                node[k] = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                node[k] = raw
+            return
+        ann = fields[k].annotation if model is not None else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if model is None:
+            raise ConfigError(f"config key '{'.'.join(keys[: i + 1])}' is a value, not a section")
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key '{'.'.join(keys[: i + 1])}' must be a section")
+
+
+def _describe(e: ValidationError, path: Any) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    src = f" in '{path}'" if path else ""
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    if err["type"] == "extra_forbidden":
+        parent = RunConfig
+        for k in err["loc"][:-1]:
+            ann = parent.model_fields[str(k)].annotation
+            parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else parent
+        close = difflib.get_close_matches(str(err["loc"][-1]), list(parent.model_fields), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(parent.model_fields)}"
+        return f"config error{src}: unknown key '{loc}' ({hint}){more}"
+    value = err.get("input")
+    fix = _field_doc(err["loc"])
+    return (f"config error{src}: {loc} = {value!r}: {err['msg']}"
+            + (f" ({fix})" if fix else "") + more)
+
+
+def _field_doc(loc: tuple) -> str:
+    model: Any = RunConfig
+    info = None
+    for k in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or str(k) not in model.model_fields:
+            break
+        info = model.model_fields[str(k)]
+        model = info.annotation
+    return info.description if info is not None and info.description else ""
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

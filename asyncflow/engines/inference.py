@@ -1,0 +1,324 @@
+"""Built-in inference engine: any Hugging Face causal LM, KV cache, continuous batching.
+
+Design
+------
+:class:`GenerationBatch` holds the sequences being decoded right now, one row each, with
+one shared KV cache whose time axis is *right-aligned*: every row's tokens end at the last
+column and shorter rows are left-padded (attention mask 0, positions counted per row).
+That layout lets us
+
+* **add** sequences at any decode step (continuous batching): the newcomers are
+  prefilled together, then their cache is left-padded or the running cache is, and the two
+  are concatenated along the batch axis;
+* **remove** finished rows at any step: select the remaining rows, then drop the leading
+  columns that are padding for every row, so the cache never grows past the longest live row;
+* **swap weights** between two steps (the delayed parameter update): :meth:`load_weights`
+  copies host buffers into the parameters; unfinished rows keep going (partial rollout),
+  and ``recompute=True`` rebuilds their KV cache under the new weights first.
+
+Invariants
+----------
+* Row ``i``'s logical sequence is ``prompt + generated``; its cache and mask cover exactly
+  those tokens, right-aligned; ``mask.sum(1) == len(prompt) + len(generated) - 1`` after a
+  step (the last sampled token is not in the cache yet; it is the next step's input).
+* The log-prob recorded for a sampled token is ``log_softmax(logits / temperature)`` at that
+  token: the same quantity the training engine recomputes (tested to match a full forward).
+* ``min_new_tokens`` masks EOS until reached; ``max_new_tokens`` stops the row.
+
+:class:`InferenceEngine` wraps a model with ``generate`` (a simple whole-list call built on
+the same batch, used by the sync mode and evaluation) and ``load_weights``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. ``temperature == 0`` means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 8
+
+
+@dataclass
+class Request:
+    """One sequence to generate. ``key`` is opaque to the engine (the caller's id)."""
+
+    key: Any
+    prompt_ids: list[int]
+    max_new_tokens: int | None = None  # overrides SamplingParams.max_new_tokens
+    min_new_tokens: int = 0
+    version: int = 0  # policy version when the request was admitted (filled by the engine)
+
+
+@dataclass
+class Completion:
+    """A finished sequence: generated ids (EOS included when it stopped on EOS)."""
+
+    key: Any
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float]
+    version: int  # oldest policy version that produced any of its tokens
+    finished_on_eos: bool
+
+
+@dataclass
+class _Row:
+    req: Request
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    version: int = 0
+
+
+class GenerationBatch:
+    """Rows being decoded together with a shared right-aligned KV cache (see module doc)."""
+
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingParams,
+                 generator: torch.Generator | None = None):
+        self.model = model
+        self.eos_id = eos_id
+        self.pad_id = pad_id
+        self.sampling = sampling
+        self.generator = generator
+        self.rows: list[_Row] = []
+        self.cache = None  # transformers DynamicCache
+        self.mask: torch.Tensor | None = None  # [R, T] long
+        self.next_pos: torch.Tensor | None = None  # [R] position of the next input token
+        self.next_tok: torch.Tensor | None = None  # [R] last sampled token (not yet in cache)
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    # ------------------------------------------------------------------ add / remove
+    @torch.no_grad()
+    def add(self, requests: list[Request]) -> list[Completion]:
+        """Prefill ``requests`` and join them to the running batch.
+
+        Returns completions that finished already at their first token.
+        """
+        if not requests:
+            return []
+        from transformers import DynamicCache
+
+        lens = [len(r.prompt_ids) for r in requests]
+        L = max(lens)
+        ids = torch.full((len(requests), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(requests), L), dtype=torch.long)
+        for i, r in enumerate(requests):
+            ids[i, L - lens[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[i, L - lens[i]:] = 1
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                         past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1, :]
+        new_rows = [_Row(req=r, version=self.version) for r in requests]
+        for r in requests:
+            r.version = self.version
+        next_pos = torch.tensor(lens, dtype=torch.long)
+        self._merge(new_rows, cache, mask, next_pos)
+        return self._sample_and_append(logits, first=len(self.rows) - len(new_rows))
+
+    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.next_pos = rows, cache, mask, next_pos
+            self.next_tok = torch.zeros(len(rows), dtype=torch.long)
+            return
+        T_old, T_new = self.mask.shape[1], mask.shape[1]
+        T = max(T_old, T_new)
+        for layer_old, layer_new in zip(self.cache.layers, cache.layers):
+            for name in ("keys", "values"):
+                a, b = getattr(layer_old, name), getattr(layer_new, name)
+                setattr(layer_old, name, torch.cat([_left_pad(a, T, dim=2), _left_pad(b, T, dim=2)], 0))
+        self.mask = torch.cat([_left_pad(self.mask, T, dim=1), _left_pad(mask, T, dim=1)], 0)
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.next_tok = torch.cat([self.next_tok, torch.zeros(len(rows), dtype=torch.long)])
+        self.rows = self.rows + rows
+
+    def _keep(self, keep: list[int]) -> None:
+        if len(keep) == len(self.rows):
+            return
+        if not keep:
+            self.rows, self.cache, self.mask, self.next_pos, self.next_tok = [], None, None, None, None
+            return
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.rows = [self.rows[i] for i in keep]
+        self.mask = self.mask[idx]
+        self.next_pos, self.next_tok = self.next_pos[idx], self.next_tok[idx]
+        # Drop leading columns that are padding in every remaining row.
+        live = self.mask.any(0).nonzero()
+        start = int(live[0]) if len(live) else self.mask.shape[1]
+        self.mask = self.mask[:, start:]
+        for layer in self.cache.layers:
+            layer.keys = layer.keys[idx, :, start:]
+            layer.values = layer.values[idx, :, start:]
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def step(self) -> list[Completion]:
+        """Decode one token for every row; return the rows that finished."""
+        if not self.rows:
+            return []
+        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], 1)
+        out = self.model(input_ids=self.next_tok[:, None], attention_mask=self.mask,
+                         position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+        self.next_pos = self.next_pos + 1
+        return self._sample_and_append(out.logits[:, -1, :], first=0)
+
+    def _sample_and_append(self, logits: torch.Tensor, first: int) -> list[Completion]:
+        rows = self.rows[first:]
+        logits = logits.float()
+        for i, row in enumerate(rows):  # EOS is not allowed before min_new_tokens
+            if len(row.out) < row.req.min_new_tokens:
+                logits[i, self.eos_id] = float("-inf")
+        tok, logp = sample_tokens(logits, self.sampling, self.generator)
+        self.next_tok[first:] = tok
+        done: list[Completion] = []
+        keep = list(range(first))
+        tok_l, logp_l = tok.tolist(), logp.tolist()
+        for i, row in enumerate(rows):
+            row.out.append(tok_l[i])
+            row.logprobs.append(logp_l[i])
+            limit = row.req.max_new_tokens or self.sampling.max_new_tokens
+            eos = tok_l[i] == self.eos_id
+            if eos or len(row.out) >= limit:
+                done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs,
+                                       row.version, eos))
+            else:
+                keep.append(first + i)
+        self._keep(keep)
+        return done
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def recompute_cache(self) -> None:
+        """Rebuild the KV cache of the live rows under the current weights (partial rollout)."""
+        if not self.rows:
+            return
+        from transformers import DynamicCache
+
+        R, T = self.mask.shape
+        ids = torch.full((R, T), self.pad_id, dtype=torch.long)
+        for i, row in enumerate(self.rows):
+            seq = row.req.prompt_ids + row.out[:-1]  # the last sampled token is the next input
+            ids[i, T - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        pos = (self.mask.cumsum(1) - 1).clamp(min=0)
+        self.cache = DynamicCache()
+        self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
+                   past_key_values=self.cache, use_cache=True)
+
+
+def _left_pad(x: torch.Tensor, T: int, dim: int) -> torch.Tensor:
+    pad = T - x.shape[dim]
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x.new_zeros(shape), x], dim)
+
+
+def sample_tokens(logits: torch.Tensor, sp: SamplingParams,
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return (tokens, log-prob under softmax(logits / T)).
+
+    Greedy when ``temperature == 0`` (log-probs then use T = 1). Top-p truncates the
+    sampling distribution only; the recorded log-prob is the untruncated one, which is
+    what the trainer recomputes.
+    """
+    if sp.temperature <= 0:
+        logp = F.log_softmax(logits, -1)
+        tok = logits.argmax(-1)
+        return tok, logp.gather(1, tok[:, None])[:, 0]
+    logp = F.log_softmax(logits / sp.temperature, -1)
+    probs = logp.exp()
+    if sp.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        cut = sorted_p.cumsum(-1) - sorted_p > sp.top_p
+        sorted_p = sorted_p.masked_fill(cut, 0.0)
+        probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
+    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tok, logp.gather(1, tok[:, None])[:, 0]
+
+
+class InferenceEngine:
+    """Inference over a Hugging Face causal LM (the built-in engine).
+
+    ``generate`` runs a list of requests with continuous batching (at most ``max_batch``
+    rows decode at once; a finished row's slot is refilled at the next step).
+    ``load_weights`` swaps in host buffers tagged with a policy version.
+    """
+
+    def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, max_batch: int = 64,
+                 seed: int = 0):
+        self.model = model.eval()
+        self.eos_id, self.pad_id = eos_id, pad_id
+        self.max_batch = max_batch
+        self.version = 0
+        self.generator = torch.Generator().manual_seed(seed)
+        self.busy_slots = 0  # accumulated rows decoded (for slot-utilisation metrics)
+        self.total_slots = 0
+
+    def new_batch(self, sampling: SamplingParams) -> GenerationBatch:
+        b = GenerationBatch(self.model, self.eos_id, self.pad_id, sampling, self.generator)
+        b.version = self.version
+        return b
+
+    def generate(self, requests: Iterable[Request], sampling: SamplingParams,
+                 on_done: Callable[[Completion], None] | None = None) -> list[Completion]:
+        """Generate all ``requests`` with continuous batching; results in completion order."""
+        pending = deque(requests)
+        batch = self.new_batch(sampling)
+        results: list[Completion] = []
+
+        def emit(done: list[Completion]) -> None:
+            results.extend(done)
+            if on_done:
+                for c in done:
+                    on_done(c)
+
+        while pending or len(batch):
+            free = self.max_batch - len(batch)
+            if free and pending:
+                emit(batch.add([pending.popleft() for _ in range(min(free, len(pending)))]))
+            if len(batch):
+                self.busy_slots += len(batch)
+                self.total_slots += self.max_batch
+                emit(batch.step())
+        return results
+
+    @torch.no_grad()
+    def load_weights(self, version: int, tensors: Mapping[str, np.ndarray | torch.Tensor]) -> None:
+        load_named_weights(self.model, tensors)
+        self.version = version
+
+
+@torch.no_grad()
+def load_named_weights(model: torch.nn.Module, tensors: Mapping[str, Any]) -> None:
+    """Copy ``tensors`` (numpy or torch, by parameter name) into ``model``'s parameters.
+
+    Every parameter must be present with the right shape; otherwise nothing is changed.
+    """
+    params = dict(model.named_parameters())
+    missing = sorted(set(params) - set(tensors))
+    if missing:
+        raise ValueError(f"weights are missing {len(missing)} parameters, e.g. {missing[:3]}")
+    converted = {}
+    for name, p in params.items():
+        t = tensors[name]
+        t = torch.from_numpy(np.asarray(t)) if not isinstance(t, torch.Tensor) else t
+        if tuple(t.shape) != tuple(p.shape):
+            raise ValueError(f"weight '{name}' has shape {tuple(t.shape)}, model expects {tuple(p.shape)}")
+        converted[name] = t
+    for name, p in params.items():
+        p.copy_(converted[name])

@@ -1,0 +1,124 @@
+"""Built-in training engine: per-token log-probs and optimizer steps on a HF causal LM.
+
+Protocol (what roles call; an engine never knows which algorithm runs):
+
+* ``logprobs(prompts, responses) -> list[np.ndarray]``: per response token, under
+  ``log_softmax(logits / temperature)`` (the quantity the inference engine records);
+* ``forward_backward(batch, loss_fn) -> metrics``: accumulates gradients of one
+  micro-batch; the loss function receives per-token tensors and returns a scalar already
+  normalised for the whole step (so accumulation over micro-batches equals one big batch);
+* ``optimizer_step() -> metrics``: clip, step, zero grads, bump the policy version;
+* ``export_weights() -> dict[str, np.ndarray]``: host copies of every parameter.
+
+Sequences are packed right-padded in one tensor; response tokens are located by the
+prompt length of each row, so ragged prompts and responses need no extra bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class TokenBatch:
+    """Right-padded packed sequences with a response mask.
+
+    ``logp`` and friends have shape ``[B, R]`` where R is the longest response; entry
+    ``[i, j]`` is response token j of row i, valid where ``mask[i, j]``.
+    """
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    targets: torch.Tensor  # [B, R] response token ids (0 where padded)
+    mask: torch.Tensor  # [B, R] float
+
+    @staticmethod
+    def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> "TokenBatch":
+        B = len(prompts)
+        plen = [len(p) for p in prompts]
+        rlen = [len(r) for r in responses]
+        L = max(p + r for p, r in zip(plen, rlen))
+        R = max(rlen) if rlen else 0
+        ids = torch.full((B, L), pad_id, dtype=torch.long)
+        att = torch.zeros((B, L), dtype=torch.long)
+        targets = torch.zeros((B, R), dtype=torch.long)
+        mask = torch.zeros((B, R), dtype=torch.float32)
+        for i, (p, r) in enumerate(zip(prompts, responses)):
+            seq = list(p) + list(r)
+            ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            att[i, : len(seq)] = 1
+            targets[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
+            mask[i, : len(r)] = 1.0
+        return TokenBatch(ids, att, plen, rlen, targets, mask)
+
+    def gather_index(self) -> torch.Tensor:
+        """Index into the time axis of logits predicting each response token: [B, R]."""
+        R = self.targets.shape[1]
+        base = torch.as_tensor(self.prompt_lens, dtype=torch.long)[:, None] - 1
+        idx = base + torch.arange(R)[None, :]
+        return idx.clamp(max=self.input_ids.shape[1] - 1)
+
+
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
+    """Per response token log-probs ``[B, R]`` (0 where masked)."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    logits = out.logits
+    idx = batch.gather_index()
+    picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
+    if temperature > 0 and temperature != 1.0:
+        picked = picked / temperature
+    logp = F.log_softmax(picked.float(), -1).gather(2, batch.targets[:, :, None])[:, :, 0]
+    return logp * batch.mask
+
+
+LossFn = Callable[[torch.Tensor, TokenBatch, dict], tuple[torch.Tensor, dict]]
+
+
+class TrainEngine:
+    """Single-process training engine over a HF causal LM (AdamW, grad clipping)."""
+
+    def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
+                 grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99)):
+        self.model = model
+        self.pad_id = pad_id
+        self.temperature = temperature if temperature > 0 else 1.0
+        self.grad_clip = grad_clip
+        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.version = 0
+
+    @torch.no_grad()
+    def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        was_training = self.model.training
+        self.model.eval()
+        batch = TokenBatch.build(prompts, responses, self.pad_id)
+        logp = token_logprobs(self.model, batch, self.temperature)
+        self.model.train(was_training)
+        return [logp[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
+
+    def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
+        """Accumulate the gradient of ``loss_fn`` on one micro-batch; return its metrics."""
+        self.model.train()
+        batch = TokenBatch.build(prompts, responses, self.pad_id)
+        logp = token_logprobs(self.model, batch, self.temperature)
+        loss, metrics = loss_fn(logp, batch, extras)
+        loss.backward()
+        return metrics
+
+    def optimizer_step(self) -> dict:
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(norm)}
+
+    @torch.no_grad()
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Host copies of every parameter (tied weights appear once), as numpy buffers."""
+        return {n: p.detach().to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}

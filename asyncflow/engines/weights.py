@@ -1,0 +1,128 @@
+"""Host-memory weight store and the delayed parameter update.
+
+The trainer *publishes* version ``v`` as a dict of numpy buffers and returns at once.
+Each rollout worker owns a :class:`WeightSubscriber`: a background thread that waits for a
+newer version, copies it into host memory next to the worker (``staged``), and leaves it
+there. The worker calls :meth:`WeightSubscriber.swap_if_ready` at its own micro-batch
+boundary; only that local copy into the model is exposed to generation.
+
+Invariants
+----------
+* Versions only grow: a store never serves an older version than it served before.
+* A staged version is complete (all buffers copied) before ``swap_if_ready`` can see it.
+* ``wait_newer(v)`` returns the first version ``> v`` or ``None`` on timeout/close.
+
+The store is a plain class; the Ray launcher wraps it in an actor with the same methods.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable, Mapping, Protocol
+
+import numpy as np
+
+
+class WeightSource(Protocol):
+    def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> bool | None: ...
+    def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None: ...
+    def latest_version(self) -> int: ...
+
+
+class WeightStore:
+    """Keeps the newest published weights (one version; older ones are dropped)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._version = -1
+        self._buffers: dict[str, np.ndarray] = {}
+        self._closed = False
+
+    def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> bool:
+        """Keep ``buffers`` as the newest version; an older or equal version is ignored
+        (publishes may arrive out of order through a concurrent actor)."""
+        with self._cond:
+            if version <= self._version:
+                return False
+            self._version, self._buffers = version, dict(buffers)
+            self._cond.notify_all()
+            return True
+
+    def latest_version(self) -> int:
+        with self._cond:
+            return self._version
+
+    def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while self._version <= version and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+            if self._version <= version:
+                return None
+            return self._version, self._buffers
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class WeightSubscriber:
+    """Prefetches new versions in the background; swaps at the caller's boundary."""
+
+    def __init__(self, source: WeightSource, apply: Callable[[int, Mapping[str, np.ndarray]], None],
+                 start_version: int = 0, poll_s: float = 0.5):
+        self._source, self._apply = source, apply
+        self._lock = threading.Lock()
+        self._staged: tuple[int, dict[str, np.ndarray]] | None = None
+        self.version = start_version  # the version the worker runs now
+        self._seen = start_version
+        self._stop = threading.Event()
+        self._new = threading.Event()
+        self.swap_seconds = 0.0  # exposed cost: local copies into the model
+        self.swaps = 0
+        self._poll_s = poll_s
+        self._thread = threading.Thread(target=self._run, name="weight-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            got = self._source.wait_newer(self._seen, self._poll_s)
+            if got is None:
+                continue
+            version, buffers = got
+            staged = {k: np.array(v, copy=True) for k, v in buffers.items()}  # host copy, off the hot path
+            with self._lock:
+                self._staged = (version, staged)
+                self._seen = version
+            self._new.set()
+
+    def staged_version(self) -> int:
+        with self._lock:
+            return self._staged[0] if self._staged else self.version
+
+    def swap_if_ready(self) -> bool:
+        """Apply the newest staged version, if any. Returns True if the weights changed."""
+        with self._lock:
+            staged, self._staged = self._staged, None
+            self._new.clear()
+        if staged is None or staged[0] <= self.version:
+            return False
+        t = time.perf_counter()
+        self._apply(*staged)
+        self.swap_seconds += time.perf_counter() - t
+        self.swaps += 1
+        self.version = staged[0]
+        return True
+
+    def wait_staged(self, timeout: float) -> bool:
+        """Block until a newer version is staged (or timeout)."""
+        return self._new.wait(timeout)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self._poll_s + 1)

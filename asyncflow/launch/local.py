@@ -1,0 +1,41 @@
+"""In-process launcher: every worker is an object in this process, background roles are
+threads. For tests and debugging (set breakpoints anywhere); the GIL limits overlap."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+
+from asyncflow.engines.weights import WeightStore
+from asyncflow.queue import DataPlane
+
+
+class LocalLauncher:
+    def __init__(self) -> None:
+        self.cpus = os.cpu_count() or 1
+        self._pool = ThreadPoolExecutor(2, thread_name_prefix="local-launcher")
+
+    def data_plane(self, schema):
+        return DataPlane(schema)
+
+    def weight_store(self):
+        return WeightStore()
+
+    def spawn(self, spec, cls, *args):
+        return cls(*args)
+
+    def submit(self, handle, method: str, *args):
+        return self._pool.submit(getattr(handle, method), *args)
+
+    def result(self, fut, timeout: float):
+        try:
+            return fut.result(timeout)
+        except FutureTimeout:  # a distinct class before Python 3.11
+            raise TimeoutError from None
+
+    def call(self, handle, method: str, *args):
+        return getattr(handle, method)(*args)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,96 @@
+"""Ray launcher: each worker is a Ray actor process; the data plane and the weight store
+are threaded actors. ``ray.remote`` is applied here, at launch, never on the classes.
+
+* Starts a local Ray instance sized to this machine, or connects to ``RAY_ADDRESS``.
+* Resource requests are fractional CPUs that never add up to more than exist (a 2-core
+  machine runs rollout and trainer with 1 CPU each; the reward worker, the data plane and
+  the weight store ask for 0).
+* Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
+  raised inside the data plane (timeout, closed, schema) is re-raised as itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+
+from asyncflow.engines.weights import WeightStore
+from asyncflow.queue import DataPlane
+
+
+def _get(ref, timeout=None):
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else None
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+class RayDataPlane:
+    """Client of a data-plane actor with the :class:`DataPlane` methods."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __getattr__(self, name):
+        method = getattr(self.handle, name)
+        return lambda *a, **kw: _get(method.remote(*a, **kw))
+
+
+class RayWeightStore:
+    """Client of a weight-store actor; ``publish`` returns without waiting."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def publish(self, version, buffers):
+        self.handle.publish.remote(version, buffers)
+
+    def wait_newer(self, version, timeout):
+        return _get(self.handle.wait_newer.remote(version, timeout))
+
+    def latest_version(self):
+        return _get(self.handle.latest_version.remote())
+
+
+class RayLauncher:
+    def __init__(self, num_cpus: int | None = None):
+        self._owns = False
+        if not ray.is_initialized():
+            address = os.environ.get("RAY_ADDRESS")
+            kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
+                          configure_logging=True)
+            if address:
+                ray.init(address=address, **kwargs)
+            else:
+                ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
+            self._owns = True
+        self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
+
+    def data_plane(self, schema):
+        return RayDataPlane(ray.remote(DataPlane).options(num_cpus=0, max_concurrency=64).remote(schema))
+
+    def weight_store(self):
+        return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16).remote())
+
+    def spawn(self, spec, cls, *args):
+        return ray.remote(cls).options(num_cpus=spec.cpus, max_concurrency=4, name=None).remote(*args)
+
+    def submit(self, handle, method: str, *args):
+        return getattr(handle, method).remote(*args)
+
+    def result(self, ref, timeout: float):
+        return _get(ref, timeout)
+
+    def call(self, handle, method: str, *args):
+        return _get(getattr(handle, method).remote(*args))
+
+    def shutdown(self) -> None:
+        if self._owns and ray.is_initialized():
+            ray.shutdown()

@@ -1,0 +1,1 @@
+"""Observability: progress bar, per-role busy fractions, run summaries."""

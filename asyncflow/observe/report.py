@@ -1,0 +1,101 @@
+"""Progress bar, busy fractions and the end-of-run summary.
+
+Busy fraction of a role = seconds it spent computing / wall seconds of the RL phase,
+from two snapshots of the workers' counters (so warm-up and evaluation before the first
+step are not counted).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+class Progress:
+    """tqdm bar over RL steps (and a line for the warm-start); silent when disabled."""
+
+    def __init__(self, steps: int, enabled: bool = True):
+        self.steps, self.enabled, self.bar, self._ws = steps, enabled, None, None
+
+    def warmstart(self, step: int, acc: float | None, loss: float) -> None:
+        if not self.enabled:
+            return
+        if self._ws is None:
+            from tqdm import tqdm
+
+            self._ws = tqdm(desc="warm-start (SFT)", unit="step", leave=False, file=sys.stderr)
+        self._ws.update(step - self._ws.n)
+        post = {"loss": f"{loss:.3f}"}
+        if acc is not None:
+            post["heldout_acc"] = f"{acc:.1%}"
+        self._ws.set_postfix(post)
+
+    def start(self, acc0: float | None) -> None:
+        if self._ws is not None:
+            self._ws.close()
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=self.steps, desc="RL", unit="step", file=sys.stderr)
+        if acc0 is not None:
+            self.bar.set_postfix(heldout_acc=f"{acc0:.1%}")
+        self._acc = acc0
+
+    def update(self, m: dict) -> None:
+        if self.bar is None:
+            return
+        self._acc = m.get("heldout_acc", self._acc)
+        post = {"reward": f"{m['reward']:.2f}", "samples/s": f"{m['samples_per_s']:.1f}",
+                "stale": m.get("max_staleness", 0)}
+        if self._acc is not None:
+            post["heldout_acc"] = f"{self._acc:.1%}"
+        self.bar.set_postfix(post)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def busy_fractions(before: dict, after: dict) -> dict[str, float]:
+    out = {}
+    for role, s in after.items():
+        b = before.get(role, {"busy_s": 0.0, "wall_s": 0.0})
+        wall = s["wall_s"] - b["wall_s"]
+        out[role] = (s["busy_s"] - b["busy_s"]) / wall if wall > 0 else 0.0
+    return out
+
+
+def summarize(cfg, init: dict, acc0, acc1, samples: int, tokens: int, wall: float, busy: dict,
+              stats: dict, run_dir: Path, ckpt: str) -> dict:
+    actor = stats.get("actor", {})
+    return {
+        "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
+        "init": init, "heldout_acc_before": acc0, "heldout_acc_after": acc1,
+        "samples": samples, "tokens": tokens, "wall_s": wall,
+        "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
+        "busy": busy, "max_staleness": actor.get("max_staleness", 0),
+        "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
+        "reward_errors": stats.get("reward", {}).get("errors", 0),
+        "run_dir": str(run_dir), "checkpoint": ckpt,
+    }
+
+
+def format_summary(s: dict) -> str:
+    acc = ""
+    if s["heldout_acc_before"] is not None:
+        d = (s["heldout_acc_after"] - s["heldout_acc_before"]) * 100
+        acc = f"held-out accuracy  {s['heldout_acc_before']:.1%} -> {s['heldout_acc_after']:.1%} ({d:+.1f} points)\n"
+    busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
+    ws = s["init"]
+    init = ""
+    if ws.get("source") == "warmstart":
+        how = "cached" if ws["cached"] else f"{ws['seconds']:.0f} s"
+        init = f"warm-start         SFT to {ws['accuracy']:.1%} in {ws['steps']} steps ({how})\n"
+    return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
+            f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
+            f"({s['samples']} samples in {s['wall_s']:.1f} s)\n"
+            f"busy fraction      {busy}\n"
+            f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
+            f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, checkpoint/)\n")

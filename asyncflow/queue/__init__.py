@@ -1,0 +1,49 @@
+"""Streaming data plane between tasks (the TransferQueue design, in process).
+
+A table of rows (samples, global ids) x fields (declared columns), grouped in partitions
+(e.g. one per training step). Producers ``put`` columns; a consumer task asks the
+controller for up to ``n`` rows whose required fields are produced and that the task has
+not consumed (``get_meta``, choosing with a :class:`Sampler`), then reads only the columns
+it needs (``get_data``); ``get_batch`` does both in one call. ``seal`` ends a partition,
+``clear`` frees it, ``close`` stops everything.
+
+Modules, one role each:
+
+* :mod:`~asyncflow.queue.schema`     declared fields and all-or-nothing validation
+* :mod:`~asyncflow.queue.samplers`   selection policies: ``sample(ready, n, tags)``
+* :mod:`~asyncflow.queue.index`      control plane bookkeeping (row ids, produced, consumed)
+* :mod:`~asyncflow.queue.storage`    data plane storage unit (values by row and field)
+* :mod:`~asyncflow.queue.controller` :class:`DataPlane`, the thread-safe in-process deployment
+
+Invariants: each row is consumed at most once per task; a row is never handed out before
+all its required fields are produced; a put is all-or-nothing; back-pressure never drops.
+Everything crossing the API is plain picklable data, so a distributed deployment can keep
+the same signatures. numpy only: no torch, no ray in this package.
+"""
+
+from asyncflow.queue.controller import BatchMeta, DataPlane, QueueClosed, QueueTimeout
+from asyncflow.queue.samplers import (
+    GroupSampler,
+    Sampler,
+    SequentialSampler,
+    StalenessSampler,
+    TokenBalancedSampler,
+    chunk_sizes,
+)
+from asyncflow.queue.schema import Field, Schema, SchemaError
+
+__all__ = [
+    "BatchMeta",
+    "DataPlane",
+    "Field",
+    "GroupSampler",
+    "QueueClosed",
+    "QueueTimeout",
+    "Sampler",
+    "Schema",
+    "SchemaError",
+    "SequentialSampler",
+    "StalenessSampler",
+    "TokenBalancedSampler",
+    "chunk_sizes",
+]

@@ -1,0 +1,395 @@
+"""The in-process data plane: controller + storage behind one thread-safe API.
+
+Tasks stream samples through a table of rows (samples) x fields (columns). Producers
+``put`` columns; consumers ask the controller for up to ``n`` rows whose required fields
+are all produced (``get_meta``), then fetch those columns (``get_data``)::
+
+    >>> from asyncflow.queue import DataPlane, Field, Schema
+    >>> dp = DataPlane(Schema([Field("ids", "int64", ragged=True), Field("reward", "float32")]))
+    >>> dp.put({"ids": [[1, 2, 3], [4]]}, partition="step0")
+    [0, 1]
+    >>> dp.get_meta("reward_fn", ["ids"], n=2)
+    BatchMeta(partition='step0', rows=[0, 1], fields=['ids'], dropped=[])
+    >>> dp.put({"reward": [1.0, 0.0]}, partition="step0", rows=[0, 1])
+    [0, 1]
+    >>> meta, batch = dp.get_batch("trainer", ["ids", "reward"], n=2)
+    >>> [len(x) for x in batch["ids"]], batch["reward"].tolist()
+    ([3, 1], [1.0, 0.0])
+
+Wiring: :class:`DataPlane` owns a :class:`~asyncflow.queue.index.RowIndex` (control plane)
+and a :class:`~asyncflow.queue.storage.Storage` (data plane); neither knows the other. A
+distributed deployment keeps these method signatures, hence plain picklable data only.
+
+Invariants (tested, including under random thread interleavings):
+
+* a row is consumed at most once per task (consumed = chosen + dropped);
+* a row is never handed out before every required field is produced;
+* a put is all-or-nothing: the whole write is validated (schema, tags, target rows,
+  write-once fields) before anything is stored;
+* back-pressure never drops: a put that would exceed ``capacity`` waits until ``clear``
+  frees room, or raises :class:`QueueTimeout`, and stores nothing in that case.
+
+Concurrency: one ``threading.Condition`` guards index and storage; validating/copying puts
+and stacking fetched columns run outside it, and blocked callers wait on it, so they never
+hold up others. Every change notifies all waiters; no fairness between blocked putters.
+"""
+
+from __future__ import annotations
+
+import operator
+import threading
+import time
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from asyncflow.queue.index import RowIndex
+from asyncflow.queue.samplers import Sampler, SequentialSampler, check_sample
+from asyncflow.queue.schema import Schema, validate_tags
+from asyncflow.queue.storage import Storage, assemble
+
+__all__ = ["BatchMeta", "DataPlane", "QueueClosed", "QueueTimeout"]
+
+
+class QueueClosed(RuntimeError):
+    """The data plane was closed; raised in every blocked or later put/get_meta."""
+
+
+class QueueTimeout(TimeoutError):
+    """A blocking call ran out of time; the message says what it waited for."""
+
+
+@dataclass
+class BatchMeta:
+    """What ``get_meta`` hands a consumer: row ids to fetch, not data.
+
+    Attributes:
+        partition: the partition the rows come from (``None`` for an empty answer to a
+            ``partition=None`` request).
+        rows: row ids, in the order the sampler chose (e.g. token-balanced order).
+        fields: the fields that were required (and are produced for every row).
+        dropped: rows consumed for the task without being handed out (e.g. too stale).
+    """
+
+    partition: Hashable
+    rows: list[int]
+    fields: list[str]
+    dropped: list[int] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+Data = dict[str, np.ndarray | list[np.ndarray]]  # fixed: stacked array; ragged: list of 1-D
+
+
+class DataPlane:
+    """Thread-safe in-process data plane (controller + one storage unit).
+
+    Args:
+        schema: the declared fields; every write is validated against it.
+        capacity: maximum live rows over all partitions (``None``: unbounded). New rows
+            wait for room; only :meth:`clear` frees it (consumption does not, since other
+            tasks may still need the row).
+    """
+
+    def __init__(self, schema: Schema, capacity: int | None = None) -> None:
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+        self.schema = schema
+        self.capacity = capacity
+        self._index = RowIndex()
+        self._storage = Storage(schema)
+        self._cond = threading.Condition()
+        self._closed = False
+        self._puts = 0
+        self._gets = 0
+
+    # -- writes ------------------------------------------------------------------------
+    def put(
+        self,
+        data: Mapping[str, Any],
+        partition: Hashable = 0,
+        rows: Sequence[int] | None = None,
+        tags: Mapping[str, Sequence[int]] | None = None,
+        timeout: float | None = None,
+    ) -> list[int]:
+        """Write columns, either as new rows or into existing rows; return the row ids.
+
+        Args:
+            data: field -> per-row values (see :meth:`Schema.validate`).
+            partition: partition of the rows (e.g. the training step).
+            rows: ``None`` to create new rows (global ids, increasing, never reused);
+                otherwise existing rows of ``partition`` to add fields to.
+            tags: small per-row integers for samplers (``group``, ``version``,
+                ``tokens``, ...), one per row; merged with earlier tags (last write wins).
+            timeout: seconds to wait for capacity (``None``: forever).
+
+        Raises:
+            SchemaError: invalid data or tags. ValueError: unknown row, row of another
+            partition, field already written, new rows into a sealed partition, more new
+            rows than ``capacity``. QueueTimeout: no room in time. QueueClosed: closed.
+            In every case nothing is written.
+
+        >>> from asyncflow.queue import Field
+        >>> dp = DataPlane(Schema([Field("x", "int64")]))
+        >>> dp.put({"x": [5, 6]}, tags={"group": [0, 0]})
+        [0, 1]
+        """
+        if rows is not None:
+            rows = [operator.index(r) for r in rows]
+        columns = self.schema.validate(data, None if rows is None else len(rows))
+        if rows is None:
+            if not columns:
+                raise ValueError("put of new rows needs at least one field")
+            n_rows = len(next(iter(columns.values())))
+        elif not rows:
+            return []
+        else:
+            n_rows = len(rows)
+        tag_lists = validate_tags(tags, n_rows)
+        if rows is None and self.capacity is not None and n_rows > self.capacity:
+            raise ValueError(f"put of {n_rows} new rows can never fit capacity {self.capacity}")
+        deadline = _deadline(timeout)
+        with self._cond:
+            if rows is None:
+                while True:
+                    self._check_open(f"put of {n_rows} rows into partition {partition!r}")
+                    self._index.check_new(partition)
+                    if self.capacity is None or self._index.live_rows + n_rows <= self.capacity:
+                        break
+                    if not self._wait(deadline):
+                        live = self._index.live_rows
+                        raise QueueTimeout(
+                            f"put timed out after {timeout}s waiting for room for {n_rows} new "
+                            f"rows in partition {partition!r} (live rows {live}, capacity "
+                            f"{self.capacity}); clear() a consumed partition to free room"
+                        )
+                rows = self._index.allocate(partition, n_rows)
+            else:
+                self._check_open(f"put into rows of partition {partition!r}")
+                self._index.check_write(partition, rows, columns)
+            self._storage.write(rows, columns)
+            self._index.mark_produced(partition, rows, columns, tag_lists)
+            self._puts += 1
+            self._cond.notify_all()
+        return list(rows)
+
+    def seal(self, partition: Hashable) -> None:
+        """Declare that no new rows will be added to ``partition``.
+
+        Consumers of a sealed partition get a final, possibly short (even empty), batch
+        once every remaining row is ready instead of waiting for ``min_n`` rows. An unknown
+        (or already cleared) partition is created empty and sealed.
+        """
+        with self._cond:
+            self._index.seal(partition)
+            self._cond.notify_all()
+
+    def clear(self, partition: Hashable) -> None:
+        """Drop every row of ``partition`` and free its capacity (unknown: no-op).
+
+        Wakes putters blocked on capacity. The partition is forgotten: a later put with the
+        same name starts a new, unsealed partition.
+        """
+        with self._cond:
+            self._storage.drop(self._index.drop(partition))
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """Refuse further puts and gets; every blocked caller raises :class:`QueueClosed`.
+
+        Data stays readable: ``get_data`` on metas already handed out still works.
+        """
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- reads -------------------------------------------------------------------------
+    def get_meta(
+        self,
+        task: str,
+        fields: Sequence[str],
+        n: int,
+        partition: Hashable | None = None,
+        sampler: Sampler | None = None,
+        min_n: int | None = None,
+        block: bool = True,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        """Choose up to ``n`` rows for ``task`` and mark them consumed.
+
+        Ready rows are those of ``partition`` with all ``fields`` produced and not yet
+        consumed by ``task``; ``sampler`` (default :class:`SequentialSampler`) picks among
+        them. The call returns once the sampler chooses at least ``min_n`` rows (default
+        ``n``), or, for a sealed partition whose remaining rows are all ready, whatever
+        the sampler gives (possibly fewer, even none). ``partition=None`` looks at every
+        live partition, oldest first, and answers from the first one that yields rows.
+
+        Args:
+            task: consumer name; each row is consumed at most once per task.
+            fields: fields that must be produced (and that ``get_data`` will read).
+            n: batch size asked of the sampler.
+            partition: one partition, or ``None`` for any.
+            sampler: selection policy (picklable).
+            min_n: fewest chosen rows worth returning, ``0 <= min_n <= n``.
+            block: wait for ``min_n`` rows; ``False`` answers at once (an empty meta,
+                nothing consumed, if fewer than ``min_n``).
+            timeout: seconds to wait (``None``: forever).
+
+        Raises:
+            QueueTimeout, QueueClosed, SchemaError (unknown field), ValueError (bad
+            arguments, or a sampler that breaks its contract or lacks its tags).
+
+        >>> from asyncflow.queue import Field
+        >>> dp = DataPlane(Schema([Field("x", "int64")]))
+        >>> _ = dp.put({"x": [1, 2, 3]}, partition=0)
+        >>> dp.seal(0)
+        >>> dp.get_meta("t", ["x"], n=2)
+        BatchMeta(partition=0, rows=[0, 1], fields=['x'], dropped=[])
+        >>> dp.get_meta("t", ["x"], n=2, partition=0)  # sealed: the short last batch
+        BatchMeta(partition=0, rows=[2], fields=['x'], dropped=[])
+        """
+        with self._cond:
+            return self._get_meta_locked(task, fields, n, partition, sampler, min_n, block, timeout)
+
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
+        """Fetch columns of ``meta.rows`` (default ``meta.fields``), in ``meta.rows`` order.
+
+        Fixed fields come as one array ``[len(meta), *shape]``; ragged fields as a list of
+        1-D read-only arrays (views of the store; copy before modifying).
+
+        Raises:
+            SchemaError: unknown field. ValueError: a row no longer exists (partition
+            cleared) or a field is not produced for some row.
+        """
+        names = self.schema.check_names(meta.fields if fields is None else fields)
+        with self._cond:
+            gathered = self._gather_locked(meta.rows, names)
+        return assemble(self.schema, gathered)
+
+    def get_batch(
+        self, task: str, fields: Sequence[str], n: int, **kwargs: Any
+    ) -> tuple[BatchMeta, Data]:
+        """``get_meta`` then ``get_data`` of ``fields`` in one call (one round trip remotely).
+
+        Takes the keyword arguments of :meth:`get_meta`. Atomic with respect to ``clear``.
+        """
+        with self._cond:
+            meta = self._get_meta_locked(task, fields, n, **kwargs)
+            gathered = self._gather_locked(meta.rows, meta.fields)
+        return meta, assemble(self.schema, gathered)
+
+    def tags(self, rows: Sequence[int]) -> dict[str, list[int]]:
+        """Tags defined on every one of ``rows``: ``name -> [value per row]``."""
+        with self._cond:
+            return self._index.row_tags([operator.index(r) for r in rows])
+
+    def stats(self) -> dict[str, Any]:
+        """Counters, as plain ints.
+
+        Keys: ``live_rows``; ``partitions`` (live partition -> row count); ``consumed``
+        (task -> rows handed out, all time); ``dropped`` (task -> rows dropped by the
+        sampler, all time); ``puts`` (successful put calls); ``gets`` (get_meta/get_batch
+        answers, empty ones included); ``rows_allocated`` (new rows, all time).
+        """
+        with self._cond:
+            return {
+                "live_rows": self._index.live_rows,
+                "partitions": self._index.row_counts(),
+                "consumed": dict(self._index.consumed_total),
+                "dropped": dict(self._index.dropped_total),
+                "puts": self._puts,
+                "gets": self._gets,
+                "rows_allocated": self._index.rows_allocated,
+            }
+
+    # -- internals (called with the lock held) ----------------------------------------
+    def _get_meta_locked(  # the arguments of get_meta
+        self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
+        sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
+        timeout: float | None = None,
+    ) -> BatchMeta:
+        fields = self.schema.check_names(fields)
+        if not isinstance(task, str) or not task:
+            raise ValueError(f"task must be a non-empty str, got {task!r}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        min_n = n if min_n is None else min_n
+        if not 0 <= min_n <= n:
+            raise ValueError(f"min_n must be in [0, n={n}], got {min_n}")
+        sampler = SequentialSampler() if sampler is None else sampler
+        deadline = _deadline(timeout)
+        what = (
+            f"task {task!r} waiting for {min_n}..{n} rows with fields {fields} "
+            f"in partition {partition!r}"
+        )
+        while True:
+            self._check_open(what)
+            meta = self._try_sample(task, fields, n, partition, sampler, min_n)
+            if meta is None and not block:
+                meta = BatchMeta(partition, [], fields)
+            if meta is not None:
+                self._gets += 1
+                return meta
+            if not self._wait(deadline):
+                raise QueueTimeout(f"get_meta timed out after {timeout}s: {what}")
+
+    def _try_sample(
+        self, task: str, fields: list[str], n: int, partition: Hashable | None,
+        sampler: Sampler, min_n: int,
+    ) -> BatchMeta | None:
+        """Sample and commit if the request can be answered now; else ``None``."""
+        candidates = self._index.partitions() if partition is None else [partition]
+        for p in candidates:
+            ready = self._index.ready(p, task, fields)
+            if ready:
+                chosen, consumed = sampler.sample(ready, n, self._index.tags(p))
+                chosen, consumed = check_sample(sampler, ready, n, chosen, consumed)
+            else:
+                chosen, consumed = [], []
+            done = len(chosen) >= min_n or self._index.exhausted(p, task, len(ready))
+            if partition is None and not (chosen or consumed):
+                done = False  # nothing here: look at the next partition
+            if done:
+                picked = set(chosen)
+                dropped = [r for r in consumed if r not in picked]
+                if consumed:
+                    self._index.consume(p, task, consumed, len(dropped))
+                return BatchMeta(p, chosen, fields, dropped)
+        if min_n == 0:
+            return BatchMeta(partition, [], fields)
+        return None
+
+    def _gather_locked(self, rows: Sequence[int], fields: Sequence[str]) -> dict[str, list]:
+        self._index.check_readable(rows, fields)
+        return self._storage.gather(rows, fields)
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise QueueClosed(f"data plane closed ({what})")
+
+    def _wait(self, deadline: float | None) -> bool:
+        """Wait for a notification; ``False`` if the deadline has already passed."""
+        if deadline is None:
+            self._cond.wait()
+            return True
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        self._cond.wait(remaining)
+        return True
+
+
+def _deadline(timeout: float | None) -> float | None:
+    if timeout is None:
+        return None
+    if timeout < 0:
+        raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+    return time.monotonic() + timeout

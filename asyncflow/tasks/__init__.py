@@ -1,0 +1,53 @@
+"""Built-in tasks, the model they start from, and the SFT warm-start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+
+def build_task(cfg):
+    """The task named by ``cfg.task`` (only ``addition`` is built in so far)."""
+    from asyncflow.tasks.addition import AdditionTask
+
+    return AdditionTask(digits=cfg.task.digits, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed)
+
+
+def load_model(path: str | Path):
+    """(model, tokenizer) from a local Hugging Face folder; never downloads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def prepare_model(cfg, run_dir: Path, progress: Callable | None = None) -> tuple[str, dict[str, Any]]:
+    """Return the folder every worker loads the initial policy from, and how it was made.
+
+    ``model.path`` set: that folder. Otherwise the built-in tiny model, warm-started by
+    SFT (cached by recipe, so the next run skips it) unless ``warmstart.enabled`` is off.
+    """
+    if cfg.model.path:
+        p = Path(cfg.model.path).expanduser()
+        if not (p / "config.json").is_file():
+            from asyncflow.config import ConfigError
+
+            raise ConfigError(f"model.path = '{cfg.model.path}': no config.json there (expected a Hugging Face model folder)")
+        return str(p), {"source": "path"}
+    task = build_task(cfg)
+    if cfg.warmstart.enabled:
+        from asyncflow.tasks.warmstart import load_or_warm_start
+
+        _, _, info = load_or_warm_start(Path(cfg.warmstart.cache_dir).expanduser(), task=task,
+                                        model_dims=cfg.model.dims(), target_acc=cfg.warmstart.target_acc,
+                                        seed=cfg.seed, progress=progress)
+        return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
+    from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=cfg.seed, **cfg.model.dims())
+    out = run_dir / "initial_model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out), {"source": "random"}

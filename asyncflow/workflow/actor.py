@@ -1,0 +1,97 @@
+"""Actor role: streams one partition's groups through gradient accumulation, then steps.
+
+``train_step(v)`` trains policy version ``v`` on partition ``v``:
+
+* pulls micro-batches of whole GRPO groups (``GroupSampler``) as soon as their rewards
+  (and reference log-probs, with KL) are produced, so training overlaps generation;
+* the sampler is wrapped in ``StalenessSampler(v - staleness)``: a sample generated before
+  ``v - staleness`` is never handed out (admission control makes that impossible, the
+  sampler makes it a checked invariant; any drop is counted in ``dropped_stale``);
+* computes group advantages and accumulates the GRPO gradient (normalised by the step's
+  batch size, so accumulation equals one big batch), then one optimizer step;
+* publishes version ``v + 1`` to the weight store without waiting, and clears the
+  partition (frees its rows in the data plane).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from asyncflow.algorithms.grpo import GRPOLoss, group_advantages
+from asyncflow.engines.training import TrainEngine
+from asyncflow.queue import GroupSampler, StalenessSampler
+from asyncflow.workflow.role import Role
+
+FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]
+
+
+class ActorRole(Role):
+    name = "actor"
+
+    def __init__(self, engine: TrainEngine, dp, batch_size: int, group_size: int, micro_prompts: int,
+                 staleness: int, clip_eps: float = 0.2, kl_coef: float = 0.0, std_normalize: bool = True,
+                 publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0):
+        super().__init__()
+        self.engine, self.dp, self.publish = engine, dp, publish
+        self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
+        self.staleness, self.std_normalize = staleness, std_normalize
+        self.loss = GRPOLoss(batch_size=batch_size, clip_eps=clip_eps, kl_coef=kl_coef)
+        self.fields = FIELDS + (["ref_logprobs"] if kl_coef > 0 else [])
+        self.wait_timeout_s = wait_timeout_s
+        self.wait_s = 0.0
+        self.max_staleness = 0
+        self.staleness_hist: dict[int, int] = {}
+        self.dropped_stale = 0
+
+    def train_step(self, v: int) -> dict:
+        """Train version ``v`` on partition ``v`` (blocks until the partition is consumed)."""
+        sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
+        seen, metrics, rewards, lengths = 0, [], [], []
+        while seen < self.batch_size:
+            want = min(self.micro_prompts * self.group_size, self.batch_size - seen)
+            t = time.perf_counter()
+            meta, data = self.dp.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
+                                           min_n=want, block=True, timeout=self.wait_timeout_s)
+            self.wait_s += time.perf_counter() - t
+            seen += len(meta.rows) + len(meta.dropped)
+            self.dropped_stale += len(meta.dropped)
+            if not meta.rows:
+                continue
+            with self.work():
+                metrics.append(self._accumulate(v, data))
+            rewards.extend(data["reward"].tolist())
+            lengths.extend(len(r) for r in data["response_ids"])
+        with self.work():
+            step = self.engine.optimizer_step()
+            if self.publish is not None:
+                self.publish(self.engine.version, self.engine.export_weights())
+        self.dp.clear(v)
+        self.items += seen
+        out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
+        out.update(step, reward=float(np.mean(rewards)) if rewards else 0.0,
+                   response_len=float(np.mean(lengths)) if lengths else 0.0,
+                   samples=len(rewards), tokens=int(sum(lengths)), dropped_stale=self.dropped_stale,
+                   max_staleness=self.max_staleness)
+        return out
+
+    def _accumulate(self, v: int, data: dict) -> dict:
+        for ver in data["version"].tolist():
+            lag = v - int(ver)
+            assert 0 <= lag <= self.staleness, f"sample of version {ver} reached trainer version {v}"
+            self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
+            self.max_staleness = max(self.max_staleness, lag)
+        adv = group_advantages(data["reward"], data["group"], self.std_normalize)
+        extras = {"logprobs": data["logprobs"], "advantages": adv}
+        if "ref_logprobs" in data:
+            extras["ref_logprobs"] = data["ref_logprobs"]
+        return self.engine.forward_backward([p.tolist() for p in data["prompt_ids"]],
+                                            [r.tolist() for r in data["response_ids"]], extras, self.loss)
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s.update(version=self.engine.version, wait_s=self.wait_s, max_staleness=self.max_staleness,
+                 staleness_hist=dict(self.staleness_hist), dropped_stale=self.dropped_stale)
+        return s

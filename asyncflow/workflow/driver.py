@@ -1,0 +1,100 @@
+"""The driver loop of a training run (one screen; every mode goes through it).
+
+``train(cfg)``: prepare the initial policy (warm-start), launch the job (data plane,
+weight store, workers of the mode), then per step: feed prompts far enough ahead for the
+staleness bound, train one version, log. The mode only changes what ``job.step`` does
+(colocated phases for ``sync``, a streamed trainer step for ``stream``/``async``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from asyncflow.config import RunConfig, dump_config
+from asyncflow.observe.report import Progress, busy_fractions, summarize
+from asyncflow.workflow.fields import encode_text
+
+
+class PromptFeeder:
+    """Puts each step's prompt rows into the data plane (partition = step index)."""
+
+    def __init__(self, cfg: RunConfig, tokenizer, task, dp):
+        self.cfg, self.tok, self.task, self.dp = cfg, tokenizer, task, dp
+        self.fed = 0  # partitions put so far
+
+    def fill(self, upto: int) -> None:
+        """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
+        r = self.cfg.rollout
+        while self.fed < min(upto, self.cfg.train.steps):
+            rng = np.random.default_rng([self.cfg.seed, self.fed])
+            idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
+            probs = [self.task.train[i] for i in idx]
+            ids = self.tok([p.prompt for p in probs], add_special_tokens=False).input_ids
+            if r.gen_len == "longtail":
+                long = rng.random(len(probs)) < r.longtail_frac
+                gen_len = np.where(long, r.longtail_long, r.longtail_short)
+            else:
+                gen_len = np.zeros(len(probs))
+            self.dp.put({"query_ids": [np.asarray([self.tok.bos_token_id] + x, dtype=np.int64) for x in ids],
+                         "answer": [encode_text(p.answer) for p in probs],
+                         "gen_len": gen_len.astype(np.int64)}, partition=self.fed)
+            self.fed += 1
+
+
+def make_run_dir(cfg: RunConfig) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    d = Path(cfg.run_dir).expanduser() / f"{stamp}-{cfg.mode}"
+    n = 1
+    while d.exists():
+        d, n = d.with_name(f"{stamp}-{cfg.mode}-{n}"), n + 1
+    d.mkdir(parents=True)
+    (d / "config.yaml").write_text(dump_config(cfg))
+    return d
+
+
+def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
+    from asyncflow.launch import get_launcher
+    from asyncflow.tasks import build_task, load_model, prepare_model
+    from asyncflow.workflow.job import Job
+
+    run_dir = run_dir or make_run_dir(cfg)
+    progress = Progress(cfg.train.steps, enabled=cfg.progress)
+    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)
+    owns = launcher is None
+    launcher = launcher or get_launcher(cfg.launcher)
+    job = Job(cfg, launcher, model_dir)
+    try:
+        feeder = PromptFeeder(cfg, load_model(model_dir)[1], build_task(cfg), job.dp)
+        acc0 = job.evaluate() if evaluate else None
+        k, log = cfg.effective_staleness, (run_dir / "metrics.jsonl").open("w")
+        progress.start(acc0)
+        job.start()
+        t0, stats0, samples, tokens = time.perf_counter(), job.stats(), 0, 0
+        for v in range(cfg.train.steps):
+            feeder.fill(v + k + 2)
+            m = job.step(v)
+            samples, tokens = samples + m["samples"], tokens + m["tokens"]
+            m.update(step=v + 1, elapsed_s=time.perf_counter() - t0)
+            if evaluate and cfg.train.eval_every and (v + 1) % cfg.train.eval_every == 0 and v + 1 < cfg.train.steps:
+                m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
+            m["samples_per_s"] = samples / max(m["elapsed_s"], 1e-9)
+            log.write(json.dumps(m) + "\n")
+            log.flush()
+            progress.update(m)
+        wall = time.perf_counter() - t0
+        stats = job.stats()
+        acc1 = job.evaluate() if evaluate else None
+        ckpt = job.save(str(run_dir / "checkpoint"))
+        progress.close()
+        summary = summarize(cfg, init, acc0, acc1, samples, tokens, wall, busy_fractions(stats0, stats),
+                            stats, run_dir, ckpt)
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+    finally:
+        job.shutdown()
+        if owns:
+            launcher.shutdown()

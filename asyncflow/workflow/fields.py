@@ -1,0 +1,39 @@
+"""The columns of the RL sample table and the row kinds that live in it.
+
+Each training step owns one partition (its index). Two kinds of rows share the table:
+
+* prompt rows, put by the driver: ``query_ids``, ``answer``, ``gen_len``;
+* sample rows, put by rollout (one per answer): ``prompt_ids``, ``response_ids``,
+  ``logprobs`` (behaviour policy), ``answer``, ``group`` (prompt row id), ``version``
+  (policy version that started the answer); then ``reward`` (reward role) and
+  ``ref_logprobs`` (reference role).
+
+Rows also carry tags ``group``, ``version`` and ``tokens`` for the samplers.
+"""
+
+from __future__ import annotations
+
+from asyncflow.queue import Field, Schema
+
+SCHEMA = Schema([
+    Field("query_ids", "int64", ragged=True),
+    Field("gen_len", "int64"),
+    Field("answer", "uint8", ragged=True),  # utf-8 bytes of the ground truth
+    Field("prompt_ids", "int64", ragged=True),
+    Field("response_ids", "int64", ragged=True),
+    Field("logprobs", "float32", ragged=True),
+    Field("group", "int64"),
+    Field("version", "int64"),
+    Field("reward", "float32"),
+    Field("ref_logprobs", "float32", ragged=True),
+])
+
+
+def encode_text(s: str):
+    import numpy as np
+
+    return np.frombuffer(s.encode("utf-8"), dtype=np.uint8).copy()
+
+
+def decode_text(a) -> str:
+    return bytes(bytearray(a)).decode("utf-8")

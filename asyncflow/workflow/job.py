@@ -1,0 +1,66 @@
+"""A running job: the data plane, the weight store and the workers of one mode.
+
+The launcher supplies *where* things run (``data_plane``, ``weight_store``, ``spawn``,
+``submit``/``result``/``call``); the job decides *what* runs (``plan_workers``) and offers
+the driver four verbs: ``start``, ``step``, ``evaluate``, ``stats``.
+"""
+
+from __future__ import annotations
+
+from asyncflow.config import RunConfig
+from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.worker import Worker, plan_workers
+
+
+class Job:
+    def __init__(self, cfg: RunConfig, launcher, model_dir: str):
+        self.cfg, self.launcher = cfg, launcher
+        self.dp = launcher.data_plane(SCHEMA)
+        self.weights = launcher.weight_store()
+        self.specs = plan_workers(cfg, launcher.cpus)
+        self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.dp, self.weights, s.threads)
+                        for s in self.specs}
+        self.trainer = "colocated" if cfg.mode == "sync" else "actor"
+        for name in self.workers:  # wait for every worker to be built (errors surface here)
+            launcher.call(self.workers[name], "health")
+
+    def start(self) -> None:
+        if self.cfg.mode != "sync":
+            for name, w in self.workers.items():
+                if name != self.trainer:
+                    self.launcher.call(w, "start")
+
+    def step(self, v: int) -> dict:
+        """Train version ``v``; while waiting, check that the other workers are alive."""
+        method = "sync_step" if self.cfg.mode == "sync" else "train_step"
+        fut = self.launcher.submit(self.workers[self.trainer], method, v)
+        while True:
+            try:
+                return self.launcher.result(fut, timeout=2.0)
+            except TimeoutError:
+                for name, w in self.workers.items():
+                    if name != self.trainer:
+                        self.launcher.call(w, "health")
+
+    def evaluate(self, n: int | None = None) -> float:
+        return self.launcher.call(self.workers[self.trainer], "evaluate", n)
+
+    def save(self, path: str) -> str:
+        return self.launcher.call(self.workers[self.trainer], "save", path)
+
+    def stats(self) -> dict:
+        out: dict = {}
+        for w in self.workers.values():
+            out.update(self.launcher.call(w, "stats"))
+        return out
+
+    def shutdown(self) -> None:
+        for w in self.workers.values():
+            try:
+                self.launcher.call(w, "stop")
+            except Exception:
+                pass
+        try:
+            self.dp.close()
+        except Exception:
+            pass

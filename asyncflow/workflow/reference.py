@@ -1,0 +1,32 @@
+"""Reference role: log-probs of a frozen copy of the initial policy, for the KL term."""
+
+from __future__ import annotations
+
+from asyncflow.engines.training import TrainEngine
+from asyncflow.queue import QueueTimeout
+from asyncflow.workflow.role import Role
+
+FIELDS = ["prompt_ids", "response_ids"]
+
+
+class ReferenceRole(Role):
+    name = "reference"
+
+    def __init__(self, engine: TrainEngine, dp, micro: int = 32):
+        super().__init__()
+        self.engine, self.dp, self.micro = engine, dp, micro
+
+    def poll(self, timeout: float) -> int:
+        try:
+            meta, data = self.dp.get_batch("reference", FIELDS, n=self.micro, partition=None, min_n=1,
+                                           block=True, timeout=timeout)
+        except QueueTimeout:
+            return 0
+        if not meta.rows:
+            return 0
+        with self.work():
+            ref = self.engine.logprobs([p.tolist() for p in data["prompt_ids"]],
+                                       [r.tolist() for r in data["response_ids"]])
+            self.dp.put({"ref_logprobs": ref}, partition=meta.partition, rows=meta.rows)
+            self.items += len(meta.rows)
+        return len(meta.rows)

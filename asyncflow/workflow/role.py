@@ -1,0 +1,47 @@
+"""Base of every role: the poll loop and busy-time accounting.
+
+``busy_s`` counts seconds spent computing (inside :meth:`Role.work` sections), not
+waiting on the data plane or on weights; ``busy_s / wall`` is the role's busy fraction.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+from asyncflow.queue import QueueClosed
+
+
+class Role:
+    name = "role"
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.items = 0  # rows produced
+        self.error: BaseException | None = None
+
+    @contextmanager
+    def work(self):
+        t = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.busy_s += time.perf_counter() - t
+
+    def poll(self, timeout: float) -> int:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def run(self, stop: threading.Event, timeout: float = 0.05) -> None:
+        """Poll until ``stop`` is set or the data plane closes. Errors are kept in ``error``."""
+        try:
+            while not stop.is_set():
+                self.poll(timeout)
+        except QueueClosed:
+            pass
+        except BaseException as e:  # surfaced by the worker's health check
+            self.error = e
+            raise
+
+    def stats(self) -> dict:
+        return {"busy_s": self.busy_s, "items": self.items}

@@ -1,0 +1,136 @@
+"""Rollout role: continuous-batching generation fed by prompt rows, with admission control.
+
+Each ``poll`` is one micro-batch boundary of the engine (one decode step):
+
+1. **swap weights** if the subscriber has staged a newer version (delayed parameter
+   update); unfinished answers continue under the new weights (partial rollout), their
+   KV cache rebuilt first when ``recompute_on_swap``;
+2. **refill** free slots with whole prompt groups, but only from a partition ``b`` the
+   staleness bound admits: ``b <= version + staleness``. The trainer at version ``b``
+   trains partition ``b`` and the answer is tagged with the version that *started* it, so
+   every trained sample has ``b - tag <= staleness``: per sample, by construction, and no
+   generated answer is ever thrown away;
+3. **decode** one token for every live answer; finished answers go to the data plane at
+   once (streaming), one ``put`` per partition.
+
+The role consumes prompt partitions strictly in order; ``prompts_per_step`` prompts make
+a partition, so ``prompts_per_step * group_size`` sample rows are put into each.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+
+from asyncflow.engines.inference import Completion, InferenceEngine, Request, SamplingParams
+from asyncflow.engines.weights import WeightSubscriber
+from asyncflow.queue import QueueTimeout
+from asyncflow.workflow.role import Role
+
+PROMPT_FIELDS = ["query_ids", "answer", "gen_len"]
+
+
+class RolloutRole(Role):
+    name = "rollout"
+
+    def __init__(self, engine: InferenceEngine, dp, sampling: SamplingParams, group_size: int,
+                 prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
+                 recompute_on_swap: bool = True):
+        super().__init__()
+        self.engine, self.dp, self.weights = engine, dp, weights
+        self.group_size, self.prompts_per_step, self.staleness = group_size, prompts_per_step, staleness
+        self.recompute_on_swap = recompute_on_swap
+        self.batch = engine.new_batch(sampling)
+        self.partition = 0  # the partition prompts are taken from now
+        self.taken = 0  # prompts taken from it so far
+        self.produced: dict[int, int] = defaultdict(int)  # sample rows put per partition
+        self.slot_steps = 0  # sum over decode steps of live rows (for slot utilisation)
+        self.steps = 0
+        self.swap_wait_s = 0.0
+
+    # ------------------------------------------------------------------ policy version
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def set_version(self, version: int) -> None:
+        """Colocated (sync) mode: the model is shared with the trainer; only the tag moves."""
+        self.engine.version = version
+        self.batch.version = version
+
+    def admissible(self) -> bool:
+        return self.partition <= self.version + self.staleness
+
+    # ------------------------------------------------------------------ the loop body
+    def poll(self, timeout: float) -> int:
+        if self.weights is not None and self.weights.staged_version() > self.version:
+            with self.work():
+                self.weights.swap_if_ready()
+                self.batch.version = self.version
+                if self.recompute_on_swap:
+                    self.batch.recompute_cache()
+        self._refill(timeout)
+        if not len(self.batch):
+            if not self.admissible() and self.weights is not None:
+                self.weights.wait_staged(timeout)  # idle at the staleness bound
+            return 0
+        with self.work():
+            self.slot_steps += len(self.batch)
+            self.steps += 1
+            done = self.batch.step()
+            self._emit(done)
+        return len(done)
+
+    def _refill(self, timeout: float) -> None:
+        free_groups = (self.engine.max_batch - len(self.batch)) // self.group_size
+        while free_groups > 0 and self.admissible():
+            want = min(free_groups, self.prompts_per_step - self.taken)
+            block = len(self.batch) == 0
+            try:
+                meta, data = self.dp.get_batch("rollout", PROMPT_FIELDS, n=want, partition=self.partition,
+                                               min_n=1, block=block, timeout=timeout)
+            except QueueTimeout:
+                return
+            if not meta.rows:
+                return
+            with self.work():
+                reqs = []
+                for i, row in enumerate(meta.rows):
+                    query = data["query_ids"][i].tolist()
+                    L = int(data["gen_len"][i])
+                    for _ in range(self.group_size):
+                        reqs.append(Request(key=(self.partition, row, data["answer"][i]), prompt_ids=query,
+                                            max_new_tokens=L or None, min_new_tokens=L))
+                self._emit(self.batch.add(reqs))
+            self.taken += len(meta.rows)
+            free_groups -= len(meta.rows)
+            if self.taken >= self.prompts_per_step:
+                self.partition, self.taken = self.partition + 1, 0
+
+    def _emit(self, done: list[Completion]) -> None:
+        by_part: dict[int, list[Completion]] = defaultdict(list)
+        for c in done:
+            by_part[c.key[0]].append(c)
+        for part, cs in by_part.items():
+            data = {
+                "prompt_ids": [np.asarray(c.prompt_ids, dtype=np.int64) for c in cs],
+                "response_ids": [np.asarray(c.response_ids, dtype=np.int64) for c in cs],
+                "logprobs": [np.asarray(c.logprobs, dtype=np.float32) for c in cs],
+                "answer": [c.key[2] for c in cs],
+                "group": np.asarray([c.key[1] for c in cs], dtype=np.int64),
+                "version": np.asarray([c.version for c in cs], dtype=np.int64),
+            }
+            tags = {"group": [c.key[1] for c in cs], "version": [c.version for c in cs],
+                    "tokens": [len(c.prompt_ids) + len(c.response_ids) for c in cs]}
+            self.dp.put(data, partition=part, tags=tags)
+            self.produced[part] += len(cs)
+            self.items += len(cs)
+
+    def stats(self) -> dict:
+        s = super().stats()
+        s.update(version=self.version, slot_steps=self.slot_steps, decode_steps=self.steps,
+                 max_batch=self.engine.max_batch,
+                 swap_s=self.weights.swap_seconds if self.weights else 0.0,
+                 swaps=self.weights.swaps if self.weights else 0)
+        return s

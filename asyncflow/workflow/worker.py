@@ -1,0 +1,166 @@
+"""Worker: hosts one or more roles in one process (a thread, or a Ray actor via the launcher).
+
+A worker is built from picklable inputs only (config, role names, model folder, data-plane
+and weight-store clients), so the Ray launcher can construct it inside a fresh process:
+``ray.remote(Worker)`` is applied there, never here.
+
+Placement (``plan_workers``):
+
+* ``sync``: one colocated worker with every role, sharing one model between the rollout
+  and training engines (weight sync is free), using all cores in every phase;
+* ``stream`` / ``async``: one worker per role, one torch thread each; the rollout worker
+  receives weights through a :class:`~asyncflow.engines.weights.WeightSubscriber`.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+
+from asyncflow.config import RunConfig
+
+
+@dataclass
+class WorkerSpec:
+    name: str
+    roles: list[str]
+    threads: int
+    cpus: float  # resource request for the launcher (may be fractional)
+
+
+def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
+    ncpu = ncpu or os.cpu_count() or 1
+    kl = cfg.algorithm.kl_coef > 0
+    if cfg.mode == "sync":
+        roles = ["rollout", "reward"] + (["reference"] if kl else []) + ["actor"]
+        return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
+    compute = ["rollout", "actor"] + (["reference"] if kl else [])
+    share = min(1.0, ncpu / len(compute))
+    t = cfg.resources.threads_per_role
+    specs = [WorkerSpec("rollout", ["rollout"], t, share), WorkerSpec("reward", ["reward"], 1, 0.0)]
+    if kl:
+        specs.append(WorkerSpec("reference", ["reference"], t, share))
+    specs.append(WorkerSpec("actor", ["actor"], t, share))
+    return specs
+
+
+class Worker:
+    """Roles of one process; the launcher calls its methods (directly or as a Ray actor)."""
+
+    def __init__(self, cfg: RunConfig, roles: list[str], model_dir: str, dp, weights, threads: int):
+        import torch
+
+        from asyncflow.engines.inference import InferenceEngine, SamplingParams
+        from asyncflow.engines.training import TrainEngine
+        from asyncflow.engines.weights import WeightSubscriber
+        from asyncflow.tasks import build_task, load_model
+
+        torch.set_num_threads(threads)
+        torch.manual_seed(cfg.seed)
+        self.cfg, self.dp = cfg, dp
+        self.model, self.tokenizer = load_model(model_dir)
+        self.task = build_task(cfg)
+        self.roles: dict = {}
+        self._threads: list[threading.Thread] = []
+        self._stop = threading.Event()
+        self._subscriber = None
+        tok = self.tokenizer
+        r, t, a = cfg.rollout, cfg.train, cfg.algorithm
+        k = cfg.effective_staleness
+        if "actor" in roles:
+            from asyncflow.workflow.actor import ActorRole
+
+            engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
+                                 grad_clip=t.grad_clip, temperature=r.temperature)
+            publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
+            self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
+                                            a.clip_eps, a.kl_coef, a.std_normalize, publish=publish)
+        if "rollout" in roles:
+            from asyncflow.workflow.rollout import RolloutRole
+
+            # Colocated: the rollout engine shares the trainer's model (no weight copy).
+            engine = InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed)
+            if cfg.mode != "sync":
+                self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
+            sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+            self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
+                                                self._subscriber, r.recompute_on_swap)
+        if "reward" in roles:
+            from asyncflow.workflow.reward import RewardRole
+
+            decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+            self.roles["reward"] = RewardRole(dp, self.task.reward, decode, micro=cfg.batch_size,
+                                              concurrency=cfg.reward.concurrency,
+                                              latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+        if "reference" in roles:
+            import copy
+
+            from asyncflow.workflow.reference import ReferenceRole
+
+            ref_model = copy.deepcopy(self.model).eval()
+            self.roles["reference"] = ReferenceRole(TrainEngine(ref_model, tok.pad_token_id,
+                                                                temperature=r.temperature), dp)
+        self.started = time.perf_counter()
+
+    # ------------------------------------------------------------------ stream / async
+    def start(self) -> None:
+        """Run every non-actor role's poll loop in its own thread."""
+        self.started = time.perf_counter()
+        for name, role in self.roles.items():
+            if name == "actor":
+                continue
+            th = threading.Thread(target=role.run, args=(self._stop,), name=name, daemon=True)
+            th.start()
+            self._threads.append(th)
+
+    def train_step(self, v: int) -> dict:
+        return self.roles["actor"].train_step(v)
+
+    # ------------------------------------------------------------------ sync (colocated)
+    def sync_step(self, v: int) -> dict:
+        """One colocated step: generate all, score all, reference all, train, sync weights."""
+        B, roles = self.cfg.batch_size, self.roles
+        target = (v + 1) * B  # rows each role has produced once partition v is done
+        while roles["rollout"].produced[v] < B:
+            roles["rollout"].poll(0.05)
+        for name in ("reward", "reference"):
+            if name in roles:
+                while roles[name].items < target:
+                    roles[name].poll(0.05)
+        out = roles["actor"].train_step(v)
+        roles["rollout"].set_version(v + 1)
+        return out
+
+    # ------------------------------------------------------------------ common
+    def evaluate(self, n: int | None = None) -> float:
+        from asyncflow.tasks.warmstart import evaluate
+
+        problems = self.task.heldout[: n or self.cfg.task.eval_n]
+        return evaluate(self.model, self.tokenizer, problems)
+
+    def save(self, path: str) -> str:
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
+        return path
+
+    def health(self) -> None:
+        """Raise the first error of a background role, if any."""
+        for name, role in self.roles.items():
+            if role.error is not None:
+                raise RuntimeError(f"role '{name}' failed: {role.error!r}") from role.error
+
+    def stats(self) -> dict:
+        wall = time.perf_counter() - self.started
+        return {name: {**role.stats(), "wall_s": wall} for name, role in self.roles.items()}
+
+    def stop(self) -> None:
+        self._stop.set()
+        for th in self._threads:
+            th.join(timeout=5)
+        if self._subscriber is not None:
+            self._subscriber.close()
+        reward = self.roles.get("reward")
+        if reward is not None and reward.pool is not None:
+            reward.pool.shutdown(wait=False, cancel_futures=True)
