@@ -90,7 +90,7 @@ class TrainConfig(_Section):
     steps: int = Field(40, gt=0, description="Optimizer steps (policy versions) of RL.")
     prompts_per_step: int = Field(16, gt=0, description="Prompts per step; the batch is prompts_per_step x group_size answers.")
     micro_prompts: int = Field(4, gt=0, description="Prompts (whole groups) per streamed micro-batch of the trainer.")
-    lr: float = Field(1e-3, gt=0, description="AdamW learning rate.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate (RL; the SFT warm-start has its own).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")

@@ -39,6 +39,8 @@ class RayDataPlane:
         self.handle = handle
 
     def __getattr__(self, name):
+        if name.startswith("_") or name == "handle":  # unpickling looks these up before __init__
+            raise AttributeError(name)
         method = getattr(self.handle, name)
         return lambda *a, **kw: _get(method.remote(*a, **kw))
 
