@@ -27,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--samples", type=int, default=None, help="samples per measured run (default from the bench preset)")
     b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, long-tailed), b (+ remote reward latency)")
     b.add_argument("--modes", default="sync,stream,async", help="comma list of modes")
-    b.add_argument("--out", default=None, help="write the table as JSON here too")
+    b.add_argument("--out", default=None, help="write the results as JSON here (default: the bench folder)")
+    b.add_argument("--quality", action="store_true",
+                   help="instead: held-out accuracy of sync and async after the same number of samples")
     return p
 
 
@@ -41,6 +43,7 @@ def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[s
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # per-worker load bars hide ours
     try:
         config, overrides = _split(args.config, args.overrides)
         cfg = load_config(config, overrides)
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
             from asyncflow.bench import run_bench
 
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
-                      modes=args.modes.split(","), out=args.out)
+                      modes=args.modes.split(","), out=args.out, quality=args.quality)
             return 0
     except ConfigError as e:
         print(f"asyncflow: error: {e}", file=sys.stderr)

@@ -2,7 +2,8 @@
 
 A launcher offers ``cpus``, ``data_plane(schema)``, ``weight_store()``,
 ``spawn(spec, cls, *args)``, ``submit(handle, method, *args)``, ``result(fut, timeout)``
-(raises ``TimeoutError``), ``call(handle, method, *args)`` and ``shutdown()``.
+(raises ``TimeoutError``), ``call(handle, method, *args)``, ``release(obj)`` (free a worker or a service) and
+``shutdown()``.
 """
 
 from __future__ import annotations

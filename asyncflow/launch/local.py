@@ -37,5 +37,8 @@ class LocalLauncher:
     def call(self, handle, method: str, *args):
         return getattr(handle, method)(*args)
 
+    def release(self, obj) -> None:
+        """Nothing to free in process (threads stop with ``Worker.stop``)."""
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False)

@@ -93,6 +93,14 @@ class RayLauncher:
     def call(self, handle, method: str, *args):
         return _get(getattr(handle, method).remote(*args))
 
+    def release(self, obj) -> None:
+        """Kill the actor behind ``obj`` (a worker handle or a client) and free its CPUs."""
+        handle = getattr(obj, "handle", obj)
+        try:
+            ray.kill(handle)
+        except Exception:  # already dead
+            pass
+
     def shutdown(self) -> None:
         if self._owns and ray.is_initialized():
             ray.shutdown()

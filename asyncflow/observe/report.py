@@ -67,14 +67,18 @@ def busy_fractions(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def summarize(cfg, init: dict, acc0, acc1, samples: int, tokens: int, wall: float, busy: dict,
+def summarize(cfg, init: dict, acc0, acc1, samples: int, tokens: int, wall: float, steady: tuple,
               stats: dict, run_dir: Path, ckpt: str) -> dict:
+    """``steady`` = (samples, tokens, seconds, busy fractions) after the first step."""
     actor = stats.get("actor", {})
+    s_samples, s_tokens, s_wall, busy = steady
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
         "init": init, "heldout_acc_before": acc0, "heldout_acc_after": acc1,
         "samples": samples, "tokens": tokens, "wall_s": wall,
         "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
+        "steady_samples_per_s": s_samples / s_wall if s_wall else 0.0,
+        "steady_tokens_per_s": s_tokens / s_wall if s_wall else 0.0,
         "busy": busy, "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "reward_errors": stats.get("reward", {}).get("errors", 0),
@@ -95,7 +99,7 @@ def format_summary(s: dict) -> str:
         init = f"warm-start         SFT to {ws['accuracy']:.1%} in {ws['steps']} steps ({how})\n"
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
-            f"({s['samples']} samples in {s['wall_s']:.1f} s)\n"
-            f"busy fraction      {busy}\n"
+            f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
+            f"busy fraction      {busy} (after step 1)\n"
             f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
             f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, checkpoint/)\n")

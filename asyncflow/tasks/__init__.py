@@ -16,7 +16,9 @@ def build_task(cfg):
 def load_model(path: str | Path):
     """(model, tokenizer) from a local Hugging Face folder; never downloads."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # "Loading weights" bars in every worker drown the run's own
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     return model, tokenizer

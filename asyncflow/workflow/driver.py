@@ -82,16 +82,20 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
             if evaluate and cfg.train.eval_every and (v + 1) % cfg.train.eval_every == 0 and v + 1 < cfg.train.steps:
                 m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
             m["samples_per_s"] = samples / max(m["elapsed_s"], 1e-9)
+            if v == 0:  # steady state is measured from here (step 0 warms kernels and caches)
+                t1, stats1, steady0 = time.perf_counter(), job.stats(), (samples, tokens)
             log.write(json.dumps(m) + "\n")
             log.flush()
             progress.update(m)
-        wall = time.perf_counter() - t0
-        stats = job.stats()
+        wall, stats = time.perf_counter() - t0, job.stats()
+        if cfg.train.steps > 1:  # throughput and busy fractions over steps 1..N-1
+            steady = (samples - steady0[0], tokens - steady0[1], wall - (t1 - t0), busy_fractions(stats1, stats))
+        else:
+            steady = (samples, tokens, wall, busy_fractions(stats0, stats))
         acc1 = job.evaluate() if evaluate else None
         ckpt = job.save(str(run_dir / "checkpoint"))
         progress.close()
-        summary = summarize(cfg, init, acc0, acc1, samples, tokens, wall, busy_fractions(stats0, stats),
-                            stats, run_dir, ckpt)
+        summary = summarize(cfg, init, acc0, acc1, samples, tokens, wall, steady, stats, run_dir, ckpt)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:

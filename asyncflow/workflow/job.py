@@ -64,3 +64,5 @@ class Job:
             self.dp.close()
         except Exception:
             pass
+        for obj in [*self.workers.values(), self.dp, self.weights]:
+            self.launcher.release(obj)

@@ -1,0 +1,139 @@
+"""``asyncflow bench``: sync vs stream vs async on the same resources, against their bounds.
+
+For each workload the same job (same model, prompts, seeds) runs for a fixed number of
+samples in every mode, one after another on one launcher, and then each role runs alone
+(:mod:`asyncflow.bench.solo`) to give every mode its *bound*. The table prints measured
+samples/s and tokens/s, the ratio to ``sync``, the bound and what limits it, the
+efficiency (measured / bound) and each role's busy fraction, which explain the ratios.
+
+Workloads:
+
+* ``a``: compute-bound, long-tailed answer lengths (most answers short, a few long, as in
+  reasoning RL: ``rollout.gen_len=longtail``);
+* ``b``: ``a`` plus a reward that waits on a remote service (verifier, judge), emulated at
+  the edge with a uniform 100-300 ms latency per call and enough calls in flight that the
+  service itself is never the bottleneck.
+
+``--quality`` instead trains the default example in ``sync`` and ``async`` for the same
+number of samples and reports held-out accuracy before and after each.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from asyncflow.config import RunConfig
+
+WORKLOADS = {
+    "a": {"rollout": {"gen_len": "longtail"}},
+    "b": {"rollout": {"gen_len": "longtail"}, "reward": {"latency_ms": (100.0, 300.0), "concurrency": 256}},
+}
+WORKLOAD_TEXT = {
+    "a": "compute-bound, long-tailed answers",
+    "b": "long-tailed answers + remote reward 100-300 ms/call",
+}
+
+
+def _variant(cfg: RunConfig, workload: str, mode: str, steps: int, run_dir: str) -> RunConfig:
+    data = cfg.model_dump()
+    for section, values in WORKLOADS[workload].items():
+        data[section].update(values)
+    data.update(mode=mode, progress=False, run_dir=run_dir)
+    data["train"].update(steps=steps, eval_every=0)
+    return RunConfig.model_validate(data)
+
+
+def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = None,
+              workloads=("a", "b"), modes=("sync", "stream", "async"), out: str | None = None,
+              quality: bool = False) -> dict:
+    from asyncflow.launch import get_launcher
+    from asyncflow.tasks import prepare_model
+    from asyncflow.workflow.driver import train
+
+    bad = [w for w in workloads if w not in WORKLOADS] + [m for m in modes if m not in ("sync", "stream", "async")]
+    if bad:
+        from asyncflow.config import ConfigError
+
+        raise ConfigError(f"unknown workload or mode {bad} (workloads: a, b; modes: sync, stream, async)")
+    root = Path(cfg.run_dir).expanduser() / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
+    root.mkdir(parents=True, exist_ok=True)
+    model_dir, _ = prepare_model(cfg, root)  # warm-start once (cached), before any timing
+    launcher = get_launcher(cfg.launcher)
+    try:
+        if quality:
+            report = _quality(cfg, launcher, root, train)
+        else:
+            steps = max(2, (samples or 2048) // cfg.batch_size)
+            report = {"samples": steps * cfg.batch_size, "cpus": launcher.cpus, "rows": []}
+            for w in workloads:
+                report["rows"] += _workload(cfg, w, modes, steps, model_dir, launcher, root, train)
+            print(format_table(report))
+    finally:
+        launcher.shutdown()
+    path = Path(out) if out else root / "bench.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(f"written {path}")
+    return report
+
+
+def _workload(cfg, w, modes, steps, model_dir, launcher, root, train) -> list[dict]:
+    from asyncflow.bench.solo import bound, measure_roles
+
+    rows = []
+    for mode in modes:
+        vcfg = _variant(cfg, w, mode, steps, str(root))
+        print(f"[bench] workload {w} ({WORKLOAD_TEXT[w]}): {mode} ...", flush=True)
+        s = train(vcfg, launcher=launcher, evaluate=False)
+        rows.append({"workload": w, "mode": mode, "samples_per_s": s["steady_samples_per_s"],
+                     "tokens_per_s": s["steady_tokens_per_s"], "wall_s": s["wall_s"], "busy": s["busy"],
+                     "max_staleness": s["max_staleness"], "run_dir": s["run_dir"]})
+    solo_cache: dict = {}
+    for row in rows:
+        vcfg = _variant(cfg, w, row["mode"], steps, str(root))
+        threads = (vcfg.resources.sync_threads or launcher.cpus) if row["mode"] == "sync" else vcfg.resources.threads_per_role
+        key = (threads, row["mode"] == "async")
+        if key not in solo_cache:
+            print(f"[bench] workload {w}: roles alone on {threads} thread(s), "
+                  f"{'continuous' if key[1] else 'step-by-step'} rollout ...", flush=True)
+            solo_cache[key] = measure_roles(vcfg, model_dir, steps, *key)
+        seconds = solo_cache[key]
+        b, limit = bound(row["mode"], seconds, (steps - 1) * cfg.batch_size)
+        row.update(solo_s=seconds, bound=b, bound_limit=limit, efficiency=row["samples_per_s"] / b)
+    sync = next((r for r in rows if r["mode"] == "sync"), None)
+    for row in rows:
+        row["vs_sync"] = row["samples_per_s"] / sync["samples_per_s"] if sync else None
+    return rows
+
+
+def _quality(cfg, launcher, root, train) -> dict:
+    report = {"quality": []}
+    for mode in ("sync", "async"):
+        data = cfg.model_dump()
+        data.update(mode=mode, progress=False, run_dir=str(root))
+        print(f"[bench] quality: {mode} ...", flush=True)
+        s = train(RunConfig.model_validate(data), launcher=launcher)
+        report["quality"].append({k: s[k] for k in ("mode", "samples", "heldout_acc_before", "heldout_acc_after",
+                                                     "samples_per_s", "wall_s", "max_staleness")})
+    print("\nmode    samples  held-out before -> after   samples/s")
+    for q in report["quality"]:
+        print(f"{q['mode']:<7} {q['samples']:>7}  {q['heldout_acc_before']:>14.1%} -> {q['heldout_acc_after']:.1%}"
+              f"   {q['samples_per_s']:>9.1f}")
+    return report
+
+
+def format_table(report: dict) -> str:
+    roles = sorted({k for r in report["rows"] for k in r["busy"]}, key=["rollout", "reward", "reference", "actor"].index)
+    head = (f"{'wl':<3}{'mode':<8}{'samples/s':>10}{'tokens/s':>10}{'vs sync':>9}{'bound':>9}  {'limited by':<14}"
+            f"{'eff.':>6}  " + "  ".join(f"{r[:7]:>7}" for r in roles))
+    lines = [f"\n== asyncflow bench: {report['samples']} samples per run (timed after the first step), "
+             f"{report['cpus']} CPUs ==",
+             *(f"workload {w}: {t}" for w, t in WORKLOAD_TEXT.items() if any(r["workload"] == w for r in report["rows"])),
+             "busy = fraction of the run each role spent computing", head, "-" * len(head)]
+    for r in report["rows"]:
+        ratio = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
+        busy = "  ".join(f"{r['busy'].get(k, 0):>7.0%}" if k in r["busy"] else f"{'-':>7}" for k in roles)
+        lines.append(f"{r['workload']:<3}{r['mode']:<8}{r['samples_per_s']:>10.1f}{r['tokens_per_s']:>10.0f}{ratio:>9}"
+                     f"{r['bound']:>9.1f}  {r['bound_limit']:<14}{r['efficiency']:>6.0%}  {busy}")
+    return "\n".join(lines)
