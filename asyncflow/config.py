@@ -38,7 +38,8 @@ class ModelConfig(_Section):
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
-            raise ValueError("hidden_size must be divisible by num_heads and num_heads by num_kv_heads")
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
+                             f"and num_heads by num_kv_heads ({self.num_kv_heads})")
         return self
 
     def dims(self) -> dict:
@@ -119,6 +120,16 @@ class RunConfig(_Section):
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
 
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        if self.rollout.max_batch < self.rollout.group_size:
+            raise ValueError(f"rollout.max_batch ({self.rollout.max_batch}) must be >= rollout.group_size "
+                             f"({self.rollout.group_size}): a prompt's whole group decodes together")
+        if self.train.micro_prompts > self.train.prompts_per_step:
+            raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
+                             f"({self.train.prompts_per_step})")
+        return self
+
     @property
     def effective_staleness(self) -> int:
         """0 for sync and stream (on-policy), the configured bound for async."""
@@ -193,6 +204,9 @@ def _describe(e: ValidationError, path: Any) -> str:
         close = difflib.get_close_matches(str(err["loc"][-1]), list(parent.model_fields), n=1)
         hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(parent.model_fields)}"
         return f"config error{src}: unknown key '{loc}' ({hint}){more}"
+    if not err["loc"] or err["type"] == "value_error":  # a cross-field check: its message says it all
+        where = f"{loc}: " if err["loc"] else ""
+        return f"config error{src}: {where}{err['msg'].removeprefix('Value error, ')}{more}"
     value = err.get("input")
     fix = _field_doc(err["loc"])
     return (f"config error{src}: {loc} = {value!r}: {err['msg']}"

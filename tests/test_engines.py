@@ -261,7 +261,7 @@ def _rollout_with_swap(tok, recompute: bool):
     # Row 2 stops after 2 tokens, i.e. before the swap (exercises _keep trimming columns).
     done += batch.add([Request(0, prompts[0]), Request(1, prompts[1]), Request(2, prompts[2], max_new_tokens=2)])
     done += batch.step()
-    done += batch.add([Request(3, prompts[3])])  # joins mid-flight (cache merge)
+    done += batch.add([Request(3, prompts[4])])  # joins mid-flight, shorter: its cache is left-padded
     done += batch.step()
     done += batch.step()
     old_counts = {r.req.key: len(r.out) for r in batch.rows}
@@ -271,7 +271,7 @@ def _rollout_with_swap(tok, recompute: bool):
     batch.version = 1
     if recompute:
         batch.recompute_cache()
-    done += batch.add([Request(4, prompts[4])])  # started entirely under the new weights
+    done += batch.add([Request(4, prompts[3])])  # started entirely under the new weights
     old_counts[4] = 0
     while len(batch):
         done += batch.step()

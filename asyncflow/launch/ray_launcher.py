@@ -33,16 +33,47 @@ def _get(ref, timeout=None):
 
 
 class RayDataPlane:
-    """Client of a data-plane actor with the :class:`DataPlane` methods."""
+    """Client of a data-plane actor with the :class:`DataPlane` methods.
+
+    ``put_nowait`` sends without waiting; the first error among the sent puts is raised
+    by the next call of this client (so nothing fails silently), ``flush`` waits for all.
+    """
 
     def __init__(self, handle):
         self.handle = handle
+        self._sent: list = []
+
+    def __getstate__(self):
+        return {"handle": self.handle}  # a copy in another process has sent nothing
+
+    def __setstate__(self, state):
+        self.handle, self._sent = state["handle"], []
 
     def __getattr__(self, name):
         if name.startswith("_") or name == "handle":  # unpickling looks these up before __init__
             raise AttributeError(name)
         method = getattr(self.handle, name)
-        return lambda *a, **kw: _get(method.remote(*a, **kw))
+
+        def call(*a, **kw):
+            self._check_sent()
+            return _get(method.remote(*a, **kw))
+
+        return call
+
+    def put_nowait(self, data, partition=0, rows=None, tags=None) -> None:
+        self._check_sent()
+        self._sent.append(self.handle.put.remote(data, partition=partition, rows=rows, tags=tags))
+
+    def flush(self) -> None:
+        refs, self._sent = self._sent, []
+        for ref in refs:
+            _get(ref)
+
+    def _check_sent(self) -> None:
+        if self._sent:
+            done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
+            for ref in done:
+                _get(ref)
 
 
 class RayWeightStore:

@@ -47,7 +47,7 @@ class Progress:
             return
         self._acc = m.get("heldout_acc", self._acc)
         post = {"reward": f"{m['reward']:.2f}", "samples/s": f"{m['samples_per_s']:.1f}",
-                "stale": m.get("max_staleness", 0)}
+                "tokens/s": f"{m['tokens_per_s']:.0f}", "stale": m.get("max_staleness", 0)}
         if self._acc is not None:
             post["heldout_acc"] = f"{self._acc:.1%}"
         self.bar.set_postfix(post)

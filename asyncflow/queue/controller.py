@@ -177,6 +177,24 @@ class DataPlane:
             self._cond.notify_all()
         return list(rows)
 
+    def put_nowait(
+        self,
+        data: Mapping[str, Any],
+        partition: Hashable = 0,
+        rows: Sequence[int] | None = None,
+        tags: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
+        """:meth:`put` for producers that do not need the row ids back.
+
+        In process it is :meth:`put` (errors raise here). A remote client sends it without
+        waiting for the answer (no round trip on the producer's hot path) and raises an
+        error of a failed put at its next call; ``flush()`` waits for all of them.
+        """
+        self.put(data, partition=partition, rows=rows, tags=tags)
+
+    def flush(self) -> None:
+        """Wait until every ``put_nowait`` of this client is applied (in process: a no-op)."""
+
     def seal(self, partition: Hashable) -> None:
         """Declare that no new rows will be added to ``partition``.
 

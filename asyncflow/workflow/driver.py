@@ -82,6 +82,7 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
             if evaluate and cfg.train.eval_every and (v + 1) % cfg.train.eval_every == 0 and v + 1 < cfg.train.steps:
                 m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
             m["samples_per_s"] = samples / max(m["elapsed_s"], 1e-9)
+            m["tokens_per_s"] = tokens / max(m["elapsed_s"], 1e-9)
             if v == 0:  # steady state is measured from here (step 0 warms kernels and caches)
                 t1, stats1, steady0 = time.perf_counter(), job.stats(), (samples, tokens)
             log.write(json.dumps(m) + "\n")

@@ -27,6 +27,6 @@ class ReferenceRole(Role):
         with self.work():
             ref = self.engine.logprobs([p.tolist() for p in data["prompt_ids"]],
                                        [r.tolist() for r in data["response_ids"]])
-            self.dp.put({"ref_logprobs": ref}, partition=meta.partition, rows=meta.rows)
+            self.dp.put_nowait({"ref_logprobs": ref}, partition=meta.partition, rows=meta.rows)
             self.items += len(meta.rows)
         return len(meta.rows)

@@ -94,7 +94,7 @@ class RewardRole(Role):
 
     def _put(self, partition, rows, scores) -> None:
         with self.work():
-            self.dp.put({"reward": np.asarray(scores, dtype=np.float32)}, partition=partition, rows=rows)
+            self.dp.put_nowait({"reward": np.asarray(scores, dtype=np.float32)}, partition=partition, rows=rows)
             self.items += len(rows)
 
     def stats(self) -> dict:

@@ -5,13 +5,14 @@ Each ``poll`` is one micro-batch boundary of the engine (one decode step):
 1. **swap weights** if the subscriber has staged a newer version (delayed parameter
    update); unfinished answers continue under the new weights (partial rollout), their
    KV cache rebuilt first when ``recompute_on_swap``;
-2. **refill** free slots with whole prompt groups, but only from a partition ``b`` the
-   staleness bound admits: ``b <= version + staleness``. The trainer at version ``b``
+2. **refill** free slots with whole prompt groups. Prompts are fetched a partition at a
+   time (one round trip), and only from a partition ``b`` the staleness bound admits:
+   ``b <= version + staleness``. The trainer at version ``b``
    trains partition ``b`` and the answer is tagged with the version that *started* it, so
    every trained sample has ``b - tag <= staleness``: per sample, by construction, and no
    generated answer is ever thrown away;
 3. **decode** one token for every live answer; finished answers go to the data plane at
-   once (streaming), one ``put`` per partition.
+   once (streaming), one ``put_nowait`` per partition (no round trip on the hot path).
 
 The role consumes prompt partitions strictly in order; ``prompts_per_step`` prompts make
 a partition, so ``prompts_per_step * group_size`` sample rows are put into each.
@@ -19,7 +20,7 @@ a partition, so ``prompts_per_step * group_size`` sample rows are put into each.
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class RolloutRole(Role):
         self.produced: dict[int, int] = defaultdict(int)  # sample rows put per partition
         self.slot_steps = 0  # sum over decode steps of live rows (for slot utilisation)
         self.steps = 0
-        self.swap_wait_s = 0.0
+        self.waiting: deque[list[Request]] = deque()  # fetched prompt groups not started yet
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -83,30 +84,37 @@ class RolloutRole(Role):
         return len(done)
 
     def _refill(self, timeout: float) -> None:
+        """Start waiting prompt groups in free slots; fetch the next prompts when none wait."""
         free_groups = (self.engine.max_batch - len(self.batch)) // self.group_size
-        while free_groups > 0 and self.admissible():
-            want = min(free_groups, self.prompts_per_step - self.taken)
-            block = len(self.batch) == 0
-            try:
-                meta, data = self.dp.get_batch("rollout", PROMPT_FIELDS, n=want, partition=self.partition,
-                                               min_n=1, block=block, timeout=timeout)
-            except QueueTimeout:
-                return
-            if not meta.rows:
-                return
+        if free_groups <= 0:
+            return
+        if not self.waiting and self.admissible():
+            self._fetch(block=len(self.batch) == 0, timeout=timeout)
+        start = [self.waiting.popleft() for _ in range(min(free_groups, len(self.waiting)))]
+        if start:
             with self.work():
-                reqs = []
-                for i, row in enumerate(meta.rows):
-                    query = data["query_ids"][i].tolist()
-                    L = int(data["gen_len"][i])
-                    for _ in range(self.group_size):
-                        reqs.append(Request(key=(self.partition, row, data["answer"][i]), prompt_ids=query,
-                                            max_new_tokens=L or None, min_new_tokens=L))
-                self._emit(self.batch.add(reqs))
-            self.taken += len(meta.rows)
-            free_groups -= len(meta.rows)
-            if self.taken >= self.prompts_per_step:
-                self.partition, self.taken = self.partition + 1, 0
+                self._emit(self.batch.add([req for group in start for req in group]))
+
+    def _fetch(self, block: bool, timeout: float) -> None:
+        """Take every prompt of the current partition that is available (one round trip).
+
+        Admission is checked here, at fetch time; the answer's version tag is set when it
+        starts, which can only be later (newer weights), so the bound still holds.
+        """
+        try:
+            meta, data = self.dp.get_batch("rollout", PROMPT_FIELDS, n=self.prompts_per_step - self.taken,
+                                           partition=self.partition, min_n=1, block=block, timeout=timeout)
+        except QueueTimeout:
+            return
+        for i, row in enumerate(meta.rows):
+            query = data["query_ids"][i].tolist()
+            L = int(data["gen_len"][i])
+            self.waiting.append([Request(key=(self.partition, row, data["answer"][i]), prompt_ids=query,
+                                         max_new_tokens=L or None, min_new_tokens=L)
+                                 for _ in range(self.group_size)])
+        self.taken += len(meta.rows)
+        if self.taken >= self.prompts_per_step:
+            self.partition, self.taken = self.partition + 1, 0
 
     def _emit(self, done: list[Completion]) -> None:
         by_part: dict[int, list[Completion]] = defaultdict(list)
@@ -123,7 +131,7 @@ class RolloutRole(Role):
             }
             tags = {"group": [c.key[1] for c in cs], "version": [c.version for c in cs],
                     "tokens": [len(c.prompt_ids) + len(c.response_ids) for c in cs]}
-            self.dp.put(data, partition=part, tags=tags)
+            self.dp.put_nowait(data, partition=part, tags=tags)
             self.produced[part] += len(cs)
             self.items += len(cs)
 
