@@ -95,6 +95,19 @@ def test_cross_field_validation_model_heads():
     assert "divisible" in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "overrides, names",
+    [(["rollout.max_batch=4"], ["rollout.max_batch", "rollout.group_size"]),
+     (["train.micro_prompts=5", "train.prompts_per_step=4"], ["train.micro_prompts", "train.prompts_per_step"])],
+)
+def test_cross_field_validation_run(overrides, names):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    _one_line(str(e.value))
+    assert all(n in str(e.value) for n in names)
+    assert "Value error" not in str(e.value)
+
+
 def test_yaml_file_and_overrides(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("mode: stream\ntrain:\n  steps: 7\n  lr: 0.01\n")

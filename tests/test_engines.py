@@ -142,7 +142,6 @@ def test_continuous_batching_refill_and_length_limits(tok):
         assert EOS not in c.response_ids[:-1]
     # Never more than max_batch rows at once: the slot counters add up.
     assert eng.busy_slots <= eng.total_slots
-    assert eng.total_slots % 2 == 0
     # Rows were refilled: the first request to finish is the 1-token one (key 2) only after
     # keys 0 and 1 had slots, so completion order differs from request order.
     assert [c.key for c in out] != list(range(len(reqs)))
@@ -205,13 +204,6 @@ def test_min_equals_max_new_tokens_forces_exact_length(tok):
         assert not out[k].finished_on_eos
 
 
-@pytest.mark.xfail(
-    reason="inference.py GenerationBatch._sample_and_append masks EOS (-inf) for min_new_tokens "
-    "*before* sample_tokens computes the recorded log-prob, so recorded logprobs are under the "
-    "EOS-masked distribution (log p - log(1 - p_eos)) while TrainEngine recomputes the unmasked "
-    "one; contradicts the module invariant 'the same quantity the training engine recomputes'.",
-    strict=False,
-)
 def test_min_new_tokens_recorded_logprobs_match_recompute(tok):
     model = build_tiny_model(tok, seed=0)
     eng = InferenceEngine(model, eos_id=EOS, pad_id=PAD, max_batch=2, seed=0)

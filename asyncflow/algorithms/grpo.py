@@ -57,7 +57,7 @@ class GRPOLoss:
             d = ref - logp
             kl = torch.exp(d) - d - 1
             per_tok = per_tok + self.kl_coef * kl
-            metrics["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
+            metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
         n_tok = mask.sum(1).clamp(min=1)
         loss = ((per_tok * mask).sum(1) / n_tok).sum() / self.batch_size
         with torch.no_grad():

@@ -12,9 +12,10 @@ That layout lets us
   are concatenated along the batch axis;
 * **remove** finished rows at any step: select the remaining rows, then drop the leading
   columns that are padding for every row, so the cache never grows past the longest live row;
-* **swap weights** between two steps (the delayed parameter update): :meth:`load_weights`
-  copies host buffers into the parameters; unfinished rows keep going (partial rollout),
-  and ``recompute=True`` rebuilds their KV cache under the new weights first.
+* **swap weights** between two steps (the delayed parameter update):
+  :meth:`InferenceEngine.load_weights` copies host buffers into the parameters; unfinished
+  rows keep going (partial rollout), and :meth:`GenerationBatch.recompute_cache` rebuilds
+  their KV cache under the new weights first.
 
 Invariants
 ----------
@@ -23,7 +24,9 @@ Invariants
   step (the last sampled token is not in the cache yet; it is the next step's input).
 * The log-prob recorded for a sampled token is ``log_softmax(logits / temperature)`` at that
   token: the same quantity the training engine recomputes (tested to match a full forward).
-* ``min_new_tokens`` masks EOS until reached; ``max_new_tokens`` stops the row.
+* ``min_new_tokens`` masks EOS until reached (a benchmark device that forces answer
+  lengths); the recorded log-prob stays the unmasked policy's, as training recomputes it.
+  ``max_new_tokens`` stops the row.
 
 :class:`InferenceEngine` wraps a model with ``generate`` (a simple whole-list call built on
 the same batch, used by the sync mode and evaluation) and ``load_weights``.
@@ -179,10 +182,14 @@ class GenerationBatch:
     def _sample_and_append(self, logits: torch.Tensor, first: int) -> list[Completion]:
         rows = self.rows[first:]
         logits = logits.float()
-        for i, row in enumerate(rows):  # EOS is not allowed before min_new_tokens
-            if len(row.out) < row.req.min_new_tokens:
-                logits[i, self.eos_id] = float("-inf")
-        tok, logp = sample_tokens(logits, self.sampling, self.generator)
+        early = [i for i, row in enumerate(rows) if len(row.out) < row.req.min_new_tokens]
+        if early:  # EOS is not allowed before min_new_tokens: sample from the masked logits...
+            masked = logits.clone()
+            masked[early, self.eos_id] = float("-inf")
+            tok, _ = sample_tokens(masked, self.sampling, self.generator)
+            logp = token_logprob(logits, tok, self.sampling)  # ...but record the policy's own log-prob
+        else:
+            tok, logp = sample_tokens(logits, self.sampling, self.generator)
         self.next_tok[first:] = tok
         done: list[Completion] = []
         keep = list(range(first))
@@ -226,6 +233,12 @@ def _left_pad(x: torch.Tensor, T: int, dim: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = pad
     return torch.cat([x.new_zeros(shape), x], dim)
+
+
+def token_logprob(logits: torch.Tensor, tok: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """Log-prob of ``tok`` under ``softmax(logits / T)`` (T = 1 when greedy): what training recomputes."""
+    t = sp.temperature if sp.temperature > 0 else 1.0
+    return F.log_softmax(logits / t, -1).gather(1, tok[:, None])[:, 0]
 
 
 def sample_tokens(logits: torch.Tensor, sp: SamplingParams,
