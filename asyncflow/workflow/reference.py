@@ -29,4 +29,5 @@ class ReferenceRole(Role):
                                        [r.tolist() for r in data["response_ids"]])
             self.dp.put_nowait({"ref_logprobs": ref}, partition=meta.partition, rows=meta.rows)
             self.items += len(meta.rows)
+        self.linger(len(meta.rows), self.micro)
         return len(meta.rows)

@@ -62,6 +62,7 @@ class RewardRole(Role):
                     if self.pool is None:
                         scores = [self._safe(lambda t=t: self._score(*t, 0.0)) for t in texts]
                         self._put(meta.partition, meta.rows, scores)
+                        self.linger(len(meta.rows), self.micro)
                         return len(meta.rows)
                     fetched = len(meta.rows)
                     for row, t in zip(meta.rows, texts):

@@ -29,6 +29,14 @@ class Role:
         finally:
             self.busy_s += time.perf_counter() - t
 
+    linger_s = 0.02  # after a short batch, let rows accumulate before asking again
+
+    def linger(self, got: int, want: int) -> None:
+        """Sleep ``linger_s`` after a batch smaller than ``want``: a consumer that keeps up
+        with a trickle would otherwise make one data-plane call per row."""
+        if got < want:
+            time.sleep(self.linger_s)
+
     def poll(self, timeout: float) -> int:  # pragma: no cover - interface
         raise NotImplementedError
 

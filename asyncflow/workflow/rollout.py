@@ -12,7 +12,8 @@ Each ``poll`` is one micro-batch boundary of the engine (one decode step):
    every trained sample has ``b - tag <= staleness``: per sample, by construction, and no
    generated answer is ever thrown away;
 3. **decode** one token for every live answer; finished answers go to the data plane at
-   once (streaming), one ``put_nowait`` per partition (no round trip on the hot path).
+   (streaming), batched a group at a time or every ``flush_s`` (20 ms), with
+   ``put_nowait`` (no round trip on the hot path).
 
 The role consumes prompt partitions strictly in order; ``prompts_per_step`` prompts make
 a partition, so ``prompts_per_step * group_size`` sample rows are put into each.
@@ -20,6 +21,7 @@ a partition, so ``prompts_per_step * group_size`` sample rows are put into each.
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
 
 import numpy as np
@@ -49,6 +51,10 @@ class RolloutRole(Role):
         self.slot_steps = 0  # sum over decode steps of live rows (for slot utilisation)
         self.steps = 0
         self.waiting: deque[list[Request]] = deque()  # fetched prompt groups not started yet
+        self.outbox: dict[int, list[Completion]] = defaultdict(list)  # finished, not sent yet
+        self._outbox_since: float | None = None
+        self.batch_rows = prompts_per_step * group_size
+        self.flush_s = 0.02
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -73,6 +79,7 @@ class RolloutRole(Role):
                     self.batch.recompute_cache()
         self._refill(timeout)
         if not len(self.batch):
+            self._emit([], force=True)
             if not self.admissible() and self.weights is not None:
                 self.weights.wait_staged(timeout)  # idle at the staleness bound
             return 0
@@ -116,11 +123,23 @@ class RolloutRole(Role):
         if self.taken >= self.prompts_per_step:
             self.partition, self.taken = self.partition + 1, 0
 
-    def _emit(self, done: list[Completion]) -> None:
-        by_part: dict[int, list[Completion]] = defaultdict(list)
+    def _emit(self, done: list[Completion], force: bool = False) -> None:
+        """Queue finished answers; send them when a group's worth waits, the oldest has
+        waited ``flush_s``, a partition is complete, or ``force`` (batching bounds the
+        data-plane calls to a few per step without holding a sample back for long)."""
+        now = time.perf_counter()
         for c in done:
-            by_part[c.key[0]].append(c)
-        for part, cs in by_part.items():
+            self.outbox[c.key[0]].append(c)
+            self._outbox_since = self._outbox_since or now
+        waiting = sum(len(cs) for cs in self.outbox.values())
+        if not waiting:
+            return
+        complete = any(self.produced[p] + len(cs) >= self.batch_rows for p, cs in self.outbox.items())
+        if force or complete or waiting >= self.group_size or now - self._outbox_since >= self.flush_s:
+            self._flush()
+
+    def _flush(self) -> None:
+        for part, cs in self.outbox.items():
             data = {
                 "prompt_ids": [np.asarray(c.prompt_ids, dtype=np.int64) for c in cs],
                 "response_ids": [np.asarray(c.response_ids, dtype=np.int64) for c in cs],
@@ -134,6 +153,8 @@ class RolloutRole(Role):
             self.dp.put_nowait(data, partition=part, tags=tags)
             self.produced[part] += len(cs)
             self.items += len(cs)
+        self.outbox.clear()
+        self._outbox_since = None
 
     def stats(self) -> dict:
         s = super().stats()
