@@ -18,6 +18,7 @@ import ray
 
 from asyncflow.engines.weights import WeightStore
 from asyncflow.queue import DataPlane
+from asyncflow.queue.wire import pack_columns, unpack_columns
 
 
 def _get(ref, timeout=None):
@@ -32,11 +33,27 @@ def _get(ref, timeout=None):
         raise
 
 
+class PackedDataPlane(DataPlane):
+    """The data-plane actor: a :class:`DataPlane` that takes and returns packed columns
+    (:mod:`asyncflow.queue.wire`), so each column crosses processes as one buffer."""
+
+    def put_packed(self, packed, **kwargs):
+        return self.put(unpack_columns(packed), **kwargs)
+
+    def get_batch_packed(self, task, fields, n, **kwargs):
+        meta, data = self.get_batch(task, fields, n, **kwargs)
+        return meta, pack_columns(data)
+
+    def get_data_packed(self, meta, fields=None):
+        return pack_columns(self.get_data(meta, fields))
+
+
 class RayDataPlane:
-    """Client of a data-plane actor with the :class:`DataPlane` methods.
+    """Client of a :class:`PackedDataPlane` actor with the :class:`DataPlane` methods.
 
     ``put_nowait`` sends without waiting; the first error among the sent puts is raised
     by the next call of this client (so nothing fails silently), ``flush`` waits for all.
+    Other methods are forwarded as blocking calls.
     """
 
     def __init__(self, handle):
@@ -60,9 +77,24 @@ class RayDataPlane:
 
         return call
 
+    def put(self, data, partition=0, rows=None, tags=None, timeout=None):
+        self._check_sent()
+        return _get(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
+                                                  tags=tags, timeout=timeout))
+
     def put_nowait(self, data, partition=0, rows=None, tags=None) -> None:
         self._check_sent()
-        self._sent.append(self.handle.put.remote(data, partition=partition, rows=rows, tags=tags))
+        self._sent.append(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
+                                                        tags=tags))
+
+    def get_batch(self, task, fields, n, **kwargs):
+        self._check_sent()
+        meta, packed = _get(self.handle.get_batch_packed.remote(task, fields, n, **kwargs))
+        return meta, unpack_columns(packed)
+
+    def get_data(self, meta, fields=None):
+        self._check_sent()
+        return unpack_columns(_get(self.handle.get_data_packed.remote(meta, fields)))
 
     def flush(self) -> None:
         refs, self._sent = self._sent, []
@@ -77,19 +109,30 @@ class RayDataPlane:
 
 
 class RayWeightStore:
-    """Client of a weight-store actor; ``publish`` returns without waiting."""
+    """Client of a weight-store actor.
+
+    ``publish`` puts the buffers into Ray's object store once (host shared memory) and
+    hands the store only a reference, without waiting; subscribers read the buffers
+    from shared memory, so the store actor never copies or pickles weights.
+    """
 
     def __init__(self, handle):
         self.handle = handle
 
     def publish(self, version, buffers):
-        self.handle.publish.remote(version, buffers)
+        self.handle.publish.remote(version, {"ref": [ray.put(dict(buffers))]})  # a list: not resolved
 
     def wait_newer(self, version, timeout):
-        return _get(self.handle.wait_newer.remote(version, timeout))
+        got = _get(self.handle.wait_newer.remote(version, timeout))
+        if got is None:
+            return None
+        return got[0], _get(got[1]["ref"][0])
 
     def latest_version(self):
         return _get(self.handle.latest_version.remote())
+
+    def close(self):
+        return _get(self.handle.close.remote())
 
 
 class RayLauncher:
@@ -107,7 +150,7 @@ class RayLauncher:
         self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
 
     def data_plane(self, schema):
-        return RayDataPlane(ray.remote(DataPlane).options(num_cpus=0, max_concurrency=64).remote(schema))
+        return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64).remote(schema))
 
     def weight_store(self):
         return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16).remote())

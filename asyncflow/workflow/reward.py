@@ -1,19 +1,20 @@
 """Reward role: scores finished answers as they stream in, many calls in flight.
 
 A reward function is ``fn(prompt: str, response: str, answer: str) -> float``. Local
-functions run inline. A remote verifier (or its emulation, ``latency_ms``) runs in a
-thread pool of ``concurrency`` calls, so the role overlaps the waits of many samples; each
-result is written back to its row as soon as it is known. A function that raises or
+functions run inline. A remote verifier (emulated: ``latency_ms`` of network time per
+call) keeps up to ``concurrency`` calls in flight on one event-loop thread, so the role
+overlaps the waits of many samples; results are written back as soon as they are known. A function that raises or
 returns a non-number scores 0 and is counted in ``errors`` (never stops the run).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import queue
 import random
-import time
+import threading
 from collections import defaultdict
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Callable
 
 import numpy as np
@@ -26,6 +27,48 @@ RewardFn = Callable[[str, str, str], float]
 FIELDS = ["prompt_ids", "response_ids", "answer"]
 
 
+class RemoteCalls:
+    """Emulated calls to a remote service: one event-loop thread holds every call in flight.
+
+    ``submit`` schedules ``fn(*args)`` after ``delay_s`` of (emulated) network latency;
+    ``drain`` returns the finished ``(key, value_or_exception)`` pairs. Hundreds of calls
+    in flight cost one thread and almost no CPU, as with a real async HTTP client.
+    """
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.done: queue.SimpleQueue = queue.SimpleQueue()
+        self.inflight = 0
+        self._thread = threading.Thread(target=self.loop.run_forever, name="reward-remote", daemon=True)
+        self._thread.start()
+
+    def submit(self, key, fn: Callable, args: tuple, delay_s: float) -> None:
+        self.inflight += 1
+        asyncio.run_coroutine_threadsafe(self._call(key, fn, args, delay_s), self.loop)
+
+    async def _call(self, key, fn, args, delay_s) -> None:
+        await asyncio.sleep(delay_s)
+        try:
+            value = fn(*args)
+        except Exception as e:  # reported as a reward error, never raised
+            value = e
+        self.done.put((key, value))
+
+    def drain(self, timeout: float) -> list[tuple]:
+        out = []
+        try:
+            out.append(self.done.get(timeout=timeout) if timeout > 0 else self.done.get_nowait())
+            while True:
+                out.append(self.done.get_nowait())
+        except queue.Empty:
+            pass
+        self.inflight -= len(out)
+        return out
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
 class RewardRole(Role):
     name = "reward"
 
@@ -36,22 +79,17 @@ class RewardRole(Role):
         self.latency_ms = latency_ms
         self.concurrency = concurrency
         self.rng = random.Random(seed)
-        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="reward") if latency_ms else None
-        self.inflight: dict[Future, tuple] = {}
+        self.remote = RemoteCalls() if latency_ms else None
         self.errors = 0
 
-    def _score(self, prompt: str, response: str, answer: str, delay_s: float) -> float:
-        if delay_s:
-            time.sleep(delay_s)  # the emulated remote service's latency
-        return self.fn(prompt, response, answer)
-
     def poll(self, timeout: float) -> int:
-        room = self.concurrency - len(self.inflight) if self.pool else self.micro
+        inflight = self.remote.inflight if self.remote else 0
+        room = self.concurrency - inflight if self.remote else self.micro
         fetched = 0
         if room > 0:
             try:
                 meta, data = self.dp.get_batch("reward", FIELDS, n=min(room, self.micro), partition=None,
-                                               min_n=1, block=not self.inflight, timeout=timeout)
+                                               min_n=1, block=not inflight, timeout=timeout)
             except QueueTimeout:
                 meta = None
             if meta is not None and meta.rows:
@@ -59,37 +97,43 @@ class RewardRole(Role):
                     texts = [(self.decode(data["prompt_ids"][i].tolist()),
                               self.decode(data["response_ids"][i].tolist()),
                               decode_text(data["answer"][i])) for i in range(len(meta.rows))]
-                    if self.pool is None:
-                        scores = [self._safe(lambda t=t: self._score(*t, 0.0)) for t in texts]
+                    if self.remote is None:
+                        scores = [self._call(t) for t in texts]
                         self._put(meta.partition, meta.rows, scores)
                         self.linger(len(meta.rows), self.micro)
                         return len(meta.rows)
                     fetched = len(meta.rows)
                     for row, t in zip(meta.rows, texts):
                         delay = self.rng.uniform(*self.latency_ms) / 1000.0
-                        self.inflight[self.pool.submit(self._score, *t, delay)] = (meta.partition, row)
-        if not self.inflight:
+                        self.remote.submit((meta.partition, row), self.fn, t, delay)
+        if not self.remote or not self.remote.inflight:
             return 0
         # Wait a little for results when there was nothing new to start (no busy spinning).
-        done, _ = wait(list(self.inflight), timeout=0 if fetched else min(timeout, 0.02),
-                       return_when=FIRST_COMPLETED)
+        done = self.remote.drain(0 if fetched else min(timeout, 0.02))
         by_part: dict = defaultdict(lambda: ([], []))
-        for f in done:
-            part, row = self.inflight.pop(f)
+        for (part, row), value in done:
             rows, scores = by_part[part]
             rows.append(row)
-            scores.append(self._safe(f.result))
+            scores.append(self._safe(value))
         for part, (rows, scores) in by_part.items():
             self._put(part, rows, scores)
         return len(done)
 
-    def _safe(self, call) -> float:
+    def _call(self, texts: tuple) -> float:
         try:
-            v = float(call())
-            if math.isfinite(v):
-                return v
+            return self._safe(self.fn(*texts))
         except Exception:
-            pass
+            self.errors += 1
+            return 0.0
+
+    def _safe(self, value) -> float:
+        """A finite float, or 0.0 counted in ``errors`` (an exception, None, NaN, a string)."""
+        try:
+            v = float(value) if not isinstance(value, BaseException) else math.nan
+        except (TypeError, ValueError):
+            v = math.nan
+        if math.isfinite(v):
+            return v
         self.errors += 1
         return 0.0
 
@@ -98,7 +142,11 @@ class RewardRole(Role):
             self.dp.put_nowait({"reward": np.asarray(scores, dtype=np.float32)}, partition=partition, rows=rows)
             self.items += len(rows)
 
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+
     def stats(self) -> dict:
         s = super().stats()
-        s.update(errors=self.errors, inflight=len(self.inflight))
+        s.update(errors=self.errors, inflight=self.remote.inflight if self.remote else 0)
         return s

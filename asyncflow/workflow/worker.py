@@ -180,6 +180,5 @@ class Worker:
         if self._subscriber is not None:
             self._subscriber.close()
         self._compute.shutdown(wait=False)
-        reward = self.roles.get("reward")
-        if reward is not None and reward.pool is not None:
-            reward.pool.shutdown(wait=False, cancel_futures=True)
+        if "reward" in self.roles:
+            self.roles["reward"].close()
