@@ -8,7 +8,9 @@ step are not counted).
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 
 class Progress:
@@ -67,21 +69,53 @@ def busy_fractions(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
-def summarize(cfg, init: dict, acc0, acc1, samples: int, tokens: int, wall: float, steady: tuple,
-              stats: dict, run_dir: Path, ckpt: str) -> dict:
-    """``steady`` = (samples, tokens, seconds, busy fractions) after the first step."""
-    actor = stats.get("actor", {})
-    s_samples, s_tokens, s_wall, busy = steady
+class RunMeter:
+    """Counts samples and tokens per step and times the run, whole and after step 1.
+
+    Step 1 warms up kernels, allocators and caches of every process, so the *steady*
+    figures (samples/s, tokens/s, busy fractions) start at its end; both are reported.
+    ``stats`` returns the workers' counters (``role -> {busy_s, wall_s, ...}``).
+    """
+
+    def __init__(self, stats: Callable[[], dict]):
+        self.stats = stats
+        self.t0, self.stats0 = time.perf_counter(), stats()
+        self.steps = self.samples = self.tokens = 0
+        self.steady0: tuple | None = None  # (time, stats, samples, tokens) at the end of step 1
+
+    def step(self, m: dict) -> dict:
+        """Add one step's metrics (``samples``, ``tokens``); return them with rates added."""
+        self.steps += 1
+        self.samples, self.tokens = self.samples + m["samples"], self.tokens + m["tokens"]
+        elapsed = time.perf_counter() - self.t0
+        if self.steady0 is None:
+            self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens)
+        return {**m, "step": self.steps, "elapsed_s": elapsed, "samples_per_s": self.samples / max(elapsed, 1e-9),
+                "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
+
+    def finish(self) -> dict:
+        """Totals for :func:`summarize`: whole run, and steady state (after step 1)."""
+        wall, stats = time.perf_counter() - self.t0, self.stats()
+        t1, stats1, s1, k1 = self.steady0 if self.steps > 1 else (self.t0, self.stats0, 0, 0)
+        return {"samples": self.samples, "tokens": self.tokens, "wall_s": wall, "stats": stats,
+                "steady_samples": self.samples - s1, "steady_tokens": self.tokens - k1,
+                "steady_wall_s": wall - (t1 - self.t0), "busy": busy_fractions(stats1, stats)}
+
+
+def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: str) -> dict:
+    """The end-of-run summary (``summary.json``) from :meth:`RunMeter.finish` totals."""
+    actor = totals["stats"].get("actor", {})
+    samples, tokens, wall, s_wall = totals["samples"], totals["tokens"], totals["wall_s"], totals["steady_wall_s"]
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
         "init": init, "heldout_acc_before": acc0, "heldout_acc_after": acc1,
         "samples": samples, "tokens": tokens, "wall_s": wall,
         "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
-        "steady_samples_per_s": s_samples / s_wall if s_wall else 0.0,
-        "steady_tokens_per_s": s_tokens / s_wall if s_wall else 0.0,
-        "busy": busy, "max_staleness": actor.get("max_staleness", 0),
+        "steady_samples_per_s": totals["steady_samples"] / s_wall if s_wall else 0.0,
+        "steady_tokens_per_s": totals["steady_tokens"] / s_wall if s_wall else 0.0,
+        "busy": totals["busy"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
-        "reward_errors": stats.get("reward", {}).get("errors", 0),
+        "reward_errors": totals["stats"].get("reward", {}).get("errors", 0),
         "run_dir": str(run_dir), "checkpoint": ckpt,
     }
 

@@ -2,7 +2,8 @@
 
 ``train(cfg)``: prepare the initial policy (warm-start), launch the job (data plane,
 weight store, workers of the mode), then per step: feed prompts far enough ahead for the
-staleness bound, train one version, log. The mode only changes what ``job.step`` does
+staleness bound, train one version, log. Throughput and busy fractions are metered by
+:class:`~asyncflow.observe.report.RunMeter` (whole run, and steady state after step 1). The mode only changes what ``job.step`` does
 (colocated phases for ``sync``, a streamed trainer step for ``stream``/``async``).
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncflow.config import RunConfig, dump_config
-from asyncflow.observe.report import Progress, busy_fractions, summarize
+from asyncflow.observe.report import Progress, RunMeter, summarize
 from asyncflow.workflow.fields import encode_text
 
 
@@ -57,6 +58,7 @@ def make_run_dir(cfg: RunConfig) -> Path:
 
 
 def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
+    """Run one job; return its summary (also written to ``<run_dir>/summary.json``)."""
     from asyncflow.launch import get_launcher
     from asyncflow.tasks import build_task, load_model, prepare_model
     from asyncflow.workflow.job import Job
@@ -70,33 +72,24 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
     try:
         feeder = PromptFeeder(cfg, load_model(model_dir)[1], build_task(cfg), job.dp)
         acc0 = job.evaluate() if evaluate else None
-        k, log = cfg.effective_staleness, (run_dir / "metrics.jsonl").open("w")
         progress.start(acc0)
         job.start()
-        t0, stats0, samples, tokens = time.perf_counter(), job.stats(), 0, 0
-        for v in range(cfg.train.steps):
-            feeder.fill(v + k + 2)
-            m = job.step(v)
-            samples, tokens = samples + m["samples"], tokens + m["tokens"]
-            m.update(step=v + 1, elapsed_s=time.perf_counter() - t0)
-            if evaluate and cfg.train.eval_every and (v + 1) % cfg.train.eval_every == 0 and v + 1 < cfg.train.steps:
-                m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
-            m["samples_per_s"] = samples / max(m["elapsed_s"], 1e-9)
-            m["tokens_per_s"] = tokens / max(m["elapsed_s"], 1e-9)
-            if v == 0:  # steady state is measured from here (step 0 warms kernels and caches)
-                t1, stats1, steady0 = time.perf_counter(), job.stats(), (samples, tokens)
-            log.write(json.dumps(m) + "\n")
-            log.flush()
-            progress.update(m)
-        wall, stats = time.perf_counter() - t0, job.stats()
-        if cfg.train.steps > 1:  # throughput and busy fractions over steps 1..N-1
-            steady = (samples - steady0[0], tokens - steady0[1], wall - (t1 - t0), busy_fractions(stats1, stats))
-        else:
-            steady = (samples, tokens, wall, busy_fractions(stats0, stats))
+        meter = RunMeter(job.stats)
+        with (run_dir / "metrics.jsonl").open("w") as log:
+            for v in range(cfg.train.steps):
+                feeder.fill(v + cfg.effective_staleness + 2)  # prompts for every admissible step
+                m = meter.step(job.step(v))
+                if evaluate and cfg.train.eval_every and m["step"] % cfg.train.eval_every == 0 \
+                        and m["step"] < cfg.train.steps:
+                    m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
+                log.write(json.dumps(m) + "\n")
+                log.flush()
+                progress.update(m)
+        totals = meter.finish()
         acc1 = job.evaluate() if evaluate else None
         ckpt = job.save(str(run_dir / "checkpoint"))
         progress.close()
-        summary = summarize(cfg, init, acc0, acc1, samples, tokens, wall, steady, stats, run_dir, ckpt)
+        summary = summarize(cfg, init, acc0, acc1, totals, run_dir, ckpt)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
     finally:
