@@ -74,14 +74,18 @@ class DelayLauncher(LocalLauncher):
         return DelayedWeightStore(random.Random(self.rng.random()), 5 * self.max_delay_s)
 
 
+def small_job(tmp_path, *overrides):
+    """A tiny random-init job: 4 prompts x 4 answers per step, one group per micro-batch."""
+    return load_config(None, [
+        "launcher=local", "warmstart.enabled=false", "progress=false", "train.prompts_per_step=4",
+        "train.micro_prompts=1", "rollout.group_size=4", f"run_dir={tmp_path}", *overrides])
+
+
 @pytest.mark.parametrize("seed,k", [(0, 1), (1, 1), (2, 2)])
 def test_every_trained_sample_is_within_the_bound(tmp_path, seed, k):
     steps, prompts, group = 6, 4, 4
-    cfg = load_config(None, [
-        "mode=async", f"staleness={k}", "launcher=local", "warmstart.enabled=false", "progress=false",
-        f"train.steps={steps}", f"train.prompts_per_step={prompts}", "train.micro_prompts=1",
-        f"rollout.group_size={group}", "rollout.max_batch=8", f"run_dir={tmp_path}", f"seed={seed}",
-    ])
+    cfg = small_job(tmp_path, "mode=async", f"staleness={k}", f"train.steps={steps}", "rollout.max_batch=8",
+                    f"seed={seed}")
     launcher = DelayLauncher(seed, max_delay_s=0.01)
     summary = train(cfg, launcher=launcher, evaluate=False)
     trained = launcher.dp.trained
@@ -94,11 +98,7 @@ def test_every_trained_sample_is_within_the_bound(tmp_path, seed, k):
 
 
 def test_stream_mode_is_on_policy(tmp_path):
-    cfg = load_config(None, [
-        "mode=stream", "staleness=3", "launcher=local", "warmstart.enabled=false", "progress=false",
-        "train.steps=4", "train.prompts_per_step=4", "train.micro_prompts=1", "rollout.group_size=4",
-        f"run_dir={tmp_path}",
-    ])
+    cfg = small_job(tmp_path, "mode=stream", "staleness=3", "train.steps=4")
     launcher = DelayLauncher(3, max_delay_s=0.01)
     summary = train(cfg, launcher=launcher, evaluate=False)
     assert {v - w for v, w in launcher.dp.trained} == {0}  # stream ignores staleness: always 0
@@ -107,11 +107,7 @@ def test_stream_mode_is_on_policy(tmp_path):
 
 def test_async_actually_overlaps(tmp_path):
     """Not vacuous: with a bound of 1, some samples are trained one version late."""
-    cfg = load_config(None, [
-        "mode=async", "staleness=1", "launcher=local", "warmstart.enabled=false", "progress=false",
-        "train.steps=6", "train.prompts_per_step=4", "train.micro_prompts=1", "rollout.group_size=4",
-        f"run_dir={tmp_path}",
-    ])
+    cfg = small_job(tmp_path, "mode=async", "staleness=1", "train.steps=6")
     launcher = DelayLauncher(5, max_delay_s=0.0)
     train(cfg, launcher=launcher, evaluate=False)
     lags = [v - w for v, w in launcher.dp.trained]
