@@ -24,6 +24,41 @@ def load_model(path: str | Path):
     return model, tokenizer
 
 
+def check_model_folder(path: str) -> str:
+    """The resolved folder if it holds a causal LM and a tokenizer; else a one-line ConfigError.
+
+    Checked in the driver before any worker starts, so a wrong ``model.path`` fails in a
+    second with what was expected, not deep inside a remote process.
+    """
+    from asyncflow.config import ConfigError
+
+    p = Path(path).expanduser()
+    what = f"model.path = '{path}'"
+    if not p.is_dir():
+        raise ConfigError(f"{what}: no such folder (expected a Hugging Face model folder saved with save_pretrained)")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{what}: no config.json there (expected a Hugging Face model folder saved with save_pretrained)")
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+    except Exception as e:
+        raise ConfigError(f"{what}: config.json cannot be read ({str(e).splitlines()[0]})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"{what}: model_type '{config.model_type}' is not a causal LM "
+                          "(AutoModelForCausalLM cannot load it; give a decoder-only model such as Qwen2 or Llama)")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if not any((p / f).is_file() for f in files):  # AutoTokenizer may build an empty one instead of failing
+        raise ConfigError(f"{what}: no tokenizer there (expected tokenizer.json or tokenizer_config.json; "
+                          "save one with tokenizer.save_pretrained(path))")
+    try:
+        AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except Exception as e:
+        raise ConfigError(f"{what}: the tokenizer cannot be loaded ({str(e).splitlines()[0]})") from None
+    return str(p)
+
+
 def prepare_model(cfg, run_dir: Path, progress: Callable | None = None) -> tuple[str, dict[str, Any]]:
     """Return the folder every worker loads the initial policy from, and how it was made.
 
@@ -31,12 +66,7 @@ def prepare_model(cfg, run_dir: Path, progress: Callable | None = None) -> tuple
     SFT (cached by recipe, so the next run skips it) unless ``warmstart.enabled`` is off.
     """
     if cfg.model.path:
-        p = Path(cfg.model.path).expanduser()
-        if not (p / "config.json").is_file():
-            from asyncflow.config import ConfigError
-
-            raise ConfigError(f"model.path = '{cfg.model.path}': no config.json there (expected a Hugging Face model folder)")
-        return str(p), {"source": "path"}
+        return check_model_folder(cfg.model.path), {"source": "path"}
     task = build_task(cfg)
     if cfg.warmstart.enabled:
         from asyncflow.tasks.warmstart import load_or_warm_start

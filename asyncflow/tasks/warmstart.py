@@ -69,11 +69,16 @@ class SFTResult:
 # --------------------------------------------------------------------------- evaluation
 
 
+def bos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """``[bos]`` for tokenizers that have one, ``[]`` for those that do not (e.g. Qwen's)."""
+    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+
+
 def encode_prompts(
     tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded ``[bos] + chars(prompt)`` ids and their attention mask, shape (B, T)."""
-    rows = [[tokenizer.bos_token_id, *chars] for chars in _chars_to_ids(tokenizer, prompts)]
+    rows = [[*bos_ids(tokenizer), *chars] for chars in _chars_to_ids(tokenizer, prompts)]
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -150,7 +155,7 @@ def sft_tensors(
     """Right-padded ``[bos]+prompt+answer+[eos]`` ids and labels (answer + eos only)."""
     prompt_chars = _chars_to_ids(tokenizer, [p.prompt for p in problems])
     answer_chars = _chars_to_ids(tokenizer, [p.answer for p in problems])
-    prompts = [[tokenizer.bos_token_id, *chars] for chars in prompt_chars]
+    prompts = [[*bos_ids(tokenizer), *chars] for chars in prompt_chars]
     targets = [[*chars, tokenizer.eos_token_id] for chars in answer_chars]
     width = max(len(p) + len(t) for p, t in zip(prompts, targets))
     ids = torch.full((len(problems), width), tokenizer.pad_token_id, dtype=torch.long)

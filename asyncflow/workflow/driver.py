@@ -40,7 +40,8 @@ class PromptFeeder:
                 gen_len = np.where(long, r.longtail_long, r.longtail_short)
             else:
                 gen_len = np.zeros(len(probs))
-            self.dp.put({"query_ids": [np.asarray([self.tok.bos_token_id] + x, dtype=np.int64) for x in ids],
+            bos = [] if self.tok.bos_token_id is None else [self.tok.bos_token_id]
+            self.dp.put({"query_ids": [np.asarray(bos + x, dtype=np.int64) for x in ids],
                          "answer": [encode_text(p.answer) for p in probs],
                          "gen_len": gen_len.astype(np.int64)}, partition=self.fed)
             self.fed += 1
