@@ -25,7 +25,7 @@ from asyncflow.engines.inference import (
 )
 from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TokenBatch, TrainEngine
-from asyncflow.engines.weights import WeightStore, WeightSubscriber
+from asyncflow.engines.weights import WeightStore, WeightSubscriber, WeightTransferError, seal, verify
 
 torch.set_num_threads(1)
 
@@ -480,7 +480,7 @@ def test_weight_subscriber_stages_in_background_and_swaps_once():
     try:
         assert sub.swap_if_ready() is False and applied == []
         w = np.arange(4, dtype=np.float32)
-        store.publish(1, {"w": w})
+        store.publish(1, seal({"w": w}))
         assert sub.wait_staged(timeout=5.0)
         assert sub.staged_version() == 1
         assert sub.version == 0 and applied == []  # staged, not applied: nothing exposed yet
@@ -497,8 +497,8 @@ def test_weight_subscriber_stages_in_background_and_swaps_once():
         assert sub.swap_if_ready() is False and len(applied) == 1
 
         # Two publishes before the boundary: only the newest is applied.
-        store.publish(2, {"w": np.full(4, 2.0, dtype=np.float32)})
-        store.publish(3, {"w": np.full(4, 3.0, dtype=np.float32)})
+        store.publish(2, seal({"w": np.full(4, 2.0, dtype=np.float32)}))
+        store.publish(3, seal({"w": np.full(4, 3.0, dtype=np.float32)}))
         deadline = time.monotonic() + 5.0
         while sub.staged_version() != 3 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -509,3 +509,37 @@ def test_weight_subscriber_stages_in_background_and_swaps_once():
     finally:
         sub.close()
         store.close()
+
+
+def test_sealed_weights_verify_and_damage_is_named():
+    w = {"a": np.arange(4, dtype=np.float32), "b": np.ones((2, 2), dtype=np.float32)}
+    sealed = seal(w)
+    assert set(verify(sealed)) == {"a", "b"}
+    bad = dict(sealed, b=sealed["b"].copy())
+    bad["b"][0, 0] = 7.0
+    with pytest.raises(WeightTransferError, match="tensor 'b'"):
+        verify(bad)
+    with pytest.raises(WeightTransferError, match="partial"):
+        verify({k: v for k, v in sealed.items() if k != "a"})
+    with pytest.raises(WeightTransferError, match="without checksums"):
+        verify(w)
+
+
+def test_subscriber_rejects_a_corrupted_version_and_keeps_its_weights():
+    store = WeightStore()
+    applied = []
+    sub = WeightSubscriber(store, lambda v, bufs: applied.append(v), start_version=0, poll_s=0.02)
+    try:
+        good = seal({"w": np.zeros(3, dtype=np.float32)})
+        corrupted = dict(good, w=np.ones(3, dtype=np.float32))
+        store.publish(1, corrupted)
+        deadline = time.monotonic() + 5.0
+        while sub.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sub.rejected == 1
+        assert sub.swap_if_ready() is False and applied == [] and sub.version == 0
+        store.publish(2, seal({"w": np.full(3, 2.0, dtype=np.float32)}))
+        assert sub.wait_staged(timeout=5.0)
+        assert sub.swap_if_ready() is True and applied == [2]
+    finally:
+        sub.close()

@@ -11,17 +11,53 @@ Invariants
 * Versions only grow: a store never serves an older version than it served before.
 * A staged version is complete (all buffers copied) before ``swap_if_ready`` can see it.
 * ``wait_newer(v)`` returns the first version ``> v`` or ``None`` on timeout/close.
+* Weights travel *sealed* (:func:`seal`: a CRC-32 per tensor); a subscriber verifies its
+  local copy before staging it, and a corrupted or partial set is rejected (logged and
+  counted in ``rejected``) while the weights in use stay.
 
 The store is a plain class; the Ray launcher wraps it in an actor with the same methods.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import zlib
 from typing import Callable, Mapping, Protocol
 
 import numpy as np
+
+log = logging.getLogger(__name__)
+CHECKSUMS = "__crc32__"  # reserved key of a sealed weight set
+
+
+class WeightTransferError(ValueError):
+    """Received weights do not match what the trainer sealed (corrupted or partial)."""
+
+
+def seal(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """``buffers`` plus a CRC-32 of every tensor under :data:`CHECKSUMS` (names in sorted order)."""
+    names = sorted(buffers)
+    crc = np.asarray([zlib.crc32(np.ascontiguousarray(buffers[n]).view(np.uint8)) for n in names], dtype=np.uint64)
+    return {**buffers, CHECKSUMS: crc}
+
+
+def verify(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The tensors of a sealed set, after checking that none is missing, extra or changed.
+
+    Raises :class:`WeightTransferError` naming the first bad tensor.
+    """
+    if CHECKSUMS not in buffers:
+        raise WeightTransferError("weights arrived without checksums (publish seal(weights))")
+    tensors = {k: v for k, v in buffers.items() if k != CHECKSUMS}
+    expected = buffers[CHECKSUMS]
+    if len(expected) != len(tensors):
+        raise WeightTransferError(f"partial weights: {len(tensors)} tensors arrived, {len(expected)} were sealed")
+    for name, crc in zip(sorted(tensors), expected.tolist()):
+        if zlib.crc32(np.ascontiguousarray(tensors[name]).view(np.uint8)) != crc:
+            raise WeightTransferError(f"weights corrupted in transfer: tensor '{name}' fails its CRC-32")
+    return tensors
 
 
 class WeightSource(Protocol):
@@ -85,6 +121,7 @@ class WeightSubscriber:
         self._new = threading.Event()
         self.swap_seconds = 0.0  # exposed cost: local copies into the model
         self.swaps = 0
+        self.rejected = 0  # versions that failed verification
         self._poll_s = poll_s
         self._thread = threading.Thread(target=self._run, name="weight-prefetch", daemon=True)
         self._thread.start()
@@ -96,6 +133,13 @@ class WeightSubscriber:
                 continue
             version, buffers = got
             staged = {k: np.array(v, copy=True) for k, v in buffers.items()}  # host copy, off the hot path
+            try:
+                staged = verify(staged)  # checked on the local copy: what will be swapped in
+            except WeightTransferError as e:
+                self.rejected += 1
+                self._seen = version  # skip it; the weights in use stay, the next version may pass
+                log.error("rejected weight version %d: %s; keeping version %d", version, e, self.version)
+                continue
             with self._lock:
                 self._staged = (version, staged)
                 self._seen = version

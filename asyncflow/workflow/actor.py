@@ -22,6 +22,7 @@ import numpy as np
 
 from asyncflow.algorithms.grpo import GRPOLoss, group_advantages
 from asyncflow.engines.training import TrainEngine
+from asyncflow.engines.weights import seal
 from asyncflow.queue import GroupSampler, StalenessSampler
 from asyncflow.workflow.role import Role
 
@@ -67,7 +68,7 @@ class ActorRole(Role):
         with self.work():
             step = self.engine.optimizer_step()
             if self.publish is not None:
-                self.publish(self.engine.version, self.engine.export_weights())
+                self.publish(self.engine.version, seal(self.engine.export_weights()))
         self.dp.clear(v)
         self.items += seen
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}

@@ -161,5 +161,6 @@ class RolloutRole(Role):
         s.update(version=self.version, slot_steps=self.slot_steps, decode_steps=self.steps,
                  max_batch=self.engine.max_batch,
                  swap_s=self.weights.swap_seconds if self.weights else 0.0,
-                 swaps=self.weights.swaps if self.weights else 0)
+                 swaps=self.weights.swaps if self.weights else 0,
+                 weights_rejected=self.weights.rejected if self.weights else 0)
         return s
