@@ -82,7 +82,7 @@ def pad_rows(rows, mask: torch.Tensor) -> torch.Tensor:
     """List of 1-D arrays -> ``[B, R]`` float tensor matching ``mask`` (0 past each row)."""
     out = torch.zeros_like(mask)
     for i, r in enumerate(rows):
-        r = np.asarray(r, dtype=np.float32)[: mask.shape[1]]
+        r = np.array(r, dtype=np.float32)[: mask.shape[1]]  # a copy: data-plane buffers are read-only
         out[i, : len(r)] = torch.from_numpy(r)
     return out
 

@@ -72,13 +72,15 @@ class Worker:
         r, t, a = cfg.rollout, cfg.train, cfg.algorithm
         k = cfg.effective_staleness
         if "actor" in roles:
+            from asyncflow.algorithms.algorithm import Algorithm
             from asyncflow.workflow.actor import ActorRole
 
             engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                                  grad_clip=t.grad_clip, temperature=r.temperature)
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
-                                            a.clip_eps, a.kl_coef, a.std_normalize, publish=publish)
+                                            a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
+                                            algorithm=Algorithm.from_config(a))
         if "rollout" in roles:
             from asyncflow.workflow.rollout import RolloutRole
 
