@@ -78,6 +78,18 @@ class RewardConfig(_Section):
     latency_ms: tuple[float, float] | None = Field(
         None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
     concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
+    fn: str | None = Field(None, description="Reward function 'package.module:function', called (prompt, response, sample) "
+                                              "-> float or dict of named scores; None = the task's built-in reward.")
+    key: str | None = Field(None, description="fn returns a dict: the named score used as the reward (None = sum of all).")
+    timeout_s: float | None = Field(10.0, gt=0, description="fn: seconds per call before it scores on_error (None = no limit).")
+    on_error: float = Field(0.0, description="fn: score of a call that raises, times out or returns a non-number (counted).")
+
+    @model_validator(mode="after")
+    def _fn_path(self) -> "RewardConfig":
+        if self.fn is not None and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
+            raise ValueError(f"fn = '{self.fn}' is not an import path: write 'package.module:function' "
+                             f"(e.g. asyncflow.tasks.rewards:math_answer)")
+        return self
 
 
 class AlgorithmConfig(_Section):

@@ -95,7 +95,13 @@ class Worker:
             from asyncflow.workflow.reward import RewardRole
 
             decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-            self.roles["reward"] = RewardRole(dp, self.task.reward, decode, micro=cfg.batch_size,
+            fn = self.task.reward
+            if cfg.reward.fn:  # a user function: timeout, error scoring and counters around it
+                from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+
+                fn = RewardFunction(load_reward_fn(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.on_error,
+                                    cfg.reward.key)
+            self.roles["reward"] = RewardRole(dp, fn, decode, micro=cfg.batch_size,
                                               concurrency=cfg.reward.concurrency,
                                               latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
         if "reference" in roles:
