@@ -49,3 +49,14 @@ def test_algorithm_choices_train_end_to_end(tmp_path, overrides, expect):
         for k in expect + ["loss", "clip_frac_high", "ratio_mean", "grad_norm"]:
             assert k in m and math.isfinite(m[k]), (k, m)
         assert "kl" not in m  # kl_in_reward: no loss term; rloo: no KL at all
+
+
+def test_every_shipped_config_builds_its_algorithm():
+    from pathlib import Path
+
+    import asyncflow
+
+    for path in sorted((Path(asyncflow.__file__).parent / "configs").glob("*.yaml")):
+        a = Algorithm.from_config(load_config(path).algorithm)
+        loss = a.loss(128)
+        assert loss.total_seqs == 128 and loss.clip_high >= loss.clip_low, path.name

@@ -32,10 +32,6 @@ LENS = [2, 1, 3, 1, 2]
 PAD = 7.0
 
 
-def _rows(adv):
-    return [np.asarray(a, dtype=np.float64) for a in adv]
-
-
 def _check_rows(got, want_per_seq, lens=LENS):
     assert [len(g) for g in got] == lens
     for g, w, n in zip(got, want_per_seq, lens):
