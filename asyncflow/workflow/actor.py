@@ -80,6 +80,7 @@ class ActorRole(Role):
                 metrics.extend(self._accumulate_batch(v, pending))
             tokens = sum(lengths)
             scale = 1.0 / max(tokens, 1) if self.loss.loss_agg == "token-mean" else 1.0
+            # (an engine without grad_scale still serves every other aggregation)
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
             if self.publish is not None:
                 self.publish(self.engine.version, self.engine.export_weights())
