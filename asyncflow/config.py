@@ -78,13 +78,56 @@ class RewardConfig(_Section):
     latency_ms: tuple[float, float] | None = Field(
         None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
     concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
+    fn: str | None = Field(None, description="Reward function 'package.module:function', called (prompt, response, sample) "
+                                              "-> float or dict of named scores; None = the task's built-in reward.")
+    key: str | None = Field(None, description="fn returns a dict: the named score used as the reward (None = sum of all).")
+    timeout_s: float | None = Field(10.0, gt=0, description="fn: seconds per call before it scores on_error (None = no limit).")
+    on_error: float = Field(0.0, description="fn: score of a call that raises, times out or returns a non-number (counted).")
+
+    @model_validator(mode="after")
+    def _fn_path(self) -> "RewardConfig":
+        if self.fn is not None and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
+            raise ValueError(f"fn = '{self.fn}' is not an import path: write 'package.module:function' "
+                             f"(e.g. asyncflow.tasks.rewards:math_answer)")
+        return self
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo"] = Field("grpo", description="RL algorithm.")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range.")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the k3 KL to the reference model (0 = no reference role).")
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+        "grpo", description="Advantage estimator: grpo (group mean/std), dr_grpo (group mean), rloo (leave-one-out), "
+                            "reinforce_pp (batch-whitened returns), reinforce_pp_baseline (group mean, then batch-whitened).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (both sides unless clip_low/clip_high are set).")
+    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0 = no reference role).")
     std_normalize: bool = Field(True, description="Divide group advantages by the group std (False = Dr.GRPO).")
+    clip_low: float | None = Field(None, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_low (None = clip_eps).")
+    clip_high: float | None = Field(None, gt=0, description="Upper clip: ratio <= 1 + clip_high (None = clip_eps; DAPO clip-higher: 0.28).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound c > 1 on the loss of negative-advantage tokens (None = off; typical 3).")
+    ratio_level: Literal["token", "sequence"] = Field("token", description="'sequence' = GSPO: one length-normalised ratio per answer.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "seq-mean-token-mean", description="Loss aggregation over the step: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k1 = log-ratio, k2 = squared/2, k3 = exp(d) - d - 1).")
+    kl_in_reward: bool = Field(False, description="Subtract kl_coef x KL from the reward (per token) instead of adding a loss term.")
+    correction: Literal["none", "tis", "mask", "decoupled"] = Field(
+        "none", description="Off-policy correction: tis (truncated IS weight), mask (drop extreme ratios), decoupled (decoupled PPO).")
+    correction_level: Literal["token", "geo"] = Field("token", description="tis/mask: per-token ratio, or per-sequence geometric mean (geo).")
+    is_cap: float | None = Field(2.0, gt=1, description="tis: truncate the IS weight here; decoupled: drop tokens whose weight exceeds it (None = no cap).")
+    mask_low: float = Field(0.5, gt=0, lt=1, description="mask: drop tokens whose IS ratio is below this.")
+    mask_high: float = Field(2.0, gt=1, description="mask: drop tokens whose IS ratio is above this.")
+
+    @model_validator(mode="after")
+    def _algorithm(self) -> "AlgorithmConfig":
+        if self.kl_in_reward and self.kl_coef <= 0:
+            raise ValueError("kl_in_reward = true needs kl_coef > 0 (set algorithm.kl_coef=0.01, "
+                             "or algorithm.kl_in_reward=false)")
+        if self.correction == "tis" and self.is_cap is None:
+            raise ValueError("is_cap = null with correction = tis: truncated IS needs a cap (set algorithm.is_cap=2.0)")
+        if self.correction_level == "geo" and self.correction not in ("tis", "mask"):
+            raise ValueError(f"correction_level = geo applies to correction tis or mask, not "
+                             f"'{self.correction}' (set algorithm.correction_level=token)")
+        if self.name != "grpo" and not self.std_normalize:
+            raise ValueError(f"std_normalize = false only applies to name=grpo (it makes Dr.GRPO); with "
+                             f"name={self.name} remove algorithm.std_normalize")
+        return self
 
 
 class TrainConfig(_Section):

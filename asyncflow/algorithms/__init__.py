@@ -1,1 +1,5 @@
-"""Advantage estimators and policy losses (algorithm-side; engines never see these)."""
+"""Algorithm library: advantage estimators, policy losses, KL estimators, off-policy corrections.
+
+One file per concern (``advantages``, ``losses``, ``kl``, ``corrections``); ``algorithm``
+binds them to a config for the actor; ``grpo`` keeps the original GRPO API.
+"""

@@ -7,7 +7,7 @@ Protocol (what roles call; an engine never knows which algorithm runs):
 * ``forward_backward(batch, loss_fn) -> metrics``: accumulates gradients of one
   micro-batch; the loss function receives per-token tensors and returns a scalar already
   normalised for the whole step (so accumulation over micro-batches equals one big batch);
-* ``optimizer_step() -> metrics``: clip, step, zero grads, bump the policy version;
+* ``optimizer_step(grad_scale=1.0) -> metrics``: scale, clip, step, zero grads, bump the policy version;
 * ``export_weights() -> dict[str, np.ndarray]``: host copies of every parameter.
 
 Sequences are packed right-padded in one tensor; response tokens are located by the
@@ -111,7 +111,13 @@ class TrainEngine:
         loss.backward()
         return metrics
 
-    def optimizer_step(self) -> dict:
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict:
+        """Clip, step, zero grads, bump the version. ``grad_scale`` multiplies the accumulated
+        gradient first (a loss normalised by a count known only at the end of the step)."""
+        if grad_scale != 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(grad_scale)
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)

@@ -116,6 +116,9 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "busy": totals["busy"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "reward_errors": totals["stats"].get("reward", {}).get("errors", 0),
+        # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
+        "reward_fn": {k: v for k, v in totals["stats"].get("reward", {}).items()
+                      if k.startswith(("reward_", "score_"))},
         "run_dir": str(run_dir), "checkpoint": ckpt,
     }
 

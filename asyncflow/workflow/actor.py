@@ -7,8 +7,12 @@
 * the sampler is wrapped in ``StalenessSampler(v - staleness)``: a sample generated before
   ``v - staleness`` is never handed out (admission control makes that impossible, the
   sampler makes it a checked invariant; any drop is counted in ``dropped_stale``);
-* computes group advantages and accumulates the GRPO gradient (normalised by the step's
-  batch size, so accumulation equals one big batch), then one optimizer step;
+* computes advantages with the configured :class:`~asyncflow.algorithms.algorithm.Algorithm`
+  and accumulates its loss's gradient (normalised by the step's totals, so accumulation
+  equals one big batch), then one optimizer step. Group estimators (GRPO, RLOO...) train
+  each micro-batch as it arrives; batch-level ones (REINFORCE++: whitening over the step)
+  collect the step first. ``token-mean`` needs the step's token count, known only at the
+  end: its loss is a token sum and the gradient is scaled by ``1 / tokens`` before the step;
 * publishes version ``v + 1`` to the weight store without waiting, and clears the
   partition (frees its rows in the data plane).
 """
@@ -20,7 +24,7 @@ from typing import Callable
 
 import numpy as np
 
-from asyncflow.algorithms.grpo import GRPOLoss, group_advantages
+from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.engines.training import TrainEngine
 from asyncflow.engines.weights import seal
 from asyncflow.queue import GroupSampler, StalenessSampler
@@ -34,13 +38,17 @@ class ActorRole(Role):
 
     def __init__(self, engine: TrainEngine, dp, batch_size: int, group_size: int, micro_prompts: int,
                  staleness: int, clip_eps: float = 0.2, kl_coef: float = 0.0, std_normalize: bool = True,
-                 publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0):
+                 publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0,
+                 algorithm: Algorithm | None = None):
         super().__init__()
         self.engine, self.dp, self.publish = engine, dp, publish
         self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
         self.staleness, self.std_normalize = staleness, std_normalize
-        self.loss = GRPOLoss(batch_size=batch_size, clip_eps=clip_eps, kl_coef=kl_coef)
-        self.fields = FIELDS + (["ref_logprobs"] if kl_coef > 0 else [])
+        # Default: GRPO from the legacy arguments (identical to the original GRPO loss).
+        self.algorithm = algorithm or Algorithm(estimator="grpo" if std_normalize else "dr_grpo",
+                                                clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef)
+        self.loss = self.algorithm.loss(batch_size)
+        self.fields = FIELDS + (["ref_logprobs"] if self.algorithm.needs_reference else [])
         self.wait_timeout_s = wait_timeout_s
         self.wait_s = 0.0
         self.max_staleness = 0
@@ -50,7 +58,7 @@ class ActorRole(Role):
     def train_step(self, v: int) -> dict:
         """Train version ``v`` on partition ``v`` (blocks until the partition is consumed)."""
         sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
-        seen, metrics, rewards, lengths = 0, [], [], []
+        seen, metrics, rewards, lengths, pending = 0, [], [], [], []
         while seen < self.batch_size:
             want = min(self.micro_prompts * self.group_size, self.batch_size - seen)
             t = time.perf_counter()
@@ -61,12 +69,20 @@ class ActorRole(Role):
             self.dropped_stale += len(meta.dropped)
             if not meta.rows:
                 continue
-            with self.work():
-                metrics.append(self._accumulate(v, data))
+            if self.algorithm.batch_level:
+                pending.append(data)
+            else:
+                with self.work():
+                    metrics.append(self._accumulate(v, data, self.algorithm.advantages(data)))
             rewards.extend(data["reward"].tolist())
             lengths.extend(len(r) for r in data["response_ids"])
         with self.work():
-            step = self.engine.optimizer_step()
+            if pending:
+                metrics.extend(self._accumulate_batch(v, pending))
+            tokens = sum(lengths)
+            scale = 1.0 / max(tokens, 1) if self.loss.loss_agg == "token-mean" else 1.0
+            # (an engine without grad_scale still serves every other aggregation)
+            step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
             if self.publish is not None:
                 self.publish(self.engine.version, seal(self.engine.export_weights()))
         self.dp.clear(v)
@@ -78,13 +94,27 @@ class ActorRole(Role):
                    max_staleness=self.max_staleness)
         return out
 
-    def _accumulate(self, v: int, data: dict) -> dict:
+    def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:
+        """Advantages over the whole step (batch-level estimators), then train each part."""
+        merged = {"reward": np.concatenate([d["reward"] for d in parts]),
+                  "group": np.concatenate([d["group"] for d in parts])}
+        for k in ("response_ids", "logprobs", "ref_logprobs"):
+            if k in parts[0]:
+                merged[k] = [row for d in parts for row in d[k]]
+        adv = self.algorithm.advantages(merged)
+        out, i = [], 0
+        for d in parts:
+            n = len(d["reward"])
+            out.append(self._accumulate(v, d, adv[i: i + n]))
+            i += n
+        return out
+
+    def _accumulate(self, v: int, data: dict, adv: list) -> dict:
         for ver in data["version"].tolist():
             lag = v - int(ver)
             assert 0 <= lag <= self.staleness, f"sample of version {ver} reached trainer version {v}"
             self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
             self.max_staleness = max(self.max_staleness, lag)
-        adv = group_advantages(data["reward"], data["group"], self.std_normalize)
         extras = {"logprobs": data["logprobs"], "advantages": adv}
         if "ref_logprobs" in data:
             extras["ref_logprobs"] = data["ref_logprobs"]

@@ -1,6 +1,7 @@
 """Reward role: scores finished answers as they stream in, many calls in flight.
 
-A reward function is ``fn(prompt: str, response: str, answer: str) -> float``. Local
+A reward function is ``fn(prompt: str, response: str, answer: str) -> float`` (a configured
+``reward.fn`` is wrapped by :class:`~asyncflow.tasks.rewards.RewardFunction` to that shape). Local
 functions run inline. A remote verifier (emulated: ``latency_ms`` of network time per
 call) keeps up to ``concurrency`` calls in flight on one event-loop thread, so the role
 overlaps the waits of many samples; results are written back as soon as they are known. A function that raises or
@@ -145,8 +146,12 @@ class RewardRole(Role):
     def close(self) -> None:
         if self.remote is not None:
             self.remote.close()
+        if hasattr(self.fn, "close"):
+            self.fn.close()
 
     def stats(self) -> dict:
         s = super().stats()
         s.update(errors=self.errors, inflight=self.remote.inflight if self.remote else 0)
+        if hasattr(self.fn, "stats"):  # a configured reward.fn: its error counters and named scores
+            s.update(self.fn.stats())
         return s

@@ -72,13 +72,15 @@ class Worker:
         r, t, a = cfg.rollout, cfg.train, cfg.algorithm
         k = cfg.effective_staleness
         if "actor" in roles:
+            from asyncflow.algorithms.algorithm import Algorithm
             from asyncflow.workflow.actor import ActorRole
 
             engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                                  grad_clip=t.grad_clip, temperature=r.temperature)
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
-                                            a.clip_eps, a.kl_coef, a.std_normalize, publish=publish)
+                                            a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
+                                            algorithm=Algorithm.from_config(a))
         if "rollout" in roles:
             from asyncflow.workflow.rollout import RolloutRole
 
@@ -93,7 +95,13 @@ class Worker:
             from asyncflow.workflow.reward import RewardRole
 
             decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-            self.roles["reward"] = RewardRole(dp, self.task.reward, decode, micro=cfg.batch_size,
+            fn = self.task.reward
+            if cfg.reward.fn:  # a user function: timeout, error scoring and counters around it
+                from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+
+                fn = RewardFunction(load_reward_fn(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.on_error,
+                                    cfg.reward.key)
+            self.roles["reward"] = RewardRole(dp, fn, decode, micro=cfg.batch_size,
                                               concurrency=cfg.reward.concurrency,
                                               latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
         if "reference" in roles:

@@ -1,0 +1,71 @@
+"""One algorithm = an advantage estimator + a policy loss, built from ``AlgorithmConfig``.
+
+The actor calls only three things: :meth:`Algorithm.advantages` on a micro-batch of whole
+groups (or, for :attr:`batch_level` estimators, on the whole step), :meth:`Algorithm.loss`
+once per step with the step's totals, and :attr:`needs_reference` to request reference
+log-probs. Engines never see any of it (they run whatever loss callable they are given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from asyncflow.algorithms.advantages import BATCH_LEVEL, ESTIMATORS, compute_advantages
+from asyncflow.algorithms.corrections import Correction
+from asyncflow.algorithms.kl import kl_estimate
+from asyncflow.algorithms.losses import PolicyLoss
+
+
+@dataclass
+class Algorithm:
+    estimator: str = "grpo"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    ratio_level: str = "token"
+    loss_agg: str = "seq-mean-token-mean"
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    kl_in_reward: bool = False
+    correction: Correction = field(default_factory=Correction)
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"unknown advantage estimator {self.estimator!r} (known: {', '.join(ESTIMATORS)})")
+
+    @classmethod
+    def from_config(cls, a) -> "Algorithm":
+        """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``)."""
+        name = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name
+        low = a.clip_low if a.clip_low is not None else a.clip_eps
+        high = a.clip_high if a.clip_high is not None else a.clip_eps
+        cap = a.is_cap
+        return cls(estimator=name, clip_low=low, clip_high=high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
+                   loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward,
+                   correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high))
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.kl_coef > 0
+
+    @property
+    def batch_level(self) -> bool:
+        """True when advantages need the whole step (batch whitening), not just whole groups."""
+        return self.estimator in BATCH_LEVEL
+
+    def advantages(self, data: dict) -> list[np.ndarray]:
+        """Per-token advantage rows for a batch of rows (``reward``, ``group``, ``response_ids``...)."""
+        lengths = [len(r) for r in data["response_ids"]]
+        penalties = None
+        if self.kl_in_reward and self.kl_coef > 0:
+            penalties = [self.kl_coef * kl_estimate(self.kl_estimator, np.asarray(lp, np.float64), np.asarray(ref, np.float64))
+                         for lp, ref in zip(data["logprobs"], data["ref_logprobs"])]
+        return compute_advantages(self.estimator, data["reward"], data["group"], lengths, penalties)
+
+    def loss(self, total_seqs: float, total_tokens: float | None = None) -> PolicyLoss:
+        return PolicyLoss(total_seqs=total_seqs, total_tokens=total_tokens, clip_low=self.clip_low,
+                          clip_high=self.clip_high, dual_clip=self.dual_clip, ratio_level=self.ratio_level,
+                          loss_agg=self.loss_agg, kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
+                          kl_estimator=self.kl_estimator, correction=self.correction)
