@@ -48,7 +48,14 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["addition"] = Field("addition", description="Built-in verifiable task.")
+    name: Literal["addition", "dataset"] = Field(
+        "addition", description="'addition': the built-in task; 'dataset': prompts and answers from task.path.")
+    path: str | None = Field(None, description="dataset: local .jsonl or .parquet file of training rows.")
+    heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
+    fields: dict[str, str] = Field(default_factory=dict,
+                                   description="dataset: our field -> the file's, e.g. {prompt: question, answer: answer}.")
+    on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad row, or skip and count it.")
+    chat_template: bool = Field(False, description="Wrap each prompt as a user message with the tokenizer's chat template.")
     digits: int = Field(2, ge=1, le=4, description="Operand digits of the addition task.")
     holdout_frac: float = Field(0.2, gt=0, lt=1, description="Fraction of problems held out for evaluation.")
     eval_n: int = Field(500, gt=0, description="Held-out problems scored at each evaluation.")
@@ -165,6 +172,11 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
+        if self.task.name == "dataset" and not self.task.path:
+            raise ValueError("task.name=dataset needs task.path (a local .jsonl or .parquet file)")
+        if self.task.name == "dataset" and not self.model.path:
+            raise ValueError("task.name=dataset needs model.path (a Hugging Face model folder): the built-in "
+                             "tiny model only knows the characters of the addition task")
         if self.rollout.max_batch < self.rollout.group_size:
             raise ValueError(f"rollout.max_batch ({self.rollout.max_batch}) must be >= rollout.group_size "
                              f"({self.rollout.group_size}): a prompt's whole group decodes together")

@@ -56,6 +56,8 @@ class AdditionTask:
         self.heldout: list[Problem] = [problems[i] for i in order[:n_heldout]]
         self.train: list[Problem] = [problems[i] for i in order[n_heldout:]]
 
+    greedy_eval_tokens = None  # evaluate generates the answer's length + EOS
+
     @property
     def max_answer_len(self) -> int:
         """Longest answer in characters: the sum of two n-digit numbers has <= n+1 digits."""

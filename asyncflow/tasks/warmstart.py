@@ -36,7 +36,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -74,11 +74,27 @@ def bos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
 
 
+def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat: bool = False) -> list[list[int]]:
+    """Token ids of each prompt: ``[bos] + tokens(prompt)``, or with ``chat`` the tokenizer's
+    chat template around one user message (generation prompt added). Shared by rollout and
+    evaluation, so both see exactly the same prompt tokens."""
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("task.chat_template is on but the tokenizer has no chat template")
+        out = []
+        for p in prompts:
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                tokenize=True)
+            out.append(list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
+        return out
+    return [[*bos_ids(tokenizer), *chars] for chars in _chars_to_ids(tokenizer, prompts)]
+
+
 def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded ``[bos] + chars(prompt)`` ids and their attention mask, shape (B, T)."""
-    rows = [[*bos_ids(tokenizer), *chars] for chars in _chars_to_ids(tokenizer, prompts)]
+    """Left-padded :func:`prompt_ids` and their attention mask, shape (B, T)."""
+    rows = prompt_ids(tokenizer, prompts, chat)
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), width), dtype=torch.long)
@@ -103,9 +119,10 @@ def greedy_responses(
     tokenizer: PreTrainedTokenizerBase,
     prompts: Sequence[str],
     max_new_tokens: int,
+    chat: bool = False,
 ) -> list[str]:
     """Greedy completions of ``prompts`` in one batch (caller handles no_grad/eval)."""
-    ids, mask = encode_prompts(tokenizer, prompts)
+    ids, mask = encode_prompts(tokenizer, prompts, chat)
     out = model.generate(
         input_ids=ids.to(model.device),
         attention_mask=mask.to(model.device),
@@ -123,10 +140,14 @@ def evaluate(
     problems: Sequence[Problem],
     batch_size: int = 512,
     max_new_tokens: int | None = None,
+    score: Callable[[str, str, str], float] | None = None,
+    chat: bool = False,
 ) -> float:
-    """Greedy exact-match accuracy of ``model`` on ``problems`` (0.0 for an empty list).
+    """Mean greedy score of ``model`` on ``problems`` (0.0 for an empty list).
 
-    ``max_new_tokens`` defaults to the longest answer plus one for ``eos``.
+    ``score(prompt, response, answer)`` defaults to exact match of the stripped response
+    (accuracy). ``max_new_tokens`` defaults to the longest answer plus one for ``eos``.
+    ``chat`` wraps each prompt with the tokenizer's chat template.
     """
     if not problems:
         return 0.0
@@ -139,8 +160,11 @@ def evaluate(
         with torch.no_grad():
             for start in range(0, len(problems), batch_size):
                 batch = problems[start : start + batch_size]
-                responses = greedy_responses(model, tokenizer, [p.prompt for p in batch], max_new_tokens)
-                correct += sum(r.strip() == p.answer for r, p in zip(responses, batch))
+                responses = greedy_responses(model, tokenizer, [p.prompt for p in batch], max_new_tokens, chat)
+                if score is None:
+                    correct += sum(r.strip() == p.answer for r, p in zip(responses, batch))
+                else:
+                    correct += sum(float(score(p.prompt, r, p.answer)) for r, p in zip(responses, batch))
     finally:
         model.train(was_training)
     return correct / len(problems)

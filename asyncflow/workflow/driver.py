@@ -17,6 +17,7 @@ import numpy as np
 
 from asyncflow.config import RunConfig, dump_config
 from asyncflow.observe.report import Progress, RunMeter, summarize
+from asyncflow.tasks.warmstart import prompt_ids
 from asyncflow.workflow.fields import encode_text
 
 
@@ -34,14 +35,13 @@ class PromptFeeder:
             rng = np.random.default_rng([self.cfg.seed, self.fed])
             idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
             probs = [self.task.train[i] for i in idx]
-            ids = self.tok([p.prompt for p in probs], add_special_tokens=False).input_ids
+            ids = prompt_ids(self.tok, [p.prompt for p in probs], self.cfg.task.chat_template)
             if r.gen_len == "longtail":
                 long = rng.random(len(probs)) < r.longtail_frac
                 gen_len = np.where(long, r.longtail_long, r.longtail_short)
             else:
                 gen_len = np.zeros(len(probs))
-            bos = [] if self.tok.bos_token_id is None else [self.tok.bos_token_id]
-            self.dp.put({"query_ids": [np.asarray(bos + x, dtype=np.int64) for x in ids],
+            self.dp.put({"query_ids": [np.asarray(x, dtype=np.int64) for x in ids],
                          "answer": [encode_text(p.answer) for p in probs],
                          "gen_len": gen_len.astype(np.int64)}, partition=self.fed)
             self.fed += 1

@@ -95,13 +95,7 @@ class Worker:
             from asyncflow.workflow.reward import RewardRole
 
             decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-            fn = self.task.reward
-            if cfg.reward.fn:  # a user function: timeout, error scoring and counters around it
-                from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
-
-                fn = RewardFunction(load_reward_fn(cfg.reward.fn), cfg.reward.timeout_s, cfg.reward.on_error,
-                                    cfg.reward.key)
-            self.roles["reward"] = RewardRole(dp, fn, decode, micro=cfg.batch_size,
+            self.roles["reward"] = RewardRole(dp, self.reward_fn(), decode, micro=cfg.batch_size,
                                               concurrency=cfg.reward.concurrency,
                                               latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
         if "reference" in roles:
@@ -161,7 +155,20 @@ class Worker:
         from asyncflow.tasks.warmstart import evaluate
 
         problems = self.task.heldout[: n or self.cfg.task.eval_n]
-        return self._on_compute(evaluate, self.model, self.tokenizer, problems)
+        score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
+        return self._on_compute(evaluate, self.model, self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
+                                score, self.cfg.task.chat_template)
+
+    def reward_fn(self):
+        """The task's reward, or ``reward.fn`` wrapped with its timeout, error score and counters."""
+        if not self.cfg.reward.fn:
+            return self.task.reward
+        if getattr(self, "_reward_fn", None) is None:
+            from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+
+            r = self.cfg.reward
+            self._reward_fn = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key)
+        return self._reward_fn
 
     def save(self, path: str) -> str:
         def save() -> str:

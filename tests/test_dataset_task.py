@@ -1,0 +1,61 @@
+"""``task.name=dataset``: train on prompts and answers from a local file with any HF model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncflow.config import ConfigError, load_config
+from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64)
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    return tmp_path / "m"
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_dataset_task_needs_a_path_and_a_model():
+    with pytest.raises(ConfigError, match="task.path"):
+        load_config(None, ["task.name=dataset", "model.path=/x"])
+    with pytest.raises(ConfigError, match="model.path"):
+        load_config(None, ["task.name=dataset", "task.path=/x.jsonl"])
+
+
+def test_a_job_trains_on_a_local_jsonl(model_dir, tmp_path):
+    from asyncflow.workflow.driver import train
+
+    rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(6) for b in range(6)]
+    data = write_jsonl(tmp_path / "train.jsonl", rows)
+    cfg = load_config(None, [
+        "task.name=dataset", f"task.path={data}", "task.fields={prompt: q, answer: a}", f"model.path={model_dir}",
+        "mode=sync", "launcher=local", "train.steps=2", "train.prompts_per_step=2", "rollout.group_size=2",
+        "train.micro_prompts=1", "rollout.max_new_tokens=4", f"run_dir={tmp_path}/runs", "progress=false"])
+    summary = train(cfg)
+    assert summary["samples"] == 8 and summary["init"] == {"source": "path"}
+    assert 0.0 <= summary["heldout_acc_after"] <= 1.0
+
+
+def test_a_bad_row_names_file_line_and_field(model_dir, tmp_path):
+    from asyncflow.tasks import build_task
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n'
+                    '{"prompt": "1+2=", "answer": "3"}\n{"prompt": "2+1=", "answer": "3"}\n')
+    cfg = load_config(None, ["task.name=dataset", f"task.path={data}", f"model.path={model_dir}"])
+    with pytest.raises(ConfigError, match=r"bad.jsonl.*2.*answer"):
+        build_task(cfg)
+    cfg = load_config(None, ["task.name=dataset", f"task.path={data}", f"model.path={model_dir}",
+                             "task.on_bad_row=skip"])
+    task = build_task(cfg)
+    assert task.skipped == 1 and len(task.train) + len(task.heldout) == 3 and task.heldout
