@@ -144,6 +144,9 @@ class TrainConfig(_Section):
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate (RL; the SFT warm-start has its own).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
+    lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning rate after warmup.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of lr.")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
 
 

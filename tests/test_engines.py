@@ -543,3 +543,23 @@ def test_subscriber_rejects_a_corrupted_version_and_keeps_its_weights():
         assert sub.swap_if_ready() is True and applied == [2]
     finally:
         sub.close()
+
+
+def test_lr_schedule_warmup_then_cosine():
+    from asyncflow.engines.training import lr_multiplier
+
+    # warmup 2 of 10 steps: 1/2, 2/2, then cos from 1 to min_ratio over steps 2..10
+    assert [lr_multiplier(s, 10, warmup=2) for s in (0, 1, 5, 9)] == [0.5, 1.0, 1.0, 1.0]
+    got = [lr_multiplier(s, 10, warmup=2, schedule="cosine", min_ratio=0.1) for s in (2, 6, 10)]
+    assert got == pytest.approx([1.0, 0.1 + 0.9 * 0.5, 0.1])
+
+
+def test_engine_applies_the_schedule(tok):
+    from functools import partial
+
+    from asyncflow.engines.training import lr_multiplier
+
+    model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
+                             intermediate_size=64)
+    te = TrainEngine(model, tok.pad_token_id, lr=1.0, schedule=partial(lr_multiplier, total=4, warmup=2))
+    assert [te.optimizer_step()["lr"] for _ in range(3)] == [0.5, 1.0, 1.0]

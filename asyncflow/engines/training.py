@@ -16,6 +16,7 @@ prompt length of each row, so ragged prompts and responses need no extra bookkee
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -81,16 +82,41 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
 LossFn = Callable[[torch.Tensor, TokenBatch, dict], tuple[torch.Tensor, dict]]
 
 
+def lr_multiplier(step: int, total: int, warmup: int = 0, schedule: str = "constant",
+                  min_ratio: float = 0.0) -> float:
+    """Learning-rate factor at optimizer step ``step`` (0-based): linear warmup over
+    ``warmup`` steps, then constant or cosine decay to ``min_ratio`` at step ``total``.
+
+    >>> [round(lr_multiplier(s, 10, warmup=2, schedule="cosine"), 3) for s in (0, 1, 2, 6, 10)]
+    [0.5, 1.0, 1.0, 0.5, 0.0]
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class TrainEngine:
-    """Single-process training engine over a HF causal LM (AdamW, grad clipping)."""
+    """Training engine over a HF causal LM (AdamW, grad clipping, LR schedule).
+
+    Data parallel: with ``torch.distributed`` initialised (gloo on CPU, NCCL on GPUs),
+    each rank runs ``forward_backward`` on its own share of the step and
+    ``optimizer_step`` sums the gradients over ranks before clipping, so every rank takes
+    the same step as one process on the whole batch would (losses are normalised by the
+    step's global batch, hence a sum, not a mean, across ranks).
+    """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99)):
+                 grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
+                 schedule: Callable[[int], float] | None = None):
         self.model = model
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         self.version = 0
 
     @torch.no_grad()
@@ -114,15 +140,23 @@ class TrainEngine:
     def optimizer_step(self, grad_scale: float = 1.0) -> dict:
         """Clip, step, zero grads, bump the version. ``grad_scale`` multiplies the accumulated
         gradient first (a loss normalised by a count known only at the end of the step)."""
-        if grad_scale != 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(grad_scale)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)  # every rank must join every all-reduce
+            if grad_scale != 1.0:
+                p.grad.mul_(grad_scale)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            for p in params:
+                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
+        if self.sched is not None:
+            self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": float(norm)}
+        return {"grad_norm": float(norm), "lr": lr}
 
     @torch.no_grad()
     def export_weights(self) -> dict[str, np.ndarray]:

@@ -75,8 +75,14 @@ class Worker:
             from asyncflow.algorithms.algorithm import Algorithm
             from asyncflow.workflow.actor import ActorRole
 
+            from functools import partial
+
+            from asyncflow.engines.training import lr_multiplier
+
+            schedule = partial(lr_multiplier, total=t.steps, warmup=t.warmup_steps, schedule=t.lr_schedule,
+                               min_ratio=t.min_lr_ratio)
             engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
-                                 grad_clip=t.grad_clip, temperature=r.temperature)
+                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=schedule)
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
                                             a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
