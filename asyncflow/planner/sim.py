@@ -12,10 +12,12 @@ The simulated job mirrors the real roles (``asyncflow/workflow``):
   optional remote latency served by ``concurrency`` calls in flight;
 * **actor**: trains partition ``v`` as micro-batches of whole rewarded groups
   (``cost.train_s(rows, padded length)`` each), then one optimizer step + weight export
-  (``cost.step_s``), then publishes ``v + 1`` (visible to rollout ``cost.transfer_s`` later).
+  (``cost.step_s``, ``cost.export_s``), then publishes ``v + 1`` (visible to rollout ``cost.transfer_s`` later).
 
 ``sync`` runs the same pieces as whole-batch phases on one colocated worker (generate all,
-score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0.
+score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0. Each
+trainer step starts after ``cost.step_overhead_s`` of latency (the driver's round trip,
+prompt feeding, logging: measured, not modelled).
 
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
@@ -47,8 +49,10 @@ class CostModel(Protocol):
     def prefill_s(self, n: int, prompt_len: float, res: int) -> float: ...
     def train_s(self, rows: int, padded_len: int, res: int) -> float: ...
     def step_s(self, res: int) -> float: ...
+    def export_s(self) -> float: ...
     def swap_s(self, n_live: int, ctx: float, res: int) -> float: ...
     def transfer_s(self) -> float: ...
+    def step_overhead_s(self) -> float: ...
     def reward_s(self, n: int) -> float: ...
 
 
@@ -294,7 +298,9 @@ class _Job:
 
     def actor(self) -> Iterator:
         for v in range(self.wl.steps):
+            yield self.cost.step_overhead_s()  # driver round trip, prompt feeding, logging
             yield from self.train(v, self.a.actor_res)
+            yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
             self.step_end.append(self.env.now)
             self.env.at(self.env.now + self.cost.transfer_s(), lambda v=v: self.publish(v + 1))
 
@@ -306,6 +312,7 @@ class _Job:
         """sync: generate all, score all, train all, on one worker (weights shared)."""
         t = self.a.rollout_res
         for v in range(self.wl.steps):
+            yield self.cost.step_overhead_s()
             yield from self.rollout(t, only=v)
             while len(self.ready_groups[v]) < self.wl.prompts_per_step:  # reward runs alone
                 yield self.changed
@@ -353,9 +360,11 @@ class ConstantCost:
     prefill: float = 0.0
     train_per_row: float = 0.0
     step: float = 0.0
+    export: float = 0.0
     swap: float = 0.0
     transfer: float = 0.0
     reward: float = 0.0
+    overhead: float = 0.0
     interference: float = 1.0
 
     def decode_s(self, n, ctx, res):
@@ -370,6 +379,9 @@ class ConstantCost:
     def step_s(self, res):
         return self.step
 
+    def export_s(self):
+        return self.export
+
     def swap_s(self, n_live, ctx, res):
         return self.swap
 
@@ -378,4 +390,7 @@ class ConstantCost:
 
     def reward_s(self, n):
         return self.reward * n
+
+    def step_overhead_s(self):
+        return self.overhead
 
