@@ -60,3 +60,65 @@ def test_swap_cost_is_paid_by_rollout_once_per_step():
     r = simulate(wl, alloc, ConstantCost(decode=1.0, swap=0.5))
     assert r.samples_per_s == pytest.approx(4 / 4.5)
     assert sum(1 for role, what, *_ in r.spans if what.startswith("swap")) == 11
+
+
+# ---------------------------------------------------------------------------- cost models, search, CLI
+PROFILE = {
+    "cpus": 2, "prompt_len": 7.0, "lengths": {"4": 0.5, "8": 0.5}, "export_s": 0.001, "load_s": 0.001,
+    "reward_s_per_sample": 1e-5, "param_bytes": 4000,
+    "curves": {"1": {"decode": [0.002, 3e-5, 1e-7], "prefill": [0.005, 3e-5], "train": [0.006, 9e-5], "step_s": 5e-4},
+               "2": {"decode": [0.0015, 2e-5, 1e-7], "prefill": [0.004, 2e-5], "train": [0.005, 5e-5], "step_s": 5e-4}},
+    "calibration": {"1": {"rollout": 1.0, "actor": 1.0}, "2": {"rollout": 1.0, "actor": 1.0}},
+    "pipeline": {"step_overhead_s": 0.01, "transfer_s": 0.002},
+}
+
+
+def test_profiled_cost_reads_the_curves_and_picks_thread_counts():
+    from asyncflow.planner.costs import ProfiledCost
+
+    c = ProfiledCost.from_dict(PROFILE)
+    assert c.decode_s(10, 20, 1) == pytest.approx(0.002 + 3e-4 + 2e-5)
+    assert c.train_s(8, 10, 2) == pytest.approx(0.005 + 5e-5 * 80)
+    assert c.train_s(8, 10, 4) == c.train_s(8, 10, 2)  # 4 threads not profiled: 2 is used
+    assert c.step_overhead_s() == 0.01 and c.transfer_s() == 0.002
+
+
+def test_analytic_decode_is_memory_bound_at_small_batches_and_training_scales_with_devices():
+    from asyncflow.planner.costs import DEVICES, MODELS, AnalyticCost
+
+    c = AnalyticCost(MODELS["7b"], DEVICES["h100"], tp=1)
+    weights_read = 2 * 7.6e9 / (3350e9 * 0.6)  # bf16 weights once per round at 60% of HBM bandwidth
+    assert c.decode_s(1, 100, 1) == pytest.approx(weights_read + 0.012, rel=1e-3)
+    assert c.train_s(64, 1000, 8) == pytest.approx(c.train_s(64, 1000, 16) * 2)
+
+
+def test_search_ranks_every_mode_and_says_when_sync_wins():
+    from asyncflow.config import load_config
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.search import format_plan, search
+
+    cfg = load_config(None, ["train.prompts_per_step=4", "rollout.max_batch=16"])
+    ranked = search(cfg, ProfiledCost.from_dict(PROFILE), PROFILE, cpus=2, steps=6)
+    assert {a.mode for a, _ in ranked} == {"sync", "stream", "async"}
+    assert all(r1.samples_per_s >= r2.samples_per_s for (_, r1), (_, r2) in zip(ranked, ranked[1:]))
+    text = format_plan(ranked, 2)
+    assert "plan:" in text and "idle" in text
+    sync_first = [(a, r) for a, r in ranked if a.mode == "sync"] + [(a, r) for a, r in ranked if a.mode != "sync"]
+    assert "sync wins here" in format_plan(sync_first, 2)
+
+
+def test_plan_cli_and_simulated_trace(tmp_path, capsys):
+    import json
+
+    from asyncflow.cli import main
+
+    prof, trace = tmp_path / "p.json", tmp_path / "t.json"
+    prof.write_text(json.dumps(PROFILE))
+    assert main(["plan", "train.prompts_per_step=4", "rollout.max_batch=16", "--profile", str(prof),
+                 "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted:" in out and "best of each mode" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"rollout", "actor"} <= names
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")

@@ -86,3 +86,25 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: 
         lines.append(f"\nthe config as given ({a.describe()}): {r.samples_per_s:.1f} samples/s predicted "
                      f"({r.samples_per_s / best.samples_per_s:.2f}x the plan)")
     return "\n".join(lines)
+
+
+def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None) -> str:
+    """``asyncflow plan``: search on the profiled costs and format the plan."""
+    import json
+    import os
+
+    from asyncflow.planner.costs import ProfiledCost
+
+    cpus = cpus or os.cpu_count() or 1
+    prof = json.loads(open(profile).read())
+    cost = ProfiledCost.from_dict(prof)
+    ranked = search(cfg, cost, prof, cpus)
+    current_alloc = allocation_for(cfg, cpus)
+    current = (current_alloc, predict(cfg, cost, prof, cpus, 12, current_alloc))
+    text = format_plan(ranked, cpus, current)
+    if trace:
+        from asyncflow.planner.trace import write_sim_trace
+
+        write_sim_trace(ranked[0][1], trace)
+        text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
+    return text
