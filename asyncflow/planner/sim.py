@@ -69,6 +69,7 @@ class Workload:
     reward_latency_s: tuple[float, float] | None = None
     reward_concurrency: int = 64
     token_chunk: int = 1  # tokens per simulated decode round (coarser = faster, for big runs)
+    packed: bool = False  # trainer packs sequences (cost ~ mean length) instead of padding to the longest
     seed: int = 0
 
     @property
@@ -291,7 +292,8 @@ class _Job:
             rows = [x for _ in range(want) for x in self.ready_groups[v].popleft()]
             for x in rows:
                 self.max_staleness = max(self.max_staleness, v - x.version)
-            padded = int(wl.prompt_len + max(x.length for x in rows))
+            longest = (sum(x.length for x in rows) / len(rows)) if wl.packed else max(x.length for x in rows)
+            padded = int(wl.prompt_len + longest)
             yield from self.work("actor", "train", self.cost.train_s(len(rows), padded, threads), threads)
             seen += len(rows)
         yield from self.work("actor", "optimizer step", self.cost.step_s(threads), threads)
