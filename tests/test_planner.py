@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from asyncflow.planner.sim import Allocation, ConstantCost, Workload, simulate
@@ -122,3 +124,28 @@ def test_plan_cli_and_simulated_trace(tmp_path, capsys):
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"rollout", "actor"} <= names
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_real_run_writes_a_trace_with_one_track_per_role(tmp_path):
+    import json
+
+    from asyncflow.config import load_config
+    from asyncflow.workflow.driver import train
+
+    cfg = load_config(None, ["mode=stream", "launcher=local", "warmstart.enabled=false", "train.steps=2",
+                             "train.prompts_per_step=4", "train.micro_prompts=2", "train.eval_every=0",
+                             "progress=false", f"run_dir={tmp_path}"])
+    s = train(cfg, evaluate=False)
+    events = json.loads((Path(s["run_dir"]) / "trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"rollout", "reward", "actor"} <= tracks
+    assert min(e["ts"] for e in events if e["ph"] == "X") >= 0
+
+
+def test_whatif_at_small_scale_runs_and_async_beats_one_task_at_a_time():
+    from asyncflow.planner.whatif import run_mode
+
+    kw = dict(steps=3, prompts=32, splits=(0.5,), micro=8)
+    base, _ = run_mode("7b", 32, "stream", **{**kw, "micro": 32})
+    asyn, a = run_mode("7b", 32, "async", **kw)
+    assert a.rollout_res == 16 and asyn > base

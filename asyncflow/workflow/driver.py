@@ -56,6 +56,14 @@ def make_run_dir(cfg: RunConfig) -> Path:
     return d
 
 
+def write_run_trace(spans: dict, path: Path) -> None:
+    """Chrome trace (Perfetto) of the roles' computing spans, one track per role."""
+    from asyncflow.planner.trace import write_trace
+
+    t0 = min((s for v in spans.values() for s, _ in v), default=0.0)
+    write_trace([(role, role, s - t0, d) for role, v in spans.items() for s, d in v], path, "asyncflow run")
+
+
 def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
     from asyncflow.launch import get_launcher
     from asyncflow.tasks import build_task, load_model, prepare_model
@@ -93,6 +101,7 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
             steady = (samples - steady0[0], tokens - steady0[1], wall - (t1 - t0), busy_fractions(stats1, stats))
         else:
             steady = (samples, tokens, wall, busy_fractions(stats0, stats))
+        write_run_trace(job.spans(), run_dir / "trace.json")
         acc1 = job.evaluate() if evaluate else None
         ckpt = job.save(str(run_dir / "checkpoint"))
         progress.close()
