@@ -141,7 +141,10 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
 
 
 def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
-    """A short real ``sync`` run on the job's launcher: the per-step overhead the curves miss."""
+    """A short real ``sync`` run on the job's launcher: the per-step overhead the curves miss.
+
+    One thread (a one-thread step does not collapse when another process takes a core, as
+    a multi-threaded one can) and the fastest step (other load only ever adds time)."""
     import tempfile
 
     from asyncflow.launch import get_launcher
@@ -152,6 +155,7 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
     data = cfg.model_dump()
     data.update(mode="sync", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
     data["train"].update(steps=steps, eval_every=0)
+    data["resources"].update(sync_threads=1)
     run = RunConfig.model_validate(data)
     launcher = get_launcher(cfg.launcher)
     try:
@@ -165,9 +169,9 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
         s = train(run, launcher=launcher, evaluate=False)
     finally:
         launcher.shutdown()
-    step_s = float(np.median(step_seconds(s["run_dir"])))  # median: robust to a stall of the shared machine
+    step_s = float(np.min(step_seconds(s["run_dir"])))
     cost = ProfiledCost.from_dict({**prof, "pipeline": {"transfer_s": transfer}})
-    pred = predict(run, cost, prof, ncpu, steps=steps)
+    pred = predict(run, cost, prof, ncpu, steps=steps)  # allocation_for: sync on 1 thread, as run
     overhead = max(0.0, step_s - run.batch_size / pred.samples_per_s)
     return {"step_overhead_s": overhead, "transfer_s": transfer, "launcher": cfg.launcher,
             "sync_step_s_measured": step_s, "sync_step_s_curves": run.batch_size / pred.samples_per_s,

@@ -15,9 +15,14 @@ The simulated job mirrors the real roles (``asyncflow/workflow``):
   (``cost.step_s``, ``cost.export_s``), then publishes ``v + 1`` (visible to rollout ``cost.transfer_s`` later).
 
 ``sync`` runs the same pieces as whole-batch phases on one colocated worker (generate all,
-score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0. Each
-trainer step starts after ``cost.step_overhead_s`` of latency (the driver's round trip,
-prompt feeding, logging: measured, not modelled).
+score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0.
+
+``cost.step_overhead_s`` is the measured per-step latency the cost curves miss (data-plane
+round trips between processes, the driver's round trip, prompt feeding). In ``sync`` one
+worker makes every call, so it is paid whole, once per step; in ``stream``/``async`` each
+role makes its own calls in its own process: ``ROLLOUT_SHARE`` of it is paid by rollout
+when it starts a partition, the rest by the actor before each step (a modelling choice,
+stated here, not measured per role).
 
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
@@ -38,6 +43,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
+
+
+ROLLOUT_SHARE = 0.5
 
 
 class CostModel(Protocol):
@@ -255,6 +263,8 @@ class _Job:
             if not waiting and partition <= min(last, version + a.k):
                 waiting.extend(self.answers(partition, version))
                 partition += 1
+                if only is None:  # its share of the per-step data-plane overhead, in its own process
+                    yield self.cost.step_overhead_s() * ROLLOUT_SHARE
             free = (a.slots - len(live)) // wl.group_size
             start = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             if start:
@@ -300,7 +310,7 @@ class _Job:
 
     def actor(self) -> Iterator:
         for v in range(self.wl.steps):
-            yield self.cost.step_overhead_s()  # driver round trip, prompt feeding, logging
+            yield self.cost.step_overhead_s() * (1 - ROLLOUT_SHARE)  # driver round trip, its own gets, clear
             yield from self.train(v, self.a.actor_res)
             yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
             self.step_end.append(self.env.now)
