@@ -109,6 +109,14 @@ def test_search_ranks_every_mode_and_says_when_sync_wins():
     assert "sync wins here" in format_plan(sync_first, 2)
 
 
+def test_plan_warns_when_the_profile_was_disturbed():
+    from asyncflow.planner.search import noisy_calibration
+
+    assert noisy_calibration(PROFILE) == []
+    bad = {**PROFILE, "calibration": {"2": {"rollout": 3.3, "actor": 1.0}}}
+    assert noisy_calibration(bad) == ["rollout on 2 thread(s) x3.30"]
+
+
 def test_plan_cli_and_simulated_trace(tmp_path, capsys):
     import json
 
@@ -149,3 +157,11 @@ def test_whatif_at_small_scale_runs_and_async_beats_one_task_at_a_time():
     base, _ = run_mode("7b", 32, "stream", **{**kw, "micro": 32})
     asyn, a = run_mode("7b", 32, "async", **kw)
     assert a.rollout_res == 16 and asyn > base
+
+
+def test_profile_fit_never_returns_a_negative_cost_term():
+    from asyncflow.planner.profile import _fit
+
+    assert _fit([[1, 1], [1, 2], [1, 3]], [2, 4, 6]) == pytest.approx([0, 2], abs=1e-9)
+    noisy = _fit([[1, 10], [1, 20], [1, 30]], [0.5, 0.2, 0.6])  # a load spike on the first point
+    assert min(noisy) >= 0

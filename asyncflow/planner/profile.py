@@ -41,8 +41,18 @@ def _min_time(fn, reps: int = 3) -> float:
 
 
 def _fit(X: list[list[float]], y: list[float]) -> list[float]:
-    coef, *_ = np.linalg.lstsq(np.asarray(X, dtype=float), np.asarray(y, dtype=float), rcond=None)
-    return [float(c) for c in coef]
+    """Least squares with non-negative coefficients (a cost never falls with more work;
+    a negative term is dropped and the rest refitted: a small active-set NNLS)."""
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    keep = list(range(A.shape[1]))
+    while keep:
+        coef, *_ = np.linalg.lstsq(A[:, keep], b, rcond=None)
+        if (coef >= 0).all():
+            out = np.zeros(A.shape[1])
+            out[keep] = coef
+            return [float(c) for c in out]
+        keep.pop(int(np.argmin(coef)))
+    return [0.0] * A.shape[1]
 
 
 def _thread_counts(ncpu: int) -> list[int]:
@@ -93,7 +103,7 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
             prompts = [prompt_ids[i % len(prompt_ids)] for i in range(rows)]
             resp = [[5] * L for _ in range(rows)]
             extras = {"logprobs": [np.zeros(L, np.float32)] * rows, "advantages": np.ones(rows, np.float32)}
-            s = _min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 2)
+            s = _min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 3)
             tr_X.append([1.0, rows * (max(len(p) for p in prompts) + L)])
             tr_y.append(s)
     step = _min_time(engine.optimizer_step, 3)

@@ -102,9 +102,20 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
     current_alloc = allocation_for(cfg, cpus)
     current = (current_alloc, predict(cfg, cost, prof, cpus, 12, current_alloc))
     text = format_plan(ranked, cpus, current)
+    noisy = noisy_calibration(prof)
+    if noisy:
+        text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
+                 "the plan may be wrong: re-run `asyncflow profile` on a quiet machine")
     if trace:
         from asyncflow.planner.trace import write_sim_trace
 
         write_sim_trace(ranked[0][1], trace)
         text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
     return text
+
+
+def noisy_calibration(prof: dict, lo: float = 0.5, hi: float = 2.0) -> list[str]:
+    """Calibration factors far from 1: the curves and the role runs disagree, which on a
+    shared machine means one of them was slowed by other load."""
+    return [f"{role} on {t} thread(s) x{f:.2f}" for t, cal in prof.get("calibration", {}).items()
+            for role, f in cal.items() if isinstance(f, (int, float)) and not lo <= f <= hi]
