@@ -1,4 +1,4 @@
-"""``asyncflow`` command line: ``train``, ``bench``.
+"""``asyncflow`` command line: ``train``, ``bench``, ``profile``, ``plan``.
 
 Heavy modules (torch, transformers, ray) are imported only inside the commands, so
 ``--help`` and ``--dry-run`` are instant. A user mistake (bad config, bad override,
@@ -30,7 +30,28 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="write the results as JSON here (default: the bench folder)")
     b.add_argument("--quality", action="store_true",
                    help="instead: held-out accuracy of sync and async after the same number of samples")
+    for name, text in (("profile", "measure this machine's per-role cost curves (JSON, under a minute)"),
+                       ("plan", "choose mode, threads, micro-batch and staleness by simulation")):
+        q = sub.add_parser(name, help=text)
+        q.add_argument("config", nargs="?", help="YAML config file (optional)")
+        q.add_argument("overrides", nargs="*", help="key=value overrides")
+        q.add_argument("--profile", default="runs/profile.json",
+                       help="profile JSON to write (profile) or read (plan; measured first if missing)")
+        q.add_argument("--cpus", type=int, default=None, help="CPU budget (default: this machine's cores)")
+        q.add_argument("--trace", default=None, help="plan: write a Chrome trace (Perfetto) of the planned run here")
     return p
+
+
+def _planner(args, cfg) -> int:
+    from asyncflow.planner.profile import run_profile
+
+    if args.command == "profile" or not os.path.exists(args.profile):
+        run_profile(cfg, out=args.profile, cpus=args.cpus)
+    if args.command == "plan":
+        from asyncflow.planner.search import plan
+
+        print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace))
+    return 0
 
 
 def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[str]]:
@@ -62,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
                       modes=args.modes.split(","), out=args.out, quality=args.quality)
             return 0
+        if args.command in ("profile", "plan"):
+            return _planner(args, cfg)
     except ConfigError as e:
         print(f"asyncflow: error: {e}", file=sys.stderr)
         return 2

@@ -58,6 +58,14 @@ def make_run_dir(cfg: RunConfig) -> Path:
     return d
 
 
+def write_run_trace(spans: dict, path: Path) -> None:
+    """Chrome trace (Perfetto) of the roles' computing spans, one track per role."""
+    from asyncflow.planner.trace import write_trace
+
+    t0 = min((s for v in spans.values() for s, _ in v), default=0.0)
+    write_trace([(role, role, s - t0, d) for role, v in spans.items() for s, d in v], path, "asyncflow run")
+
+
 def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
     """Run one job; return its summary (also written to ``<run_dir>/summary.json``)."""
     from asyncflow.launch import get_launcher
@@ -87,6 +95,7 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
                 log.flush()
                 progress.update(m)
         totals = meter.finish()
+        write_run_trace(job.spans(), run_dir / "trace.json")
         acc1 = job.evaluate() if evaluate else None
         ckpt = job.save(str(run_dir / "checkpoint"))
         progress.close()

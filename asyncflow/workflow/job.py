@@ -54,6 +54,12 @@ class Job:
             out.update(self.launcher.call(w, "stats"))
         return out
 
+    def spans(self) -> dict:
+        out: dict = {}
+        for w in self.workers.values():
+            out.update(self.launcher.call(w, "spans"))
+        return out
+
     def shutdown(self) -> None:
         for w in self.workers.values():
             try:

@@ -2,6 +2,8 @@
 
 ``busy_s`` counts seconds spent computing (inside :meth:`Role.work` sections), not
 waiting on the data plane or on weights; ``busy_s / wall`` is the role's busy fraction.
+Each section is also kept as a span ``(wall-clock start, seconds)`` (the first
+``MAX_SPANS``) for the run's timeline trace.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from contextlib import contextmanager
 from asyncflow.queue import QueueClosed
 
 
+MAX_SPANS = 200_000
+
+
 class Role:
     name = "role"
 
@@ -20,6 +25,7 @@ class Role:
         self.busy_s = 0.0
         self.items = 0  # rows produced
         self.error: BaseException | None = None
+        self.spans: list[tuple[float, float]] = []
 
     @contextmanager
     def work(self):
@@ -27,7 +33,10 @@ class Role:
         try:
             yield
         finally:
-            self.busy_s += time.perf_counter() - t
+            d = time.perf_counter() - t
+            self.busy_s += d
+            if len(self.spans) < MAX_SPANS:
+                self.spans.append((time.time() - d, d))  # wall clock: comparable across processes
 
     linger_s = 0.02  # after a short batch, let rows accumulate before asking again
 

@@ -194,6 +194,10 @@ class Worker:
         wall = time.perf_counter() - self.started
         return {name: {**role.stats(), "wall_s": wall} for name, role in self.roles.items()}
 
+    def spans(self) -> dict[str, list[tuple[float, float]]]:
+        """Each role's computing spans (wall-clock start, seconds), for the timeline trace."""
+        return {name: list(role.spans) for name, role in self.roles.items()}
+
     def stop(self) -> None:
         self._stop.set()
         for th in self._threads:

@@ -1,0 +1,17 @@
+"""Execution-time planner: simulate the dataflow, calibrate it, search the allocation.
+
+* :mod:`~asyncflow.planner.sim`: discrete-event simulation of sync / stream / async
+  (continuous batching, long-tailed lengths, reward latency, micro-batched actor,
+  staleness admission control, delayed weight swap, shared cores);
+* :mod:`~asyncflow.planner.costs`: cost models: profiled curves of this machine
+  (``asyncflow profile`` writes them) and analytic accelerator models (assumptions);
+* :mod:`~asyncflow.planner.profile`: the short measured run behind the profiled curves;
+* :mod:`~asyncflow.planner.search`: allocation search behind ``asyncflow plan``;
+* :mod:`~asyncflow.planner.whatif`: the table at the published scale (docs/planner.md).
+
+Nothing here imports torch except :mod:`~asyncflow.planner.profile`.
+"""
+
+from asyncflow.planner.sim import Allocation, ConstantCost, SimResult, Workload, simulate
+
+__all__ = ["Allocation", "ConstantCost", "SimResult", "Workload", "simulate"]

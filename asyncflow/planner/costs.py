@@ -1,0 +1,191 @@
+"""Cost models for the simulator: measured curves of this machine, or analytic accelerators.
+
+:class:`ProfiledCost` reads the JSON written by ``asyncflow profile``: per torch-thread
+count, linear fits of
+
+* decode seconds per round ``a + b*n + c*n*ctx`` (``n`` live rows, ``ctx`` mean context),
+* prefill seconds ``a + b*rows*prompt_len``,
+* training seconds per micro-batch ``a + b*rows*padded_len`` (forward + backward),
+* optimizer step, weight export, weight load (the swap), reward seconds per sample,
+* ``pipeline``: a short real ``sync`` run on the job's launcher gives the per-step
+  overhead the curves miss (driver round trip, data-plane calls across processes,
+  prompt feeding); the weight store's publish -> fetch latency gives ``transfer_s``,
+
+and per-role calibration factors (role alone through the real role code over an
+in-process data plane, divided by the curves' prediction: what the curves miss is data-
+plane calls, sampling, bookkeeping). A thread count that was not profiled uses the
+largest profiled count below it (more threads are assumed not to help).
+
+:class:`AnalyticCost` models accelerators we do not have from a model size and a device
+sheet. Every number in it is an **assumption**, listed in :data:`ASSUMPTIONS` and
+repeated in ``docs/planner.md``: FLOPs ``2P`` per generated token and ``6P`` per trained
+token (+ ``2P`` each for the old-policy and reference log-prob passes of a verl-style
+step), decode bound by ``max(compute, weight + KV bytes / bandwidth)``, utilisations fixed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+# ---------------------------------------------------------------------------- profiled
+@dataclass
+class ProfiledCost:
+    curves: dict[int, dict]  # threads -> {"decode": [a, b, c], "prefill": [a, b], "train": [a, b], "step_s": x}
+    export_s_: float = 0.0
+    load_s: float = 0.0
+    reward_per_sample_s: float = 0.0
+    calibration: dict[int, dict] = field(default_factory=dict)  # threads -> {role: measured / curves}
+    interference: float = 1.0
+    pipeline: dict = field(default_factory=dict)  # measured in a short real run: step_overhead_s, transfer_s
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ProfiledCost":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ProfiledCost":
+        return cls(curves={int(k): v for k, v in d["curves"].items()}, export_s_=d["export_s"], load_s=d["load_s"],
+                   reward_per_sample_s=d["reward_s_per_sample"], calibration={int(k): v for k, v in d.get("calibration", {}).items()},
+                   interference=d.get("interference", 1.0), pipeline=d.get("pipeline", {}))
+
+    @staticmethod
+    def _pick(table: dict, res: int):
+        ok = [t for t in table if t <= max(1, res)]
+        return table[max(ok) if ok else min(table)]
+
+    def _c(self, res: int) -> dict:
+        return self._pick(self.curves, res)
+
+    def _cal(self, role: str, res: int) -> float:
+        return self._pick(self.calibration, res).get(role, 1.0) if self.calibration else 1.0
+
+    def decode_s(self, n, ctx, res):
+        a, b, c = self._c(res)["decode"]
+        return max(0.0, a + b * n + c * n * ctx) * self._cal("rollout", res)
+
+    def prefill_s(self, n, prompt_len, res):
+        a, b = self._c(res)["prefill"]
+        return max(0.0, a + b * n * prompt_len) * self._cal("rollout", res)
+
+    def train_s(self, rows, padded_len, res):
+        a, b = self._c(res)["train"]
+        return max(0.0, a + b * rows * padded_len) * self._cal("actor", res)
+
+    def step_s(self, res):
+        return self._c(res)["step_s"]
+
+    def export_s(self):
+        return self.export_s_
+
+    def swap_s(self, n_live, ctx, res):
+        return self.load_s + (self.prefill_s(n_live, ctx, res) if n_live else 0.0)
+
+    def transfer_s(self):
+        return self.pipeline.get("transfer_s", self.load_s)  # publish -> staged at the subscriber
+
+    def reward_s(self, n):
+        return self.reward_per_sample_s * n
+
+    def step_overhead_s(self):
+        return self.pipeline.get("step_overhead_s", 0.0)
+
+
+# ---------------------------------------------------------------------------- analytic
+@dataclass(frozen=True)
+class Device:
+    name: str
+    tflops: float  # dense bf16/fp16 peak, TFLOP/s
+    hbm_gbs: float  # memory bandwidth, GB/s
+    mem_gb: float
+
+
+@dataclass(frozen=True)
+class LLM:
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2 * self.layers * self.kv_heads * self.head_dim * 2  # K and V, bf16
+
+
+DEVICES = {
+    "ascend-910b": Device("Ascend 910B (datasheet-class figures)", 313.0, 1600.0, 64.0),
+    "h100": Device("NVIDIA H100 SXM", 989.0, 3350.0, 80.0),
+    "h200": Device("NVIDIA H200", 989.0, 4800.0, 141.0),
+}
+MODELS = {
+    "7b": LLM("Qwen2.5-7B", 7.6e9, 28, 4, 128),
+    "32b": LLM("Qwen2.5-32B", 32.8e9, 64, 8, 128),
+}
+ASSUMPTIONS = {
+    "mfu_train": (0.35, "model FLOPs utilisation of training (fwd+bwd)"),
+    "mfu_prefill": (0.45, "FLOPs utilisation of prefill and log-prob forward passes"),
+    "mfu_decode": (0.35, "FLOPs utilisation of a decode round when compute-bound"),
+    "bw_util": (0.6, "fraction of HBM bandwidth a decode round achieves"),
+    "decode_overhead_s": (0.012, "fixed per decode round (kernel launch, sampling, scheduler)"),
+    "extra_forward_passes": (2, "forward passes besides training: old-policy and reference log-probs"),
+    "reshard_gbs": (20.0, "sync: training -> inference weight resharding, GB/s per device"),
+    "h2d_gbs": (25.0, "async: host -> device copy of the delayed update, GB/s per device"),
+    "opt_bytes_per_param": (16.0, "optimizer step reads/writes (fp32 master, Adam m, v, grads)"),
+    "step_overhead_s": (1.0, "per training step: driver, scheduling, logging, data-plane round trips"),
+    "reward_s_per_sample": (0.0, "rule-based maths reward: negligible"),
+}
+
+
+@dataclass
+class AnalyticCost:
+    """Accelerator cost model. ``res`` of a role = its devices; ``tp`` devices per
+    rollout instance (an instance's decode round serves ``n / instances`` rows)."""
+
+    model: LLM
+    device: Device
+    tp: int = 1
+    a: dict = field(default_factory=lambda: {k: v for k, (v, _) in ASSUMPTIONS.items()})
+    colocated: bool = False  # sync: weights reshard in place every step
+    interference: float = 1.0
+
+    def _flops(self, res: int, util: float) -> float:
+        return res * self.device.tflops * 1e12 * util
+
+    def decode_s(self, n, ctx, res):
+        inst = max(1, res // self.tp)
+        per = n / inst
+        compute = 2 * self.model.params * per / (self.tp * self.device.tflops * 1e12 * self.a["mfu_decode"])
+        mem = (2 * self.model.params + per * ctx * self.model.kv_bytes_per_token) / (
+            self.tp * self.device.hbm_gbs * 1e9 * self.a["bw_util"])
+        return max(compute, mem) + self.a["decode_overhead_s"]
+
+    def prefill_s(self, n, prompt_len, res):
+        return 2 * self.model.params * n * prompt_len / self._flops(res, self.a["mfu_prefill"])
+
+    def train_s(self, rows, padded_len, res):
+        tokens = rows * padded_len
+        return (6 * self.model.params * tokens / self._flops(res, self.a["mfu_train"])
+                + self.a["extra_forward_passes"] * 2 * self.model.params * tokens / self._flops(res, self.a["mfu_prefill"]))
+
+    def step_s(self, res):
+        opt = self.a["opt_bytes_per_param"] * self.model.params / (res * self.device.hbm_gbs * 1e9 * self.a["bw_util"])
+        reshard = 2 * self.model.params / (res * self.a["reshard_gbs"] * 1e9) if self.colocated else 0.0
+        return opt + reshard
+
+    def export_s(self):
+        return 0.0  # device -> host copy overlaps the next step (delayed update)
+
+    def swap_s(self, n_live, ctx, res):
+        return 2 * self.model.params / (self.tp * self.a["h2d_gbs"] * 1e9)  # each instance loads its shard
+
+    def transfer_s(self):
+        return 2 * self.model.params / (self.a["reshard_gbs"] * 1e9)  # background, not on either critical path
+
+    def step_overhead_s(self):
+        return self.a["step_overhead_s"]
+
+    def reward_s(self, n):
+        return self.a["reward_s_per_sample"] * n

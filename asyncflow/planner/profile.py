@@ -1,0 +1,265 @@
+"""``asyncflow profile``: a short measured run that records this machine's cost curves.
+
+For each torch thread count (1, 2, 4, ... up to the cores), on the job's own model:
+
+* decode seconds per round vs live rows ``n`` and context length (``GenerationBatch.step``
+  at several batch sizes while the context grows), fitted as ``a + b*n + c*n*ctx``;
+* prefill seconds vs ``rows * prompt_len`` (``GenerationBatch.add``);
+* training seconds per micro-batch vs ``rows * padded_len`` (``forward_backward`` with the
+  GRPO loss), and the optimizer step;
+* once: weight export and load (the swap), reward seconds per sample, the natural
+  answer-length distribution of the policy, the mean prompt length;
+* calibration: each role alone through the real role code (:func:`asyncflow.bench.solo.
+  measure_roles`, in-process data plane) for a few steps, divided by what the curves
+  predict for the same work: the factor covers data-plane calls and bookkeeping.
+
+Everything is written as one JSON file that :class:`~asyncflow.planner.costs.ProfiledCost`
+reads. Measurements take the median of repeats; the machine may be shared, so the file
+records when and how it was measured.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from asyncflow.config import RunConfig
+
+
+def _min_time(fn, reps: int = 3) -> float:
+    """Fastest of ``reps`` runs: on a shared machine other load only ever adds time."""
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return float(np.min(ts))
+
+
+def _fit(X: list[list[float]], y: list[float]) -> list[float]:
+    """Least squares with non-negative coefficients (a cost never falls with more work;
+    a negative term is dropped and the rest refitted: a small active-set NNLS)."""
+    A, b = np.asarray(X, dtype=float), np.asarray(y, dtype=float)
+    keep = list(range(A.shape[1]))
+    while keep:
+        coef, *_ = np.linalg.lstsq(A[:, keep], b, rcond=None)
+        if (coef >= 0).all():
+            out = np.zeros(A.shape[1])
+            out[keep] = coef
+            return [float(c) for c in out]
+        keep.pop(int(np.argmin(coef)))
+    return [0.0] * A.shape[1]
+
+
+def _thread_counts(ncpu: int) -> list[int]:
+    out, t = [], 1
+    while t < ncpu:
+        out.append(t)
+        t *= 2
+    return out + [ncpu]
+
+
+def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool) -> dict:
+    import torch
+
+    from asyncflow.algorithms.grpo import GRPOLoss
+    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
+    from asyncflow.engines.training import TrainEngine
+
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10**6)
+    max_new = 24 if quick else max(48, cfg.rollout.longtail_long)
+    dec_X, dec_y, pre_X, pre_y = [], [], [], []
+    sizes = sorted({min(s, cfg.rollout.max_batch) for s in (4, 16, 32, cfg.rollout.max_batch)})
+    for n in sizes:
+        runs = []
+        for _ in range(2):  # elementwise min of two sweeps: other load on a shared machine only adds time
+            reqs = [Request(key=i, prompt_ids=prompt_ids[i % len(prompt_ids)], max_new_tokens=max_new,
+                            min_new_tokens=max_new) for i in range(n)]
+            batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
+            t = time.perf_counter()
+            batch.add(reqs)
+            times = [time.perf_counter() - t]
+            for _ in range(max_new - 2):
+                t = time.perf_counter()
+                batch.step()
+                times.append(time.perf_counter() - t)
+            runs.append(times)
+        best = np.min(np.asarray(runs), axis=0)
+        plen = float(np.mean([len(prompt_ids[i % len(prompt_ids)]) for i in range(n)]))
+        pre_X.append([1.0, n * plen])
+        pre_y.append(float(best[0]))
+        for i, s in enumerate(best[2:], start=1):  # the first round after a prefill pays allocator warm-up
+            dec_X.append([1.0, n, n * (plen + i + 1)])
+            dec_y.append(float(s))
+    engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
+    loss = GRPOLoss(batch_size=cfg.batch_size)
+    tr_X, tr_y = [], []
+    for rows in (8, 32):
+        for L in ((4, 24) if quick else (4, 24, 48)):
+            prompts = [prompt_ids[i % len(prompt_ids)] for i in range(rows)]
+            resp = [[5] * L for _ in range(rows)]
+            extras = {"logprobs": [np.zeros(L, np.float32)] * rows, "advantages": np.ones(rows, np.float32)}
+            s = _min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 3)
+            tr_X.append([1.0, rows * (max(len(p) for p in prompts) + L)])
+            tr_y.append(s)
+    step = _min_time(engine.optimizer_step, 3)
+    return {"decode": _fit(dec_X, dec_y), "prefill": _fit(pre_X, pre_y), "train": _fit(tr_X, tr_y), "step_s": step,
+            "points": {"decode": len(dec_y), "train": len(tr_y)}}
+
+
+def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
+    import torch
+
+    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
+
+    r = cfg.rollout
+    if r.gen_len == "longtail":
+        return {r.longtail_short: 1 - r.longtail_frac, r.longtail_long: r.longtail_frac}
+    sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
+    done = batch.add([Request(key=i, prompt_ids=p) for i, p in enumerate(prompt_ids[:128])])
+    while len(batch):
+        done += batch.step()
+    counts: dict[int, int] = {}
+    for c in done:
+        counts[len(c.response_ids)] = counts.get(len(c.response_ids), 0) + 1
+    return {L: n / len(done) for L, n in sorted(counts.items())}
+
+
+def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads: int, steps: int) -> dict:
+    """Each role alone through the real role code vs the curves' prediction of the same work."""
+    from asyncflow.bench.solo import measure_roles
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.sim import Allocation, Workload, simulate
+
+    # min of two runs: on a shared machine other load only ever adds time
+    runs = [measure_roles(cfg, model_dir, steps, threads, continuous=True) for _ in range(2)]
+    measured = {k: min(r[k] for r in runs) for k in runs[0]}
+    cost = ProfiledCost.from_dict({**prof, "curves": {threads: curves}, "calibration": {}})
+    wl = workload_from(cfg, prof, steps=steps)
+    r = simulate(wl, Allocation("async", threads, threads, cfg.train.micro_prompts, 10**6, cfg.rollout.max_batch), cost)
+    # rollout ran partitions 1..steps-1 continuously; actor trained steps 1..steps-1 (no export: shared model)
+    roll = sum(d for role, what, _, d in r.spans if role == "rollout") * (steps - 1) / steps
+    actor = sum(d for role, what, _, d in r.spans if role == "actor" and what == "train") * (steps - 1) / steps
+    actor += (steps - 1) * curves["step_s"]
+    return {"rollout": measured["rollout"] / roll, "actor": measured["actor"] / actor,
+            "measured_s": measured, "predicted_s": {"rollout": roll, "actor": actor}}
+
+
+def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
+    """A short real ``sync`` run on the job's launcher: the per-step overhead the curves miss.
+
+    One thread (a one-thread step does not collapse when another process takes a core, as
+    a multi-threaded one can) and the fastest step (other load only ever adds time)."""
+    import tempfile
+
+    from asyncflow.launch import get_launcher
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.search import predict
+    from asyncflow.workflow.driver import train
+
+    data = cfg.model_dump()
+    data.update(mode="sync", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
+    data["train"].update(steps=steps, eval_every=0)
+    data["resources"].update(sync_threads=1)
+    run = RunConfig.model_validate(data)
+    launcher = get_launcher(cfg.launcher)
+    try:
+        store = launcher.weight_store()
+        w = {"w": np.zeros(max(1, prof["param_bytes"] // 4), np.float32)}  # same size as the model
+        t = time.perf_counter()
+        for v in range(1, 6):
+            store.publish(v, w)
+            store.wait_newer(v - 1, 5.0)
+        transfer = (time.perf_counter() - t) / 5
+        s = train(run, launcher=launcher, evaluate=False)
+    finally:
+        launcher.shutdown()
+    step_s = float(np.min(step_seconds(s["run_dir"])))
+    cost = ProfiledCost.from_dict({**prof, "pipeline": {"transfer_s": transfer}})
+    pred = predict(run, cost, prof, ncpu, steps=steps)  # allocation_for: sync on 1 thread, as run
+    overhead = max(0.0, step_s - run.batch_size / pred.samples_per_s)
+    return {"step_overhead_s": overhead, "transfer_s": transfer, "launcher": cfg.launcher,
+            "sync_step_s_measured": step_s, "sync_step_s_curves": run.batch_size / pred.samples_per_s,
+            "sync_steady_samples_per_s": s["steady_samples_per_s"], "steps": steps}
+
+
+def step_seconds(run_dir: str) -> list[float]:
+    """Durations of steps 1..N-1 of a finished run (from its metrics.jsonl)."""
+    elapsed = [json.loads(line)["elapsed_s"] for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return list(np.diff(elapsed))
+
+
+def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None):
+    """The simulator's workload for ``cfg``, with lengths and prompt length from a profile."""
+    from asyncflow.planner.sim import Workload
+
+    return Workload(prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.group_size,
+                    prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
+                    steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
+                    (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
+                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed)
+
+
+def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, calibrate: bool = True,
+                cpus: int | None = None, pipeline: bool = True) -> dict:
+    """Measure this machine's cost curves for ``cfg``'s model; write and return the JSON."""
+    import tempfile
+
+    import torch
+
+    from asyncflow.tasks import build_task, load_model, prepare_model
+
+    t_start = time.perf_counter()
+    ncpu = cpus or os.cpu_count() or 1
+    tmp = Path(tempfile.mkdtemp(prefix="asyncflow-profile-"))
+    model_dir, _ = prepare_model(cfg, tmp)
+    model, tok = load_model(model_dir)
+    task = build_task(cfg)
+    prompts = [[tok.bos_token_id] + tok(p.prompt, add_special_tokens=False).input_ids for p in task.train[:256]]
+    prof: dict = {"created": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": ncpu, "torch": torch.__version__,
+                  "model": cfg.model.dims() if not cfg.model.path else cfg.model.path,
+                  "prompt_len": float(np.mean([len(p) for p in prompts])), "curves": {}, "calibration": {}}
+    try:
+        for t in _thread_counts(ncpu):
+            torch.set_num_threads(t)
+            print(f"[profile] curves on {t} thread(s) ...", flush=True)
+            prof["curves"][str(t)] = _curves(model, tok, prompts, cfg, quick)
+        torch.set_num_threads(1)
+        model, tok = load_model(model_dir)  # untouched weights for the length distribution
+        prof["lengths"] = {str(k): v for k, v in _lengths(model, tok, prompts, cfg).items()}
+        from asyncflow.engines.inference import InferenceEngine
+        from asyncflow.engines.training import TrainEngine
+
+        eng = TrainEngine(model, tok.pad_token_id)
+        prof["export_s"] = _min_time(eng.export_weights, 5)
+        w = eng.export_weights()
+        prof["param_bytes"] = int(sum(v.nbytes for v in w.values()))
+        inf = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, cfg.rollout.max_batch, cfg.seed)
+        prof["load_s"] = _min_time(lambda: inf.load_weights(1, w), 5)
+        probs = task.train[:200]
+        t = time.perf_counter()
+        for p in probs:
+            task.reward(p.prompt, p.answer, p.answer)
+            tok.decode(prompts[0], skip_special_tokens=True)
+        prof["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
+        if calibrate:
+            for t in sorted({1, ncpu}):
+                print(f"[profile] calibration: roles alone through the role code on {t} thread(s) ...", flush=True)
+                cal = _calibrate(cfg, model_dir, prof["curves"][str(t)], prof, t, 5)
+                prof["calibration"][str(t)] = cal
+        if pipeline:
+            print(f"[profile] pipeline: a short sync run on the {cfg.launcher} launcher ...", flush=True)
+            prof["pipeline"] = _pipeline(cfg, prof, ncpu)
+        prof["seconds"] = time.perf_counter() - t_start
+    finally:
+        torch.set_num_threads(1)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(prof, indent=1))
+        print(f"[profile] written {out} ({prof['seconds']:.0f} s)")
+    return prof

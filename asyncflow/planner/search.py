@@ -1,0 +1,121 @@
+"""Allocation search behind ``asyncflow plan``.
+
+Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
+
+* ``sync``: one colocated worker on ``t`` threads, ``t`` in 1 .. cpus;
+* ``stream`` / ``async``: one process per role with ``t`` threads each
+  (``resources.threads_per_role``; more threads than cores are allowed and pay for it in
+  the simulator's core sharing), staleness ``k`` in 1 .. 3 for async;
+
+each with every micro-batch size that divides ``prompts_per_step``. Every candidate is
+simulated on the profiled costs with the roles sharing ``cpus`` cores; the plan is the
+highest simulated samples/s (ties go to the simpler mode: sync, then stream, then the
+smaller staleness, since fresher samples are never worse for learning).
+"""
+
+from __future__ import annotations
+
+from asyncflow.config import RunConfig
+from asyncflow.planner.sim import Allocation, SimResult, simulate
+
+MODES = ("sync", "stream", "async")
+
+
+def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
+    """The allocation ``cfg`` runs with today (what ``asyncflow train`` would do)."""
+    r = cfg.resources
+    t = (r.sync_threads or cpus) if cfg.mode == "sync" else r.threads_per_role
+    return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch)
+
+
+def predict(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int | None = None,
+            alloc: Allocation | None = None) -> SimResult:
+    from asyncflow.planner.profile import workload_from
+
+    wl = workload_from(cfg, prof, steps=steps)
+    return simulate(wl, alloc or allocation_for(cfg, cpus), cost, cores=cpus)
+
+
+def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3) -> list[Allocation]:
+    P, slots = cfg.train.prompts_per_step, cfg.rollout.max_batch
+    micros = [m for m in range(1, P + 1) if P % m == 0]
+    out = []
+    for m in micros:
+        if "sync" in modes:
+            out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, cpus + 1)]
+        for t in range(1, cpus + 1):
+            if "stream" in modes:
+                out.append(Allocation("stream", t, t, m, 0, slots))
+            if "async" in modes:
+                out += [Allocation("async", t, t, m, k, slots) for k in range(1, max_staleness + 1)]
+    return out
+
+
+def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES) -> list[tuple[Allocation, SimResult]]:
+    """Every candidate with its simulated result, best first."""
+    rank = {m: i for i, m in enumerate(MODES)}
+    res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in candidates(cfg, cpus, modes)]
+    return sorted(res, key=lambda ar: (-round(ar[1].samples_per_s, 6), rank[ar[0].mode], ar[0].staleness,
+                                       ar[0].rollout_res, -ar[0].micro_prompts))
+
+
+def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: tuple[Allocation, SimResult] | None = None) -> str:
+    best_a, best = ranked[0]
+    by_mode = {}
+    for a, r in ranked:
+        by_mode.setdefault(a.mode, (a, r))
+    lines = [f"== asyncflow plan: {cpus} CPU cores (simulated on the profiled costs) ==",
+             f"plan: {best_a.describe()}",
+             f"      config: mode={best_a.mode}" + (f" staleness={best_a.staleness}" if best_a.mode == "async" else "")
+             + f" train.micro_prompts={best_a.micro_prompts} "
+             + (f"resources.sync_threads={best_a.rollout_res}" if best_a.mode == "sync"
+                else f"resources.threads_per_role={best_a.rollout_res}"),
+             f"predicted: {best.samples_per_s:.1f} samples/s; idle: "
+             + ", ".join(f"{k} {v:.0%}" for k, v in best.idle.items())]
+    if best_a.mode == "sync":
+        lines.append("sync wins here: with so few cores the roles would only take cores from each other, "
+                     "so overlapping them does not pay")
+    lines += ["", "best of each mode:", f"{'mode':<7}{'samples/s':>10}{'vs plan':>9}  {'idle rollout/reward/actor':<27}allocation"]
+    for m in MODES:
+        if m in by_mode:
+            a, r = by_mode[m]
+            idle = "/".join(f"{r.idle[k]:.0%}" for k in ("rollout", "reward", "actor"))
+            lines.append(f"{m:<7}{r.samples_per_s:>10.1f}{r.samples_per_s / best.samples_per_s:>8.2f}x  {idle:<27}{a.describe()}")
+    if current is not None:
+        a, r = current
+        lines.append(f"\nthe config as given ({a.describe()}): {r.samples_per_s:.1f} samples/s predicted "
+                     f"({r.samples_per_s / best.samples_per_s:.2f}x the plan)")
+    return "\n".join(lines)
+
+
+def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None) -> str:
+    """``asyncflow plan``: search on the profiled costs and format the plan."""
+    import json
+    import os
+
+    from asyncflow.planner.costs import ProfiledCost
+
+    cpus = cpus or os.cpu_count() or 1
+    prof = json.loads(open(profile).read())
+    cost = ProfiledCost.from_dict(prof)
+    ranked = search(cfg, cost, prof, cpus)
+    current_alloc = allocation_for(cfg, cpus)
+    current = (current_alloc, predict(cfg, cost, prof, cpus, 12, current_alloc))
+    text = format_plan(ranked, cpus, current)
+    noisy = noisy_calibration(prof)
+    if noisy:
+        text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
+                 "the plan may be wrong: re-run `asyncflow profile` on a quiet machine")
+    if trace:
+        from asyncflow.planner.trace import write_sim_trace
+
+        write_sim_trace(ranked[0][1], trace)
+        text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
+    return text
+
+
+def noisy_calibration(prof: dict, lo: float = 0.5, hi: float = 2.0) -> list[str]:
+    """Calibration factors far from 1: the curves and the role runs disagree, which on a
+    shared machine means one of them was slowed by other load."""
+    return [f"{role} on {t} thread(s) x{f:.2f}" for t, cal in prof.get("calibration", {}).items()
+            for role, f in cal.items() if isinstance(f, (int, float)) and not lo <= f <= hi]

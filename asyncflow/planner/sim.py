@@ -1,0 +1,408 @@
+"""Discrete-event simulation of one training job's dataflow (sync, stream, async).
+
+The simulated job mirrors the real roles (``asyncflow/workflow``):
+
+* **rollout**: one worker with ``slots`` continuous-batching slots. Prompts are admitted a
+  whole group at a time into free slots, only from a partition ``b`` with
+  ``b <= version + staleness`` (admission control); every decode round costs
+  ``cost.decode_s(live rows, mean context)``; finished answers stream to reward at once.
+  A newer published version is swapped in at the next decode boundary
+  (``cost.swap_s``: load + rebuild the KV cache of the live rows: the delayed update);
+* **reward**: a FIFO consumer, ``cost.reward_s`` per sample on its own CPU, plus an
+  optional remote latency served by ``concurrency`` calls in flight;
+* **actor**: trains partition ``v`` as micro-batches of whole rewarded groups
+  (``cost.train_s(rows, padded length)`` each), then one optimizer step + weight export
+  (``cost.step_s``, ``cost.export_s``), then publishes ``v + 1`` (visible to rollout ``cost.transfer_s`` later).
+
+``sync`` runs the same pieces as whole-batch phases on one colocated worker (generate all,
+score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0.
+
+``cost.step_overhead_s`` is the measured per-step latency the cost curves miss (data-plane
+round trips between processes, the driver's round trip, prompt feeding). In ``sync`` one
+worker makes every call, so it is paid whole, once per step; in ``stream``/``async`` each
+role makes its own calls in its own process: ``ROLLOUT_SHARE`` of it is paid by rollout
+when it starts a partition, the rest by the actor before each step (a modelling choice,
+stated here, not measured per role).
+
+Roles that share cores slow each other down: a role's work taking ``threads`` while other
+roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
+model, evaluated when the work starts), times ``cost.interference`` (memory bandwidth
+shared by two busy processes). Throughput is measured like the real driver: samples of
+steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
+
+The kernel is a few lines of generator processes (``yield seconds`` to work or sleep,
+``yield signal`` to wait for a change) so the whole simulation is plain Python with no
+dependency; a 40-step CPU-scale run takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+import numpy as np
+
+
+ROLLOUT_SHARE = 0.5
+
+
+class CostModel(Protocol):
+    """Seconds of each unit of work; ``res`` is the role's resources (threads or devices)."""
+
+    interference: float
+
+    def decode_s(self, n: int, ctx: float, res: int) -> float: ...
+    def prefill_s(self, n: int, prompt_len: float, res: int) -> float: ...
+    def train_s(self, rows: int, padded_len: int, res: int) -> float: ...
+    def step_s(self, res: int) -> float: ...
+    def export_s(self) -> float: ...
+    def swap_s(self, n_live: int, ctx: float, res: int) -> float: ...
+    def transfer_s(self) -> float: ...
+    def step_overhead_s(self) -> float: ...
+    def reward_s(self, n: int) -> float: ...
+
+
+@dataclass
+class Workload:
+    """What one training step processes. ``lengths`` is a discrete answer-length
+    distribution ``{tokens: probability}`` (long tails included)."""
+
+    prompts_per_step: int = 16
+    group_size: int = 8
+    prompt_len: float = 7.0
+    lengths: dict[int, float] = field(default_factory=lambda: {5: 1.0})
+    steps: int = 10
+    reward_latency_s: tuple[float, float] | None = None
+    reward_concurrency: int = 64
+    token_chunk: int = 1  # tokens per simulated decode round (coarser = faster, for big runs)
+    packed: bool = False  # trainer packs sequences (cost ~ mean length) instead of padding to the longest
+    seed: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+    def sample_lengths(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        L = np.array(list(self.lengths), dtype=np.int64)
+        p = np.array(list(self.lengths.values()), dtype=float)
+        return rng.choice(L, size=n, p=p / p.sum())
+
+    def mean_length(self) -> float:
+        p = sum(self.lengths.values())
+        return sum(L * q for L, q in self.lengths.items()) / p
+
+
+@dataclass
+class Allocation:
+    """One candidate configuration of the job."""
+
+    mode: str = "async"  # sync | stream | async
+    rollout_res: int = 1  # threads (CPU) or devices of rollout; sync: of the colocated worker
+    actor_res: int = 1
+    micro_prompts: int = 4
+    staleness: int = 1
+    slots: int = 64  # continuous-batching slots of the rollout worker (all instances together)
+
+    @property
+    def k(self) -> int:
+        return self.staleness if self.mode == "async" else 0
+
+    def describe(self) -> str:
+        if self.mode == "sync":
+            return f"sync: colocated worker on {self.rollout_res}, micro {self.micro_prompts} prompts"
+        k = f", staleness {self.staleness}" if self.mode == "async" else ""
+        return (f"{self.mode}: rollout {self.rollout_res}, actor {self.actor_res}, "
+                f"micro {self.micro_prompts} prompts{k}")
+
+
+@dataclass
+class SimResult:
+    samples_per_s: float
+    step_end: list[float]
+    busy: dict[str, float]  # busy fraction over the steady window
+    spans: list[tuple[str, str, float, float]]  # (role, what, start, seconds)
+    max_staleness: int
+    steady_s: float
+
+    @property
+    def idle(self) -> dict[str, float]:
+        return {r: 1.0 - b for r, b in self.busy.items()}
+
+
+# ---------------------------------------------------------------------------- kernel
+class Signal:
+    """Processes ``yield`` a signal to sleep until its next ``fire``."""
+
+    def __init__(self, env: "Env"):
+        self.env, self.waiters = env, []
+
+    def fire(self) -> None:
+        waiters, self.waiters = self.waiters, []
+        for g in waiters:
+            self.env.at(self.env.now, lambda g=g: self.env.resume(g))
+
+
+class Env:
+    def __init__(self) -> None:
+        self.now, self._q, self._seq = 0.0, [], 0
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        self._seq += 1
+        heapq.heappush(self._q, (t, self._seq, fn))
+
+    def process(self, gen: Iterator) -> None:
+        self.at(self.now, lambda: self.resume(gen))
+
+    def resume(self, gen: Iterator) -> None:
+        try:
+            cmd = next(gen)
+        except StopIteration:
+            return
+        if isinstance(cmd, Signal):
+            cmd.waiters.append(gen)
+        else:
+            self.at(self.now + float(cmd), lambda: self.resume(gen))
+
+    def run(self) -> None:
+        while self._q:
+            t, _, fn = heapq.heappop(self._q)
+            self.now = t
+            fn()
+
+
+# ---------------------------------------------------------------------------- the job
+@dataclass
+class _Answer:
+    partition: int
+    group: int
+    length: int
+    version: int
+    done: int = 0
+    end: float = 0.0
+
+
+class _Job:
+    def __init__(self, wl: Workload, alloc: Allocation, cost: CostModel, cores: float | None):
+        self.wl, self.a, self.cost, self.cores = wl, alloc, cost, cores
+        self.env = Env()
+        self.rng = np.random.default_rng(wl.seed)
+        self.changed = Signal(self.env)  # anything a waiting process may care about
+        self.spans: list[tuple[str, str, float, float]] = []
+        self.busy_threads: dict[str, int] = {}
+        self.version = 0  # trainer's published version
+        self.staged_at: dict[int, float] = {}
+        self.rewarded: dict[int, list[_Answer]] = defaultdict(list)
+        self.group_left: dict[tuple[int, int], int] = {}
+        self.ready_groups: dict[int, deque] = defaultdict(deque)
+        self.step_end: list[float] = []
+        self.reward_free = 0.0
+        self.reward_servers = [0.0] * max(1, wl.reward_concurrency)
+        self.max_staleness = 0
+
+    # ---------------------------------------------------------------- helpers
+    def work(self, role: str, what: str, seconds: float, threads: int) -> Iterator:
+        """Busy ``seconds`` (stretched by core sharing), recorded as a span."""
+        if seconds <= 0:
+            return
+        others = sum(self.busy_threads.values())
+        if self.cores:
+            factor = max(1.0, (others + threads) / self.cores)
+            if others:
+                factor *= self.cost.interference
+            seconds *= factor
+        self.busy_threads[role] = threads
+        self.spans.append((role, what, self.env.now, seconds))
+        yield seconds
+        self.busy_threads.pop(role, None)
+
+    def answers(self, partition: int, version: int) -> list[list[_Answer]]:
+        wl = self.wl
+        L = wl.sample_lengths(self.rng, wl.batch)
+        groups = []
+        for g in range(wl.prompts_per_step):
+            self.group_left[(partition, g)] = wl.group_size
+            groups.append([_Answer(partition, g, int(L[g * wl.group_size + i]), version) for i in range(wl.group_size)])
+        return groups
+
+    def finished(self, ans: _Answer) -> None:
+        """An answer left rollout: score it (FIFO on the reward CPU, then remote latency)."""
+        wl, now = self.wl, self.env.now
+        self.reward_free = max(now, self.reward_free) + self.cost.reward_s(1)
+        t = self.reward_free
+        if wl.reward_latency_s:
+            lo, hi = wl.reward_latency_s
+            i = int(np.argmin(self.reward_servers))
+            t = max(t, self.reward_servers[i]) + self.rng.uniform(lo, hi)
+            self.reward_servers[i] = t
+        self.env.at(t, lambda: self.scored(ans))
+
+    def scored(self, ans: _Answer) -> None:
+        key = (ans.partition, ans.group)
+        self.rewarded[ans.partition].append(ans)
+        self.group_left[key] -= 1
+        if self.group_left[key] == 0:
+            self.ready_groups[ans.partition].append([a for a in self.rewarded[ans.partition] if a.group == ans.group])
+            self.changed.fire()
+
+    # ---------------------------------------------------------------- rollout
+    def rollout(self, threads: int, only: int | None = None) -> Iterator:
+        """Continuous batching. ``only``: generate just that partition and return (sync)."""
+        wl, a, cost = self.wl, self.a, self.cost
+        live: list[_Answer] = []
+        waiting: deque = deque()
+        partition, version = (only, only) if only is not None else (0, 0)
+        chunk = max(1, wl.token_chunk)
+        while True:
+            if only is None and self.version > version:
+                ctx = wl.prompt_len + (np.mean([x.done for x in live]) if live else 0.0)
+                yield from self.work("rollout", f"swap v{self.version}", cost.swap_s(len(live), ctx, threads), threads)
+                version = self.version
+            last = only if only is not None else wl.steps - 1
+            if not waiting and partition <= min(last, version + a.k):
+                waiting.extend(self.answers(partition, version))
+                partition += 1
+                if only is None:  # its share of the per-step data-plane overhead, in its own process
+                    yield self.cost.step_overhead_s() * ROLLOUT_SHARE
+            free = (a.slots - len(live)) // wl.group_size
+            start = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+            if start:
+                rows = [x for g in start for x in g]
+                for x in rows:
+                    x.version = version
+                yield from self.work("rollout", "prefill", cost.prefill_s(len(rows), wl.prompt_len, threads), threads)
+                live += rows
+            if not live:
+                if only is not None or partition > wl.steps - 1:
+                    return
+                yield self.changed  # idle at the staleness bound until new weights arrive
+                continue
+            ctx = wl.prompt_len + float(np.mean([x.done for x in live]))
+            step = min(chunk, min(x.length - x.done for x in live))
+            yield from self.work("rollout", "decode", step * cost.decode_s(len(live), ctx, threads), threads)
+            keep = []
+            for x in live:
+                x.done += step
+                if x.done >= x.length:
+                    x.end = self.env.now
+                    self.finished(x)
+                else:
+                    keep.append(x)
+            live = keep
+
+    # ---------------------------------------------------------------- actor
+    def train(self, v: int, threads: int) -> Iterator:
+        wl, a = self.wl, self.a
+        seen = 0
+        while seen < wl.batch:
+            want = min(a.micro_prompts, wl.prompts_per_step - seen // wl.group_size)
+            while len(self.ready_groups[v]) < want:
+                yield self.changed
+            rows = [x for _ in range(want) for x in self.ready_groups[v].popleft()]
+            for x in rows:
+                self.max_staleness = max(self.max_staleness, v - x.version)
+            longest = (sum(x.length for x in rows) / len(rows)) if wl.packed else max(x.length for x in rows)
+            padded = int(wl.prompt_len + longest)
+            yield from self.work("actor", "train", self.cost.train_s(len(rows), padded, threads), threads)
+            seen += len(rows)
+        yield from self.work("actor", "optimizer step", self.cost.step_s(threads), threads)
+
+    def actor(self) -> Iterator:
+        for v in range(self.wl.steps):
+            yield self.cost.step_overhead_s() * (1 - ROLLOUT_SHARE)  # driver round trip, its own gets, clear
+            yield from self.train(v, self.a.actor_res)
+            yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
+            self.step_end.append(self.env.now)
+            self.env.at(self.env.now + self.cost.transfer_s(), lambda v=v: self.publish(v + 1))
+
+    def publish(self, version: int) -> None:
+        self.version = max(self.version, version)
+        self.changed.fire()
+
+    def colocated(self) -> Iterator:
+        """sync: generate all, score all, train all, on one worker (weights shared)."""
+        t = self.a.rollout_res
+        for v in range(self.wl.steps):
+            yield self.cost.step_overhead_s()
+            yield from self.rollout(t, only=v)
+            while len(self.ready_groups[v]) < self.wl.prompts_per_step:  # reward runs alone
+                yield self.changed
+            yield from self.train(v, t)
+            self.step_end.append(self.env.now)
+
+    def run(self) -> SimResult:
+        if self.a.mode == "sync":
+            self.env.process(self.colocated())
+        else:
+            self.env.process(self.rollout(self.a.rollout_res))
+            self.env.process(self.actor())
+        self.env.run()
+        ends = self.step_end
+        if len(ends) < self.wl.steps:
+            raise RuntimeError(f"simulation stalled after {len(ends)} of {self.wl.steps} steps ({self.a.describe()})")
+        t0, t1 = (ends[0], ends[-1]) if len(ends) > 1 else (0.0, ends[-1])
+        n = (len(ends) - 1 if len(ends) > 1 else 1) * self.wl.batch
+        busy = defaultdict(float)
+        for role, _, s, d in self.spans:
+            busy[role] += max(0.0, min(s + d, t1) - max(s, t0))
+        busy["reward"] = self.cost.reward_s(1) * n  # its own CPU, FIFO: busy = compute of the window's samples
+        span = max(t1 - t0, 1e-12)
+        roles = ["rollout", "reward", "actor"]
+        return SimResult(n / span, ends, {r: min(1.0, busy[r] / span) for r in roles}, self.spans,
+                         self.max_staleness, span)
+
+
+def simulate(wl: Workload, alloc: Allocation, cost: CostModel, cores: float | None = None) -> SimResult:
+    """Simulate ``wl.steps`` training steps of ``alloc`` under ``cost``.
+
+    ``cores``: CPU cores the roles share (None = every role has its own hardware).
+    """
+    if alloc.slots < wl.group_size:
+        raise ValueError(f"slots ({alloc.slots}) must hold at least one group ({wl.group_size})")
+    return _Job(wl, alloc, cost, cores).run()
+
+
+@dataclass
+class ConstantCost:
+    """Hand-set costs (tests and quick what-ifs): every call costs a fixed number of seconds."""
+
+    decode: float = 0.0  # per decode round (any batch size)
+    decode_per_row: float = 0.0
+    prefill: float = 0.0
+    train_per_row: float = 0.0
+    step: float = 0.0
+    export: float = 0.0
+    swap: float = 0.0
+    transfer: float = 0.0
+    reward: float = 0.0
+    overhead: float = 0.0
+    interference: float = 1.0
+
+    def decode_s(self, n, ctx, res):
+        return self.decode + self.decode_per_row * n
+
+    def prefill_s(self, n, prompt_len, res):
+        return self.prefill
+
+    def train_s(self, rows, padded_len, res):
+        return self.train_per_row * rows
+
+    def step_s(self, res):
+        return self.step
+
+    def export_s(self):
+        return self.export
+
+    def swap_s(self, n_live, ctx, res):
+        return self.swap
+
+    def transfer_s(self):
+        return self.transfer
+
+    def reward_s(self, n):
+        return self.reward * n
+
+    def step_overhead_s(self):
+        return self.overhead
+

@@ -1,0 +1,167 @@
+"""Planner: the simulator on hand-computable cases, cost models, search and profile JSON."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from asyncflow.planner.sim import Allocation, ConstantCost, Workload, simulate
+
+# 2 prompts x 2 answers of 4 tokens; every answer decodes in 4 rounds of 1 s.
+WL = dict(prompts_per_step=2, group_size=2, prompt_len=3, lengths={4: 1.0}, steps=6)
+COST = ConstantCost(decode=1.0, train_per_row=0.5, step=1.0, reward=0.25)
+
+
+def test_sync_step_is_the_sum_of_its_phases():
+    r = simulate(Workload(**WL), Allocation("sync", micro_prompts=1, slots=4), COST)
+    # generate 4 s + reward 4 x 0.25 s + train 4 x 0.5 s + optimizer step 1 s = 8 s per step of 4 samples
+    assert r.samples_per_s == pytest.approx(4 / 8)
+    assert r.step_end[0] == pytest.approx(8.0)
+
+
+def test_stream_without_overlap_is_the_sum_of_phases():
+    # whole-batch micro-batch, staleness 0: rollout of step v+1 waits for the weights of step v
+    r = simulate(Workload(**WL), Allocation("stream", micro_prompts=2, slots=4), COST)
+    assert r.samples_per_s == pytest.approx(4 / 8)
+    assert r.max_staleness == 0
+
+
+def test_async_with_a_large_bound_runs_at_the_slowest_role():
+    wl = Workload(**{**WL, "steps": 12})
+    r = simulate(wl, Allocation("async", micro_prompts=1, staleness=50, slots=4), COST)
+    assert r.samples_per_s == pytest.approx(4 / 4)  # rollout: 4 s per step; actor 3 s
+    slow_actor = ConstantCost(decode=1.0, train_per_row=2.0, step=1.0)
+    r = simulate(wl, Allocation("async", micro_prompts=1, staleness=2, slots=4), slow_actor)
+    assert r.samples_per_s == pytest.approx(4 / 9)  # actor: 4 x 2 s + 1 s (bound 2 keeps rollout in step)
+    assert r.busy["actor"] == pytest.approx(1.0)
+    # window = steps 1..11 = 99 s; rollout (2 partitions ahead) generates partitions 3..11 in it: 9 x 4 s
+    assert r.idle["rollout"] == pytest.approx(1 - 36 / 99)
+
+
+def test_async_staleness_one_overlaps_and_respects_the_bound():
+    wl = Workload(**{**WL, "lengths": {2: 0.8, 12: 0.2}, "steps": 20, "prompts_per_step": 4})
+    a1 = simulate(wl, Allocation("async", micro_prompts=1, staleness=1, slots=8), COST)
+    s0 = simulate(wl, Allocation("stream", micro_prompts=1, slots=8), COST)
+    assert a1.max_staleness <= 1 and s0.max_staleness == 0
+    assert a1.samples_per_s > s0.samples_per_s
+
+
+def test_shared_cores_stretch_concurrent_work():
+    wl = Workload(**{**WL, "steps": 12})
+    alloc = Allocation("async", micro_prompts=1, staleness=50, slots=4)
+    free = simulate(wl, alloc, COST)
+    shared = simulate(wl, alloc, COST, cores=1)
+    assert shared.samples_per_s < free.samples_per_s
+    assert shared.samples_per_s >= 4 / (4 + 3) - 1e-9  # never worse than running one at a time
+
+
+def test_swap_cost_is_paid_by_rollout_once_per_step():
+    wl = Workload(**{**WL, "steps": 12})
+    alloc = Allocation("async", micro_prompts=1, staleness=50, slots=4)
+    r = simulate(wl, alloc, ConstantCost(decode=1.0, swap=0.5))
+    assert r.samples_per_s == pytest.approx(4 / 4.5)
+    assert sum(1 for role, what, *_ in r.spans if what.startswith("swap")) == 11
+
+
+# ---------------------------------------------------------------------------- cost models, search, CLI
+PROFILE = {
+    "cpus": 2, "prompt_len": 7.0, "lengths": {"4": 0.5, "8": 0.5}, "export_s": 0.001, "load_s": 0.001,
+    "reward_s_per_sample": 1e-5, "param_bytes": 4000,
+    "curves": {"1": {"decode": [0.002, 3e-5, 1e-7], "prefill": [0.005, 3e-5], "train": [0.006, 9e-5], "step_s": 5e-4},
+               "2": {"decode": [0.0015, 2e-5, 1e-7], "prefill": [0.004, 2e-5], "train": [0.005, 5e-5], "step_s": 5e-4}},
+    "calibration": {"1": {"rollout": 1.0, "actor": 1.0}, "2": {"rollout": 1.0, "actor": 1.0}},
+    "pipeline": {"step_overhead_s": 0.01, "transfer_s": 0.002},
+}
+
+
+def test_profiled_cost_reads_the_curves_and_picks_thread_counts():
+    from asyncflow.planner.costs import ProfiledCost
+
+    c = ProfiledCost.from_dict(PROFILE)
+    assert c.decode_s(10, 20, 1) == pytest.approx(0.002 + 3e-4 + 2e-5)
+    assert c.train_s(8, 10, 2) == pytest.approx(0.005 + 5e-5 * 80)
+    assert c.train_s(8, 10, 4) == c.train_s(8, 10, 2)  # 4 threads not profiled: 2 is used
+    assert c.step_overhead_s() == 0.01 and c.transfer_s() == 0.002
+
+
+def test_analytic_decode_is_memory_bound_at_small_batches_and_training_scales_with_devices():
+    from asyncflow.planner.costs import DEVICES, MODELS, AnalyticCost
+
+    c = AnalyticCost(MODELS["7b"], DEVICES["h100"], tp=1)
+    weights_read = 2 * 7.6e9 / (3350e9 * 0.6)  # bf16 weights once per round at 60% of HBM bandwidth
+    assert c.decode_s(1, 100, 1) == pytest.approx(weights_read + 0.012, rel=1e-3)
+    assert c.train_s(64, 1000, 8) == pytest.approx(c.train_s(64, 1000, 16) * 2)
+
+
+def test_search_ranks_every_mode_and_says_when_sync_wins():
+    from asyncflow.config import load_config
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.search import format_plan, search
+
+    cfg = load_config(None, ["train.prompts_per_step=4", "rollout.max_batch=16"])
+    ranked = search(cfg, ProfiledCost.from_dict(PROFILE), PROFILE, cpus=2, steps=6)
+    assert {a.mode for a, _ in ranked} == {"sync", "stream", "async"}
+    assert all(r1.samples_per_s >= r2.samples_per_s for (_, r1), (_, r2) in zip(ranked, ranked[1:]))
+    text = format_plan(ranked, 2)
+    assert "plan:" in text and "idle" in text
+    sync_first = [(a, r) for a, r in ranked if a.mode == "sync"] + [(a, r) for a, r in ranked if a.mode != "sync"]
+    assert "sync wins here" in format_plan(sync_first, 2)
+
+
+def test_plan_warns_when_the_profile_was_disturbed():
+    from asyncflow.planner.search import noisy_calibration
+
+    assert noisy_calibration(PROFILE) == []
+    bad = {**PROFILE, "calibration": {"2": {"rollout": 3.3, "actor": 1.0}}}
+    assert noisy_calibration(bad) == ["rollout on 2 thread(s) x3.30"]
+
+
+def test_plan_cli_and_simulated_trace(tmp_path, capsys):
+    import json
+
+    from asyncflow.cli import main
+
+    prof, trace = tmp_path / "p.json", tmp_path / "t.json"
+    prof.write_text(json.dumps(PROFILE))
+    assert main(["plan", "train.prompts_per_step=4", "rollout.max_batch=16", "--profile", str(prof),
+                 "--trace", str(trace)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted:" in out and "best of each mode" in out
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"rollout", "actor"} <= names
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_real_run_writes_a_trace_with_one_track_per_role(tmp_path):
+    import json
+
+    from asyncflow.config import load_config
+    from asyncflow.workflow.driver import train
+
+    cfg = load_config(None, ["mode=stream", "launcher=local", "warmstart.enabled=false", "train.steps=2",
+                             "train.prompts_per_step=4", "train.micro_prompts=2", "train.eval_every=0",
+                             "progress=false", f"run_dir={tmp_path}"])
+    s = train(cfg, evaluate=False)
+    events = json.loads((Path(s["run_dir"]) / "trace.json").read_text())["traceEvents"]
+    tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert {"rollout", "reward", "actor"} <= tracks
+    assert min(e["ts"] for e in events if e["ph"] == "X") >= 0
+
+
+def test_whatif_at_small_scale_runs_and_async_beats_one_task_at_a_time():
+    from asyncflow.planner.whatif import run_mode
+
+    kw = dict(steps=3, prompts=32, splits=(0.5,), micro=8)
+    base, _ = run_mode("7b", 32, "stream", **{**kw, "micro": 32})
+    asyn, a = run_mode("7b", 32, "async", **kw)
+    assert a.rollout_res == 16 and asyn > base
+
+
+def test_profile_fit_never_returns_a_negative_cost_term():
+    from asyncflow.planner.profile import _fit
+
+    assert _fit([[1, 1], [1, 2], [1, 3]], [2, 4, 6]) == pytest.approx([0, 2], abs=1e-9)
+    noisy = _fit([[1, 10], [1, 20], [1, 30]], [0.5, 0.2, 0.6])  # a load spike on the first point
+    assert min(noisy) >= 0
