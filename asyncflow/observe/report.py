@@ -139,4 +139,4 @@ def format_summary(s: dict) -> str:
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
             f"busy fraction      {busy} (after step 1)\n"
             f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
-            f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, checkpoint/)\n")
+            f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, trace.json, checkpoint/)\n")
