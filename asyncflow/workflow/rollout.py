@@ -5,18 +5,17 @@ Each ``poll`` is one micro-batch boundary of the engine (one decode step):
 1. **swap weights** if the subscriber has staged a newer version (delayed parameter
    update); unfinished answers continue under the new weights (partial rollout), their
    KV cache rebuilt first when ``recompute_on_swap``;
-2. **refill** free slots with whole prompt groups. Prompts are fetched a partition at a
-   time (one round trip), and only from a partition ``b`` the staleness bound admits:
-   ``b <= version + staleness``. The trainer at version ``b``
-   trains partition ``b`` and the answer is tagged with the version that *started* it, so
-   every trained sample has ``b - tag <= staleness``: per sample, by construction, and no
-   generated answer is ever thrown away;
-3. **decode** one token for every live answer; finished answers go to the data plane at
-   (streaming), batched a group at a time or every ``flush_s`` (20 ms), with
-   ``put_nowait`` (no round trip on the hot path).
+2. **refill** free slots with whole prompt groups. Prompts are fetched in order, a step's
+   worth per round trip, as far as admission allows (:class:`GroupPlacer`: at version
+   ``v`` at most ``(v + staleness + 1) * prompts_per_step`` groups ever started);
+3. **decode** one token for every live answer. When a group's answers are all finished it
+   is placed in a training step by completion order within the bound (a slow group moves
+   to a later step instead of holding its step back), and goes to the data plane
+   (streaming), batched per step, with ``put_nowait`` (no round trip on the hot path).
 
-The role consumes prompt partitions strictly in order; ``prompts_per_step`` prompts make
-a partition, so ``prompts_per_step * group_size`` sample rows are put into each.
+Every answer is tagged with the version that *started* it; the placer guarantees that a
+group started at ``w`` lands in a step ``<= w + staleness``, which the trainer trains at
+that version: the bound holds per sample, by construction, and nothing is thrown away.
 """
 
 from __future__ import annotations
@@ -29,6 +28,7 @@ import numpy as np
 from asyncflow.engines.inference import Completion, InferenceEngine, Request, SamplingParams
 from asyncflow.engines.weights import WeightSubscriber
 from asyncflow.queue import QueueTimeout
+from asyncflow.workflow.placement import GroupPlacer
 from asyncflow.workflow.role import Role
 
 PROMPT_FIELDS = ["query_ids", "answer", "gen_len"]
@@ -42,11 +42,13 @@ class RolloutRole(Role):
                  recompute_on_swap: bool = True):
         super().__init__()
         self.engine, self.dp, self.weights = engine, dp, weights
-        self.group_size, self.prompts_per_step, self.staleness = group_size, prompts_per_step, staleness
+        self.group_size, self.prompts_per_step = group_size, prompts_per_step
         self.recompute_on_swap = recompute_on_swap
         self.batch = engine.new_batch(sampling)
-        self.partition = 0  # the partition prompts are taken from now
+        self.placer = GroupPlacer(prompts_per_step, staleness)
+        self.partition = 0  # the prompt partition prompts are taken from now
         self.taken = 0  # prompts taken from it so far
+        self.finished: dict[int, list[Completion]] = defaultdict(list)  # answers of unfinished groups
         self.produced: dict[int, int] = defaultdict(int)  # sample rows put per partition
         self.slot_steps = 0  # sum over decode steps of live rows (for slot utilisation)
         self.steps = 0
@@ -66,8 +68,17 @@ class RolloutRole(Role):
         self.engine.version = version
         self.batch.version = version
 
+    @property
+    def staleness(self) -> int:
+        return self.placer.k
+
+    @staleness.setter
+    def staleness(self, k: int) -> None:
+        self.placer.k = k
+
     def admissible(self) -> bool:
-        return self.partition <= self.version + self.staleness
+        """May more prompts be fetched now (beyond those already waiting)?"""
+        return self.placer.admits(self.version, extra=len(self.waiting)) > 0
 
     # ------------------------------------------------------------------ the loop body
     def poll(self, timeout: float) -> int:
@@ -99,24 +110,27 @@ class RolloutRole(Role):
             self._fetch(block=len(self.batch) == 0, timeout=timeout)
         start = [self.waiting.popleft() for _ in range(min(free_groups, len(self.waiting)))]
         if start:
+            for group in start:
+                self.placer.start(group[0].key[0], self.version)
             with self.work():
                 self._emit(self.batch.add([req for group in start for req in group]))
 
     def _fetch(self, block: bool, timeout: float) -> None:
-        """Take every prompt of the current partition that is available (one round trip).
+        """Take the admitted prompts of the current prompt partition (one round trip).
 
-        Admission is checked here, at fetch time; the answer's version tag is set when it
-        starts, which can only be later (newer weights), so the bound still holds.
+        Admission counts fetched groups at fetch time; a group's version tag and deadline
+        are set when it starts, which can only be later (newer weights): still admitted.
         """
+        n = min(self.prompts_per_step - self.taken, self.placer.admits(self.version, extra=len(self.waiting)))
         try:
-            meta, data = self.dp.get_batch("rollout", PROMPT_FIELDS, n=self.prompts_per_step - self.taken,
+            meta, data = self.dp.get_batch("rollout", PROMPT_FIELDS, n=n,
                                            partition=self.partition, min_n=1, block=block, timeout=timeout)
         except QueueTimeout:
             return
         for i, row in enumerate(meta.rows):
             query = data["query_ids"][i].tolist()
             L = int(data["gen_len"][i])
-            self.waiting.append([Request(key=(self.partition, row, data["answer"][i]), prompt_ids=query,
+            self.waiting.append([Request(key=(row, data["answer"][i]), prompt_ids=query,
                                          max_new_tokens=L or None, min_new_tokens=L)
                                  for _ in range(self.group_size)])
         self.taken += len(meta.rows)
@@ -124,18 +138,22 @@ class RolloutRole(Role):
             self.partition, self.taken = self.partition + 1, 0
 
     def _emit(self, done: list[Completion], force: bool = False) -> None:
-        """Queue finished answers; send them when a group's worth waits, the oldest has
-        waited ``flush_s``, a partition is complete, or ``force`` (batching bounds the
-        data-plane calls to a few per step without holding a sample back for long)."""
+        """Collect finished answers; place each completed group in a step; send when a step
+        is complete, the oldest placed group has waited ``flush_s``, or ``force`` (batching
+        bounds the data-plane calls to a few per step without holding a group back long)."""
         now = time.perf_counter()
         for c in done:
-            self.outbox[c.key[0]].append(c)
-            self._outbox_since = self._outbox_since or now
+            group = self.finished[c.key[0]]
+            group.append(c)
+            if len(group) == self.group_size:  # the whole group is done: place it
+                del self.finished[c.key[0]]
+                self.outbox[self.placer.complete(c.key[0])].extend(group)
+                self._outbox_since = self._outbox_since or now
         waiting = sum(len(cs) for cs in self.outbox.values())
         if not waiting:
             return
         complete = any(self.produced[p] + len(cs) >= self.batch_rows for p, cs in self.outbox.items())
-        if force or complete or waiting >= self.group_size or now - self._outbox_since >= self.flush_s:
+        if force or complete or now - self._outbox_since >= self.flush_s:
             self._flush()
 
     def _flush(self) -> None:
@@ -144,11 +162,11 @@ class RolloutRole(Role):
                 "prompt_ids": [np.asarray(c.prompt_ids, dtype=np.int64) for c in cs],
                 "response_ids": [np.asarray(c.response_ids, dtype=np.int64) for c in cs],
                 "logprobs": [np.asarray(c.logprobs, dtype=np.float32) for c in cs],
-                "answer": [c.key[2] for c in cs],
-                "group": np.asarray([c.key[1] for c in cs], dtype=np.int64),
+                "answer": [c.key[1] for c in cs],
+                "group": np.asarray([c.key[0] for c in cs], dtype=np.int64),
                 "version": np.asarray([c.version for c in cs], dtype=np.int64),
             }
-            tags = {"group": [c.key[1] for c in cs], "version": [c.version for c in cs],
+            tags = {"group": [c.key[0] for c in cs], "version": [c.version for c in cs],
                     "tokens": [len(c.prompt_ids) + len(c.response_ids) for c in cs]}
             self.dp.put_nowait(data, partition=part, tags=tags)
             self.produced[part] += len(cs)
