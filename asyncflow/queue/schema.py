@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Field", "Schema", "SchemaError", "validate_tags"]
+__all__ = ["Field", "Schema", "SchemaError", "schema_from_msg", "schema_to_msg", "validate_tags"]
 
 
 class SchemaError(ValueError):
@@ -252,3 +252,16 @@ def validate_tags(tags: Mapping[str, Sequence[int]] | None, n_rows: int) -> dict
                 raise SchemaError(f"tag {name!r} row {row}: expected an int, got {v!r}") from None
         out[name] = ints
     return out
+
+
+def schema_to_msg(schema: Schema) -> list[list]:
+    """The schema as plain lists (msgpack/JSON): ``[[name, dtype, shape, ragged], ...]``."""
+    return [[f.name, f.dtype, list(f.shape), f.ragged] for f in schema.fields]
+
+
+def schema_from_msg(msg: Sequence[Sequence[Any]]) -> Schema:
+    """Inverse of :func:`schema_to_msg`; raises ``ValueError`` on a malformed entry."""
+    try:
+        return Schema(Field(str(n), str(d), tuple(s), bool(r)) for n, d, s, r in msg)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed schema message: {exc}") from None
