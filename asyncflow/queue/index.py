@@ -77,6 +77,9 @@ class RowIndex:
             del self._partition_of[row]
         return list(p.rows)
 
+    def has_row(self, row: int) -> bool:
+        return row in self._partition_of
+
     @property
     def live_rows(self) -> int:
         return len(self._partition_of)
