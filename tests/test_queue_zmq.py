@@ -18,6 +18,7 @@ import zmq
 
 from asyncflow.queue import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
 from asyncflow.queue.samplers import GroupSampler, TokenBalancedSampler
+from asyncflow.queue.protocol import SHARD_BLOCK, shard_of
 from asyncflow.queue.zmq_client import ZmqDataPlane
 from asyncflow.queue.zmq_server import launch
 
@@ -161,7 +162,7 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
         reply = _raw(dep.endpoint, frames)
         assert reply["ok"] is False and reply["err"]["msg"], frames
     assert _raw(dep.endpoint, bad[-1])["err"]["type"] == "PermissionError"
-    unit = _units(dp)[rows[0] % 2]
+    unit = _units(dp)[shard_of(rows[0], 2)]
     for spec, buffers in [
         ([["nope", "f", "<f4", [1]]], [np.zeros(1, np.float32).tobytes()]),  # unknown field
         ([["r", "f", "<f8", [1]]], [np.zeros(1).tobytes()]),  # bad dtype

@@ -48,7 +48,9 @@ __all__ = [
     "meta_to_msg",
     "pack_header",
     "sampler_from_msg",
+    "runs",
     "sampler_to_msg",
+    "shard_of",
     "unpack_header",
 ]
 
@@ -62,6 +64,27 @@ ERRORS: dict[str, type[Exception]] = {
     for c in (QueueTimeout, QueueClosed, SchemaError, ProtocolError, ValueError, TypeError,
               KeyError, PermissionError, FileNotFoundError)
 }
+
+
+SHARD_BLOCK = 64  # rows per block; block b lives on storage unit b % N
+
+
+def shard_of(row: int, n_units: int) -> int:
+    """The storage unit of ``row``: blocks of :data:`SHARD_BLOCK` consecutive global ids
+    go round-robin over the units, so a put of new rows (consecutive ids) splits into a few
+    contiguous slices (sent as views, no copy) while a large batch still spreads evenly."""
+    return (row // SHARD_BLOCK) % n_units
+
+
+def runs(rows: Sequence[int], n_units: int) -> list[tuple[int, int, int]]:
+    """``(unit, start, stop)``: maximal slices of ``rows`` of consecutive ids on one unit."""
+    out: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or rows[i] != rows[i - 1] + 1 or shard_of(rows[i], n_units) != shard_of(rows[start], n_units):
+            out.append((shard_of(rows[start], n_units), start, i))
+            start = i
+    return out
 
 
 def pack_header(header: Mapping[str, Any]) -> bytes:

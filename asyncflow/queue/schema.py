@@ -128,7 +128,7 @@ class Schema:
         return out
 
     def validate(
-        self, data: Mapping[str, Any], n_rows: int | None = None
+        self, data: Mapping[str, Any], n_rows: int | None = None, copy: bool = True
     ) -> dict[str, np.ndarray | list[np.ndarray]]:
         """Check and normalise a column-wise write.
 
@@ -136,6 +136,9 @@ class Schema:
             data: field name -> per-row values (an array with a leading row axis, or a
                 sequence with one entry per row).
             n_rows: expected number of rows; ``None`` takes it from the first column.
+            copy: ``False`` skips the copy of arrays that already have the declared dtype
+                (read-only *views* of the caller's arrays come back): for a sender that
+                serialises them before returning, like the distributed client.
 
         Returns:
             field name -> array ``[n_rows, *shape]`` (fixed) or list of 1-D arrays (ragged),
@@ -149,7 +152,7 @@ class Schema:
         first: str | None = None
         for name, value in data.items():
             f = self[name]
-            rows = _fixed_column(f, value) if not f.ragged else _ragged_column(f, value)
+            rows = _fixed_column(f, value, copy) if not f.ragged else _ragged_column(f, value, copy)
             if n_rows is None:
                 n_rows, first = len(rows), name
             elif len(rows) != n_rows:
@@ -187,7 +190,7 @@ def _check_kind(f: Field, given: np.dtype, row: int | None) -> None:
         )
 
 
-def _fixed_column(f: Field, value: Any) -> np.ndarray:
+def _fixed_column(f: Field, value: Any, copy: bool = True) -> np.ndarray:
     value = _rows_of(f, value)
     if isinstance(value, np.ndarray):
         # One array for all rows: a wrong dtype or shape is wrong for every row, so the
@@ -199,7 +202,7 @@ def _fixed_column(f: Field, value: Any) -> np.ndarray:
             )
         if len(value):
             _check_kind(f, value.dtype, 0)
-        arr = value.astype(f.dtype, copy=True)
+        arr = value.astype(f.dtype, copy=True) if copy else value.astype(f.dtype, copy=False).view()
     else:
         items = [_as_row(f, i, item) for i, item in enumerate(value)]
         for i, a in enumerate(items):
@@ -215,7 +218,7 @@ def _fixed_column(f: Field, value: Any) -> np.ndarray:
     return arr
 
 
-def _ragged_column(f: Field, value: Any) -> list[np.ndarray]:
+def _ragged_column(f: Field, value: Any, copy: bool = True) -> list[np.ndarray]:
     value = _rows_of(f, value)
     out: list[np.ndarray] = []
     for i, item in enumerate(value):
@@ -226,7 +229,7 @@ def _ragged_column(f: Field, value: Any) -> list[np.ndarray]:
             )
         if a.size:
             _check_kind(f, a.dtype, i)
-        a = a.astype(f.dtype, copy=True)
+        a = a.astype(f.dtype, copy=True) if copy else a.astype(f.dtype, copy=False).view()
         a.flags.writeable = False
         out.append(a)
     return out

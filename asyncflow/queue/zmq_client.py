@@ -1,9 +1,11 @@
 """Client of the distributed data plane, with the in-process ``DataPlane`` API.
 
 ``ZmqDataPlane(endpoint)`` talks to a :class:`~asyncflow.queue.zmq_server.ControllerServer`
-(row ids) and, directly, to its storage units (bytes): rows live on unit ``row % N``, so a
-put sends each unit only its rows and a get asks each unit only for its rows, in parallel,
-then reassembles them in ``meta.rows`` order. The controller never touches sample data.
+(row ids) and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)``
+(blocks of 64 consecutive ids, round-robin), so a put sends each unit contiguous slices of
+its rows (views of the validated arrays: no copy) and a get asks for them, all requests in
+flight at once, then places each slice in ``meta.rows`` order. The controller never
+touches sample data.
 
 Design: a synchronous client over ZeroMQ DEALER sockets (one set per thread, so threads
 of one process never share a socket and a blocked ``get_meta`` in one thread does not
@@ -37,6 +39,7 @@ from asyncflow.queue.protocol import (
     error_from_msg,
     meta_from_msg,
     pack_header,
+    runs,
     sampler_to_msg,
     unpack_header,
 )
@@ -98,7 +101,9 @@ class ZmqDataPlane:
         if conn is None:
             with self._lock:
                 if self._ctx is None:
-                    self._ctx = zmq.Context()
+                    # The process-wide context: never garbage-collected mid-run (a collected
+                    # context with a socket still open in some thread would hang in term()).
+                    self._ctx = zmq.Context.instance()
                 if self._schema is None:
                     boot = _Conn(self._ctx, self.endpoint, [])
                     hello = self._call(boot, boot.ctrl, "hello", {})
@@ -136,14 +141,6 @@ class ZmqDataPlane:
         conn = self._conn()
         return self._call(conn, conn.ctrl, op, args)
 
-    def _shards(self, rows: Sequence[int]) -> dict[int, list[int]]:
-        """Unit -> positions in ``rows`` of the rows it holds."""
-        n = len(self._units)
-        out: dict[int, list[int]] = {}
-        for i, row in enumerate(rows):
-            out.setdefault(row % n, []).append(i)
-        return out
-
     # -- writes ------------------------------------------------------------------------
     def put(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
             tags: Mapping[str, Sequence[int]] | None = None, timeout: float | None = None) -> list[int]:
@@ -152,7 +149,7 @@ class ZmqDataPlane:
         check_partition_name(partition)
         if rows is not None:
             rows = [int(r) for r in rows]
-        columns = self._schema.validate(data, None if rows is None else len(rows))
+        columns = self._schema.validate(data, None if rows is None else len(rows), copy=False)
         if rows is None:
             if not columns:
                 raise ValueError("put of new rows needs at least one field")
@@ -177,16 +174,11 @@ class ZmqDataPlane:
         return list(rows)
 
     def _write_shards(self, conn: _Conn, rows: list[int], columns: Mapping[str, Any]) -> None:
-        shards = self._shards(rows)
         sent = []
-        for unit, pos in shards.items():
-            if len(shards) == 1:
-                part = columns
-            else:
-                part = {k: v[pos] if isinstance(v, np.ndarray) else [v[i] for i in pos] for k, v in columns.items()}
-            spec, buffers = encode_columns(part)
+        for unit, i, j in runs(rows, len(self._units)):
+            spec, buffers = encode_columns({k: v[i:j] for k, v in columns.items()})
             sock = conn.units[unit]
-            sent.append((sock, self._send(conn, sock, "write", {"rows": [rows[i] for i in pos], "cols": spec}, buffers)))
+            sent.append((sock, self._send(conn, sock, "write", {"rows": rows[i:j], "cols": spec}, buffers)))
         errors = []
         for sock, rid in sent:  # collect every reply, so no stray one is left in a socket
             try:
@@ -247,25 +239,21 @@ class ZmqDataPlane:
         for name in names:
             f = self._schema[name]
             out[name] = [None] * len(rows) if f.ragged else np.empty((len(rows), *f.shape), f.dtype)
-        shards = self._shards(rows) if rows else {}
-        sent = [(pos, conn.units[u], self._send(conn, conn.units[u], "gather",
-                                                {"rows": [rows[i] for i in pos], "fields": names}))
-                for u, pos in shards.items()]
+        slices = runs(rows, len(self._units)) if rows else []
+        sent = [(i, j, conn.units[u], self._send(conn, conn.units[u], "gather", {"rows": rows[i:j], "fields": names}))
+                for u, i, j in slices]
         errors = []
-        for pos, sock, rid in sent:
+        for i, j, sock, rid in sent:
             try:
                 spec, frames = self._recv(sock, rid)
             except Exception as exc:
                 errors.append(exc)
                 continue
             for name, values in decode_columns(spec, frames).items():
-                if isinstance(out[name], list):
-                    for i, v in zip(pos, values):
-                        out[name][i] = v
-                elif len(shards) == 1:
-                    out[name] = values
+                if len(slices) == 1 and not isinstance(out[name], list):
+                    out[name] = values  # the whole answer: no copy
                 else:
-                    out[name][pos] = values
+                    out[name][i:j] = values
         if errors:
             raise errors[0]
         return out

@@ -3,7 +3,7 @@
 Wiring (each box its own process; clients in any process)::
 
     client --DEALER--> controller (ROUTER)   row ids, fields, tags: alloc/commit/get_meta/...
-    client --DEALER--> storage unit i (ROUTER)   raw column buffers of rows with row % N == i
+    client --DEALER--> storage unit i (ROUTER)   raw column buffers of its rows (shard_of(row) == i)
     controller --DEALER--> storage units     drops of cleared rows, save/load
 
 * The controller owns the control plane (a :class:`~asyncflow.queue.index.RowIndex`) and
@@ -68,6 +68,7 @@ from asyncflow.queue.protocol import (
     meta_to_msg,
     pack_header,
     sampler_from_msg,
+    shard_of,
     unpack_header,
 )
 from asyncflow.queue.schema import Schema, schema_from_msg, schema_to_msg, validate_tags
@@ -191,7 +192,7 @@ class StorageServer(_Server):
         storage = Storage(self.schema)
         for name in data_files(path):
             with np.load(name, allow_pickle=False) as arrays:
-                storage.load_arrays(arrays, keep=lambda r: r % n_units == unit)
+                storage.load_arrays(arrays, keep=lambda r: shard_of(r, n_units) == unit)
         self.storage = storage
 
 
@@ -372,7 +373,7 @@ class ControllerServer(_Server):
             return
         n = len(self.units)
         for unit, sock in enumerate(self.units):
-            mine = [r for r in rows if r % n == unit]
+            mine = [r for r in rows if shard_of(r, n) == unit]
             if mine:
                 sock.send_multipart([pack_header({"op": "drop", "noreply": True, "a": {"rows": mine},
                                                   "tok": self._tok()})])
