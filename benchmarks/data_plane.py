@@ -13,8 +13,8 @@ Payloads (float32, fixed length, as TransferQueue's ``scripts/performance_test/p
 For each system: one put of the whole batch as new rows (writer = this process), then one
 get of every field of every row; the best of ``--iters`` runs (partition cleared between
 runs), in GB/s (1 GB = 2**30 bytes, as TransferQueue's script). The distributed deployment
-and TransferQueue both keep the data in other processes (2 storage units each), so their
-figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
+(over TCP on 127.0.0.1, and over Unix-socket IPC) and TransferQueue both keep the data in
+other processes (2 storage units each), so their figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
 Then ``get_meta`` latency of a client in this process against the controller process
 (non-blocking, 1 row, 2000 calls): p50/p99.
 
@@ -120,11 +120,12 @@ def main() -> None:
         gb = gbytes(data)
         schema = Schema([Field(k, "float32", (s,)) for k in data])
         results = {"in-process": bench_ours(DataPlane(schema), data, args.iters)}
-        dep = launch(schema, n_storage=2)
-        try:
-            results["distributed"] = bench_ours(dep.client(), data, args.iters)
-        finally:
-            dep.shutdown()
+        for transport in ("tcp", "ipc"):
+            dep = launch(schema, n_storage=2, transport=transport)
+            try:
+                results[f"dist-{transport}"] = bench_ours(dep.client(), data, args.iters)
+            finally:
+                dep.shutdown()
         results["transferqueue"] = "skipped (--no-tq)" if args.no_tq else bench_tq(data, args.iters)
         for system, r in results.items():
             if isinstance(r, str):
@@ -132,8 +133,9 @@ def main() -> None:
             else:
                 print(f"{name:8} {system:12} {gb:6.3f} {gb / r[0]:9.2f} {gb / r[1]:9.2f}", flush=True)
         if not isinstance(results["transferqueue"], str):
-            (dp_, dg), (tp, tg) = results["distributed"], results["transferqueue"]
-            ratios.append(f"{name}: distributed/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}")
+            for t in ("tcp", "ipc"):
+                (dp_, dg), (tp, tg) = results[f"dist-{t}"], results["transferqueue"]
+                ratios.append(f"{name}: dist-{t}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}")
         del data
         gc.collect()
     for line in ratios:

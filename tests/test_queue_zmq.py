@@ -182,7 +182,7 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
 
 
 def test_close_wakes_every_waiter_and_capacity_waits():
-    d = launch(SCHEMA, n_storage=1, capacity=2)
+    d = launch(SCHEMA, n_storage=1, capacity=2, transport="ipc")
     try:
         dp = d.client()
         dp.put({"r": [1.0, 2.0]}, partition="a")

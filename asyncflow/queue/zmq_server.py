@@ -40,7 +40,9 @@ import hmac
 import json
 import multiprocessing as mp
 import os
+import tempfile
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -462,12 +464,17 @@ class Deployment:
 
 
 def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,
-           host: str = "127.0.0.1", start_method: str = "spawn") -> Deployment:
+           host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp") -> Deployment:
     """Start ``n_storage`` storage units and a controller as processes; return their handle.
 
-    Each binds ``tcp://<host>:<free port>``. The child processes get only plain data
-    (the schema as lists, endpoints, token).
+    Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
+    the temp folder (one machine only; skips the TCP stack). The child processes get only
+    plain data (the schema as lists, endpoints, token).
     """
+    if transport not in ("tcp", "ipc"):
+        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+    prefix = os.path.join(tempfile.gettempdir(), f"asyncflow-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    bind = (lambda k: f"ipc://{prefix}-{k}") if transport == "ipc" else (lambda k: f"tcp://{host}:0")
     if n_storage < 1:
         raise ValueError(f"n_storage must be >= 1, got {n_storage}")
     ctx = mp.get_context(start_method)
@@ -482,9 +489,9 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
             raise RuntimeError(f"data plane server {target.__name__} did not start")
         return parent.recv()
 
-    for _ in range(n_storage):
-        endpoints.append(start(_run_storage, msg, f"tcp://{host}:0", token))
-    endpoint = start(_run_controller, msg, endpoints, f"tcp://{host}:0", token, capacity)
+    for k in range(n_storage):
+        endpoints.append(start(_run_storage, msg, bind(k), token))
+    endpoint = start(_run_controller, msg, endpoints, bind("ctl"), token, capacity)
     return Deployment(endpoint, token, procs)
 
 
