@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from asyncflow.queue import DataPlane, Field, Schema
-from asyncflow.queue.zmq_server import launch
+from asyncflow.queue.zmq_launch import launch
 
 SHAPES = {"tq-perf": (1024, 9, 8192), "small": (128, 4, 1024)}
 

@@ -18,9 +18,9 @@ import zmq
 
 from asyncflow.queue import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
 from asyncflow.queue.samplers import GroupSampler, TokenBalancedSampler
-from asyncflow.queue.protocol import SHARD_BLOCK, shard_of
+from asyncflow.queue.protocol import shard_of
 from asyncflow.queue.zmq_client import ZmqDataPlane
-from asyncflow.queue.zmq_server import launch
+from asyncflow.queue.zmq_launch import launch
 
 SCHEMA = Schema([Field("ids", "int64", ragged=True), Field("r", "float32"), Field("v", "int32", (2,))])
 TOKEN = "test-token"

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncflow.queue import Field, Schema
-from asyncflow.queue.zmq_server import launch
+from asyncflow.queue.zmq_launch import launch
 
 SCHEMA = Schema([Field("a", "int64", ragged=True), Field("b", "int64"), Field("uid", "int64")])
 TASKS = ("t1", "t2")

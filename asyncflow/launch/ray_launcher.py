@@ -8,7 +8,7 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
 * ``ASYNCFLOW_DATA_PLANE=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
-  plane (:mod:`asyncflow.queue.zmq_server`: a controller + ``ASYNCFLOW_DP_UNITS`` storage
+  plane (:mod:`asyncflow.queue.zmq_launch`: a controller + ``ASYNCFLOW_DP_UNITS`` storage
   units, default 2, as child processes of the driver); roles get its picklable client.
 """
 
@@ -155,7 +155,7 @@ class RayLauncher:
 
     def data_plane(self, schema):
         if os.environ.get("ASYNCFLOW_DATA_PLANE", "ray") == "zmq":
-            from asyncflow.queue.zmq_server import launch
+            from asyncflow.queue.zmq_launch import launch
 
             self._deployments.append(launch(schema, n_storage=int(os.environ.get("ASYNCFLOW_DP_UNITS", "2"))))
             return self._deployments[-1].client()

@@ -18,6 +18,7 @@ Modules, one role each:
 * :mod:`~asyncflow.queue.controller` :class:`DataPlane`, the thread-safe in-process deployment
 * :mod:`~asyncflow.queue.protocol`   wire format: msgpack headers + raw numpy frames, no pickle
 * :mod:`~asyncflow.queue.zmq_server` the distributed deployment: controller + N storage units
+* :mod:`~asyncflow.queue.zmq_launch` starts it (child processes, or a command line)
 * :mod:`~asyncflow.queue.zmq_client` its client, with the ``DataPlane`` methods (picklable)
 
 Invariants: each row is consumed at most once per task; a row is never handed out before

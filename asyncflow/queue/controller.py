@@ -36,7 +36,6 @@ hold up others. Every change notifies all waiters; no fairness between blocked p
 
 from __future__ import annotations
 
-import glob
 import operator
 import os
 import threading
@@ -45,12 +44,12 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 import numpy as np
 
 from asyncflow.queue.index import RowIndex
 from asyncflow.queue.samplers import Sampler, SequentialSampler, check_sample
-from asyncflow.queue.schema import Schema, schema_from_msg, schema_to_msg, validate_tags
+from asyncflow.queue.persist import data_files, load_state, save_arrays, save_state
+from asyncflow.queue.schema import Schema, validate_tags
 from asyncflow.queue.storage import Storage, assemble
 
 __all__ = ["BatchMeta", "DataPlane", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
@@ -464,41 +463,6 @@ def try_sample(
     if min_n == 0:
         return BatchMeta(partition, [], fields)
     return None
-
-
-def save_state(path: str | os.PathLike, schema: Schema, index_state: dict) -> None:
-    """Write ``<path>/index.msgpack`` (schema + control-plane state; creates ``path``)."""
-    os.makedirs(path, exist_ok=True)
-    blob = msgpack.packb({"format": 1, "schema": schema_to_msg(schema), "index": index_state})
-    _atomic_write(os.path.join(path, "index.msgpack"), blob)
-
-
-def load_state(path: str | os.PathLike, schema: Schema) -> dict:
-    """Read ``<path>/index.msgpack``; the saved schema must equal ``schema``."""
-    with open(os.path.join(path, "index.msgpack"), "rb") as fh:
-        blob = msgpack.unpackb(fh.read(), strict_map_key=False)
-    saved = schema_from_msg(blob["schema"])
-    if saved != schema:
-        raise ValueError(f"{path}: saved schema {saved} differs from this data plane's {schema}")
-    return blob["index"]
-
-
-def save_arrays(path: str, arrays: Mapping[str, np.ndarray]) -> None:
-    """``np.savez`` to ``path`` atomically (write then rename)."""
-    tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
-    os.replace(tmp, path)
-
-
-def data_files(path: str | os.PathLike) -> list[str]:
-    """Every ``data*.npz`` of a saved state (one per storage unit, or one in process)."""
-    return sorted(glob.glob(os.path.join(glob.escape(str(path)), "data*.npz")))
-
-
-def _atomic_write(path: str, blob: bytes) -> None:
-    with open(path + ".tmp", "wb") as fh:
-        fh.write(blob)
-    os.replace(path + ".tmp", path)
 
 
 def _deadline(timeout: float | None) -> float | None:
