@@ -7,6 +7,9 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
   the weight store ask for 0).
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
+* ``ASYNCFLOW_DATA_PLANE=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
+  plane (:mod:`asyncflow.queue.zmq_launch`: a controller + ``ASYNCFLOW_DP_UNITS`` storage
+  units, default 2, as child processes of the driver); roles get its picklable client.
 """
 
 from __future__ import annotations
@@ -138,6 +141,7 @@ class RayWeightStore:
 class RayLauncher:
     def __init__(self, num_cpus: int | None = None):
         self._owns = False
+        self._deployments: list = []  # ZeroMQ data planes started by data_plane()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
@@ -150,6 +154,11 @@ class RayLauncher:
         self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
 
     def data_plane(self, schema):
+        if os.environ.get("ASYNCFLOW_DATA_PLANE", "ray") == "zmq":
+            from asyncflow.queue.zmq_launch import launch
+
+            self._deployments.append(launch(schema, n_storage=int(os.environ.get("ASYNCFLOW_DP_UNITS", "2"))))
+            return self._deployments[-1].client()
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64).remote(schema))
 
     def weight_store(self):
@@ -169,6 +178,9 @@ class RayLauncher:
 
     def release(self, obj) -> None:
         """Kill the actor behind ``obj`` (a worker handle or a client) and free its CPUs."""
+        for dep in [d for d in self._deployments if d.endpoint == getattr(obj, "endpoint", None)]:
+            self._deployments.remove(dep)
+            dep.shutdown()
         handle = getattr(obj, "handle", obj)
         try:
             ray.kill(handle)
@@ -176,5 +188,8 @@ class RayLauncher:
             pass
 
     def shutdown(self) -> None:
+        for dep in self._deployments:
+            dep.shutdown()
+        self._deployments.clear()
         if self._owns and ray.is_initialized():
             ray.shutdown()

@@ -5,7 +5,9 @@ A table of rows (samples, global ids) x fields (declared columns), grouped in pa
 controller for up to ``n`` rows whose required fields are produced and that the task has
 not consumed (``get_meta``, choosing with a :class:`Sampler`), then reads only the columns
 it needs (``get_data``); ``get_batch`` does both in one call. ``seal`` ends a partition,
-``clear`` frees it, ``close`` stops everything.
+``clear`` frees it, ``clear_rows`` frees single rows, ``reset_consumption`` lets a task
+read everything again, ``save``/``load`` persist the whole state (msgpack + npz), ``close``
+stops everything.
 
 Modules, one role each:
 
@@ -14,11 +16,16 @@ Modules, one role each:
 * :mod:`~asyncflow.queue.index`      control plane bookkeeping (row ids, produced, consumed)
 * :mod:`~asyncflow.queue.storage`    data plane storage unit (values by row and field)
 * :mod:`~asyncflow.queue.controller` :class:`DataPlane`, the thread-safe in-process deployment
+* :mod:`~asyncflow.queue.protocol`   wire format: msgpack headers + raw numpy frames, no pickle
+* :mod:`~asyncflow.queue.zmq_server` the distributed deployment: controller + N storage units
+* :mod:`~asyncflow.queue.zmq_launch` starts it (child processes, or a command line)
+* :mod:`~asyncflow.queue.zmq_client` its client, with the ``DataPlane`` methods (picklable)
 
 Invariants: each row is consumed at most once per task; a row is never handed out before
 all its required fields are produced; a put is all-or-nothing; back-pressure never drops.
-Everything crossing the API is plain picklable data, so a distributed deployment can keep
-the same signatures. numpy only: no torch, no ray in this package.
+Everything crossing the API is plain data, so the distributed deployment keeps the same
+signatures (partition names there: int, str or None; samplers: the built-in ones).
+numpy, msgpack and pyzmq only: no torch, no ray in this package.
 """
 
 from asyncflow.queue.controller import BatchMeta, DataPlane, QueueClosed, QueueTimeout

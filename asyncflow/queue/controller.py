@@ -37,6 +37,7 @@ hold up others. Every change notifies all waiters; no fairness between blocked p
 from __future__ import annotations
 
 import operator
+import os
 import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -47,10 +48,11 @@ import numpy as np
 
 from asyncflow.queue.index import RowIndex
 from asyncflow.queue.samplers import Sampler, SequentialSampler, check_sample
+from asyncflow.queue.persist import data_files, load_state, save_arrays, save_state
 from asyncflow.queue.schema import Schema, validate_tags
 from asyncflow.queue.storage import Storage, assemble
 
-__all__ = ["BatchMeta", "DataPlane", "QueueClosed", "QueueTimeout"]
+__all__ = ["BatchMeta", "DataPlane", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
 
 
 class QueueClosed(RuntimeError):
@@ -328,20 +330,58 @@ class DataPlane:
                 "rows_allocated": self._index.rows_allocated,
             }
 
+    def reset_consumption(self, task: str) -> None:
+        """Forget what ``task`` consumed: every live row can be handed to it again.
+
+        For re-reading data (another epoch, a restarted consumer). Wakes waiters.
+        """
+        with self._cond:
+            self._index.reset_consumption(task)
+            self._cond.notify_all()
+
+    def clear_rows(self, rows: Sequence[int]) -> None:
+        """Drop single rows (every field, tag and consumption mark) and free their capacity.
+
+        Raises ``ValueError`` naming the first row that does not exist; then nothing is
+        dropped. Their partitions stay (possibly empty). Wakes putters blocked on capacity.
+        """
+        rows = [operator.index(r) for r in rows]
+        with self._cond:
+            self._storage.drop(self._index.drop_rows(rows))
+            self._cond.notify_all()
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the whole state to directory ``path``: ``index.msgpack`` + ``data.npz``.
+
+        Unconsumed rows, consumption marks, tags, seals and counters are all kept; no
+        pickle is used (msgpack + ``np.savez``). Readers and writers wait while it runs.
+        """
+        with self._cond:
+            state, arrays = self._index.state(), self._storage.to_arrays()
+            save_state(path, self.schema, state)
+            save_arrays(os.path.join(path, "data.npz"), arrays)
+
+    def load(self, path: str | os.PathLike) -> None:
+        """Replace the whole state by what :meth:`save` (or a distributed save) wrote.
+
+        The saved schema must equal this one. Wakes every waiter.
+        """
+        state = load_state(path, self.schema)
+        storage = Storage(self.schema)
+        for name in data_files(path):
+            with np.load(name, allow_pickle=False) as arrays:
+                storage.load_arrays(arrays)
+        with self._cond:
+            self._index, self._storage = RowIndex.from_state(state), storage
+            self._cond.notify_all()
+
     # -- internals (called with the lock held) ----------------------------------------
     def _get_meta_locked(  # the arguments of get_meta
         self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
         sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
         timeout: float | None = None,
     ) -> BatchMeta:
-        fields = self.schema.check_names(fields)
-        if not isinstance(task, str) or not task:
-            raise ValueError(f"task must be a non-empty str, got {task!r}")
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        min_n = n if min_n is None else min_n
-        if not 0 <= min_n <= n:
-            raise ValueError(f"min_n must be in [0, n={n}], got {min_n}")
+        fields, min_n = check_request(self.schema, task, fields, n, min_n)
         sampler = SequentialSampler() if sampler is None else sampler
         deadline = _deadline(timeout)
         what = (
@@ -350,7 +390,7 @@ class DataPlane:
         )
         while True:
             self._check_open(what)
-            meta = self._try_sample(task, fields, n, partition, sampler, min_n)
+            meta = try_sample(self._index, task, fields, n, partition, sampler, min_n)
             if meta is None and not block:
                 meta = BatchMeta(partition, [], fields)
             if meta is not None:
@@ -358,32 +398,6 @@ class DataPlane:
                 return meta
             if not self._wait(deadline):
                 raise QueueTimeout(f"get_meta timed out after {timeout}s: {what}")
-
-    def _try_sample(
-        self, task: str, fields: list[str], n: int, partition: Hashable | None,
-        sampler: Sampler, min_n: int,
-    ) -> BatchMeta | None:
-        """Sample and commit if the request can be answered now; else ``None``."""
-        candidates = self._index.partitions() if partition is None else [partition]
-        for p in candidates:
-            ready = self._index.ready(p, task, fields)
-            if ready:
-                chosen, consumed = sampler.sample(ready, n, self._index.tags(p))
-                chosen, consumed = check_sample(sampler, ready, n, chosen, consumed)
-            else:
-                chosen, consumed = [], []
-            done = len(chosen) >= min_n or self._index.exhausted(p, task, len(ready))
-            if partition is None and not (chosen or consumed):
-                done = False  # nothing here: look at the next partition
-            if done:
-                picked = set(chosen)
-                dropped = [r for r in consumed if r not in picked]
-                if consumed:
-                    self._index.consume(p, task, consumed, len(dropped))
-                return BatchMeta(p, chosen, fields, dropped)
-        if min_n == 0:
-            return BatchMeta(partition, [], fields)
-        return None
 
     def _gather_locked(self, rows: Sequence[int], fields: Sequence[str]) -> dict[str, list]:
         self._index.check_readable(rows, fields)
@@ -403,6 +417,52 @@ class DataPlane:
             return False
         self._cond.wait(remaining)
         return True
+
+
+def check_request(
+    schema: Schema, task: str, fields: Sequence[str], n: int, min_n: int | None
+) -> tuple[list[str], int]:
+    """Validate get_meta arguments; return ``(fields as a list, min_n)``."""
+    fields = schema.check_names(fields)
+    if not isinstance(task, str) or not task:
+        raise ValueError(f"task must be a non-empty str, got {task!r}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be >= 1 (an int), got {n!r}")
+    min_n = n if min_n is None else min_n
+    if not isinstance(min_n, int) or not 0 <= min_n <= n:
+        raise ValueError(f"min_n must be in [0, n={n}], got {min_n!r}")
+    return fields, min_n
+
+
+def try_sample(
+    index: RowIndex, task: str, fields: list[str], n: int, partition: Hashable | None,
+    sampler: Sampler, min_n: int,
+) -> BatchMeta | None:
+    """Sample and commit if the request can be answered now; else ``None`` (nothing changes).
+
+    Shared by the in-process :class:`DataPlane` and the distributed controller, so both
+    hand out rows by exactly the same rules.
+    """
+    candidates = index.partitions() if partition is None else [partition]
+    for p in candidates:
+        ready = index.ready(p, task, fields)
+        if ready:
+            chosen, consumed = sampler.sample(ready, n, index.tags(p))
+            chosen, consumed = check_sample(sampler, ready, n, chosen, consumed)
+        else:
+            chosen, consumed = [], []
+        done = len(chosen) >= min_n or index.exhausted(p, task, len(ready))
+        if partition is None and not (chosen or consumed):
+            done = False  # nothing here: look at the next partition
+        if done:
+            picked = set(chosen)
+            dropped = [r for r in consumed if r not in picked]
+            if consumed:
+                index.consume(p, task, consumed, len(dropped))
+            return BatchMeta(p, chosen, fields, dropped)
+    if min_n == 0:
+        return BatchMeta(partition, [], fields)
+    return None
 
 
 def _deadline(timeout: float | None) -> float | None:

@@ -77,6 +77,9 @@ class RowIndex:
             del self._partition_of[row]
         return list(p.rows)
 
+    def has_row(self, row: int) -> bool:
+        return row in self._partition_of
+
     @property
     def live_rows(self) -> int:
         return len(self._partition_of)
@@ -180,6 +183,75 @@ class RowIndex:
         if n_dropped:
             self.dropped_total[task] += n_dropped
 
+    def reset_consumption(self, task: str) -> None:
+        """Forget what ``task`` consumed: every live row is pending for it again."""
+        for p in self._partitions.values():
+            p.pending.pop(task, None)
+
+    def drop_rows(self, rows: Iterable[int]) -> list[int]:
+        """Forget single rows (all fields, tags, consumption); return them for the storage.
+
+        Every row must be live (checked first, so an unknown row changes nothing); the
+        partitions stay, even if emptied.
+        """
+        rows = list(dict.fromkeys(rows))
+        self.check_rows(rows)
+        for row in rows:
+            p = self._partitions[self._partition_of.pop(row)]
+            del p.rows[row]
+            for done in p.produced.values():
+                done.discard(row)
+            for pending in p.pending.values():
+                pending.pop(row, None)
+            for values in p.tags.values():
+                values.pop(row, None)
+        return rows
+
+    # -- persistence -------------------------------------------------------------------
+    def state(self) -> dict:
+        """The whole index as msgpack/JSON-able plain data (see :meth:`from_state`).
+
+        Partition names must be ``int``, ``str`` or ``None``: anything else cannot
+        round-trip through msgpack/JSON, so it raises ``ValueError`` here.
+        """
+        parts = []
+        for name, p in self._partitions.items():
+            check_partition_name(name)
+            parts.append({
+                "name": name,
+                "rows": list(p.rows),
+                "produced": {f: sorted(done) for f, done in p.produced.items()},
+                "pending": {t: list(pending) for t, pending in p.pending.items()},
+                "tags": {t: [list(v.keys()), list(v.values())] for t, v in p.tags.items()},
+                "sealed": p.sealed,
+            })
+        return {
+            "next_row": self._next_row,
+            "rows_allocated": self.rows_allocated,
+            "consumed_total": dict(self.consumed_total),
+            "dropped_total": dict(self.dropped_total),
+            "partitions": parts,
+        }
+
+    @classmethod
+    def from_state(cls, state: Mapping) -> RowIndex:
+        """Rebuild an index from :meth:`state` (rows keep their ids; new ids continue)."""
+        index = cls()
+        index._next_row = int(state["next_row"])
+        index.rows_allocated = int(state["rows_allocated"])
+        index.consumed_total.update(state["consumed_total"])
+        index.dropped_total.update(state["dropped_total"])
+        for d in state["partitions"]:
+            name = d["name"]
+            p = index._partitions[name] = _Partition(sealed=bool(d["sealed"]))
+            p.rows = dict.fromkeys(int(r) for r in d["rows"])
+            p.produced = {f: set(rows) for f, rows in d["produced"].items()}
+            p.pending = {t: dict.fromkeys(rows) for t, rows in d["pending"].items()}
+            p.tags = {t: dict(zip(rows, values)) for t, (rows, values) in d["tags"].items()}
+            for row in p.rows:
+                index._partition_of[row] = name
+        return index
+
     def check_readable(self, rows: Sequence[int], fields: Iterable[str]) -> None:
         self.check_rows(rows)
         for name in fields:
@@ -198,3 +270,12 @@ class RowIndex:
 
 
 _MISSING = object()
+
+
+def check_partition_name(name: object) -> None:
+    """Partition names that survive msgpack/JSON unchanged: int, str, None (not bool)."""
+    if not (name is None or isinstance(name, str) or (isinstance(name, int) and not isinstance(name, bool))):
+        raise ValueError(
+            f"partition {name!r}: only int, str or None partition names can be saved or sent "
+            f"over the network, got {type(name).__name__}"
+        )

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Field", "Schema", "SchemaError", "validate_tags"]
+__all__ = ["Field", "Schema", "SchemaError", "schema_from_msg", "schema_to_msg", "validate_tags"]
 
 
 class SchemaError(ValueError):
@@ -128,7 +128,7 @@ class Schema:
         return out
 
     def validate(
-        self, data: Mapping[str, Any], n_rows: int | None = None
+        self, data: Mapping[str, Any], n_rows: int | None = None, copy: bool = True
     ) -> dict[str, np.ndarray | list[np.ndarray]]:
         """Check and normalise a column-wise write.
 
@@ -136,6 +136,9 @@ class Schema:
             data: field name -> per-row values (an array with a leading row axis, or a
                 sequence with one entry per row).
             n_rows: expected number of rows; ``None`` takes it from the first column.
+            copy: ``False`` skips the copy of arrays that already have the declared dtype
+                (read-only *views* of the caller's arrays come back): for a sender that
+                serialises them before returning, like the distributed client.
 
         Returns:
             field name -> array ``[n_rows, *shape]`` (fixed) or list of 1-D arrays (ragged),
@@ -149,7 +152,7 @@ class Schema:
         first: str | None = None
         for name, value in data.items():
             f = self[name]
-            rows = _fixed_column(f, value) if not f.ragged else _ragged_column(f, value)
+            rows = _fixed_column(f, value, copy) if not f.ragged else _ragged_column(f, value, copy)
             if n_rows is None:
                 n_rows, first = len(rows), name
             elif len(rows) != n_rows:
@@ -187,7 +190,7 @@ def _check_kind(f: Field, given: np.dtype, row: int | None) -> None:
         )
 
 
-def _fixed_column(f: Field, value: Any) -> np.ndarray:
+def _fixed_column(f: Field, value: Any, copy: bool = True) -> np.ndarray:
     value = _rows_of(f, value)
     if isinstance(value, np.ndarray):
         # One array for all rows: a wrong dtype or shape is wrong for every row, so the
@@ -199,7 +202,7 @@ def _fixed_column(f: Field, value: Any) -> np.ndarray:
             )
         if len(value):
             _check_kind(f, value.dtype, 0)
-        arr = value.astype(f.dtype, copy=True)
+        arr = value.astype(f.dtype, copy=True) if copy else value.astype(f.dtype, copy=False).view()
     else:
         items = [_as_row(f, i, item) for i, item in enumerate(value)]
         for i, a in enumerate(items):
@@ -215,7 +218,7 @@ def _fixed_column(f: Field, value: Any) -> np.ndarray:
     return arr
 
 
-def _ragged_column(f: Field, value: Any) -> list[np.ndarray]:
+def _ragged_column(f: Field, value: Any, copy: bool = True) -> list[np.ndarray]:
     value = _rows_of(f, value)
     out: list[np.ndarray] = []
     for i, item in enumerate(value):
@@ -226,7 +229,7 @@ def _ragged_column(f: Field, value: Any) -> list[np.ndarray]:
             )
         if a.size:
             _check_kind(f, a.dtype, i)
-        a = a.astype(f.dtype, copy=True)
+        a = a.astype(f.dtype, copy=True) if copy else a.astype(f.dtype, copy=False).view()
         a.flags.writeable = False
         out.append(a)
     return out
@@ -252,3 +255,16 @@ def validate_tags(tags: Mapping[str, Sequence[int]] | None, n_rows: int) -> dict
                 raise SchemaError(f"tag {name!r} row {row}: expected an int, got {v!r}") from None
         out[name] = ints
     return out
+
+
+def schema_to_msg(schema: Schema) -> list[list]:
+    """The schema as plain lists (msgpack/JSON): ``[[name, dtype, shape, ragged], ...]``."""
+    return [[f.name, f.dtype, list(f.shape), f.ragged] for f in schema.fields]
+
+
+def schema_from_msg(msg: Sequence[Sequence[Any]]) -> Schema:
+    """Inverse of :func:`schema_to_msg`; raises ``ValueError`` on a malformed entry."""
+    try:
+        return Schema(Field(str(n), str(d), tuple(s), bool(r)) for n, d, s, r in msg)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed schema message: {exc}") from None

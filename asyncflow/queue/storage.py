@@ -17,7 +17,7 @@ values are never mutated, only replaced by dropping rows.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -52,6 +52,49 @@ class Storage:
         for column in self._columns.values():
             for row in rows:
                 column.pop(row, None)
+
+    def to_arrays(self, keep: Callable[[int], bool] | None = None) -> dict[str, np.ndarray]:
+        """Every stored value as a few flat arrays (for ``np.savez``; no pickle).
+
+        Keys per field: ``"<field>::rows"`` (row ids), ``"<field>::data"`` (fixed: stacked
+        ``[n, *shape]``; ragged: the concatenated rows) and, for ragged fields,
+        ``"<field>::lengths"``. ``keep(row)`` selects rows (default: all).
+        """
+        out: dict[str, np.ndarray] = {}
+        for name, column in self._columns.items():
+            f = self.schema[name]
+            rows = [r for r in column if keep is None or keep(r)]
+            values = [column[r] for r in rows]
+            out[f"{name}::rows"] = np.asarray(rows, dtype=np.int64)
+            if f.ragged:
+                out[f"{name}::lengths"] = np.asarray([len(v) for v in values], dtype=np.int64)
+                flat = np.concatenate(values) if values else np.empty(0, f.dtype)
+                out[f"{name}::data"] = flat.astype(f.dtype, copy=False)
+            else:
+                out[f"{name}::data"] = (
+                    np.stack(values) if values else np.empty((0, *f.shape), f.dtype)
+                ).astype(f.dtype, copy=False)
+        return out
+
+    def load_arrays(
+        self, arrays: Mapping[str, np.ndarray], keep: Callable[[int], bool] | None = None
+    ) -> None:
+        """Add the values of :meth:`to_arrays` output (rows selected by ``keep``)."""
+        for name, column in self._columns.items():
+            if f"{name}::rows" not in arrays:
+                continue
+            f = self.schema[name]
+            rows = arrays[f"{name}::rows"].tolist()
+            data = np.array(arrays[f"{name}::data"], dtype=f.dtype)  # one owned copy
+            data.flags.writeable = False
+            if f.ragged:
+                lengths = arrays[f"{name}::lengths"]
+                values = np.split(data, np.cumsum(lengths)[:-1]) if len(rows) else []
+            else:
+                values = list(data)
+            for row, value in zip(rows, values):
+                if keep is None or keep(row):
+                    column[row] = value
 
     def nbytes(self) -> int:
         """Bytes of stored values (views count their own extent)."""

@@ -1,0 +1,132 @@
+"""Starting the distributed data plane: :func:`launch` (child processes) or a command line.
+
+:func:`launch` starts N :class:`~asyncflow.queue.zmq_server.StorageServer` processes, then
+a :class:`~asyncflow.queue.zmq_server.ControllerServer` that knows their endpoints, and
+returns a :class:`Deployment` (``client()``, ``shutdown()``). Children get only plain
+data over the process-start pipe (schema as lists, endpoints, token); each reports the
+endpoint it bound. For servers started by hand (or by another launcher)::
+
+    ASYNCFLOW_DP_TOKEN=... python -m asyncflow.queue.zmq_launch storage --schema s.json
+    ASYNCFLOW_DP_TOKEN=... python -m asyncflow.queue.zmq_launch controller --schema s.json \
+        --storage tcp://127.0.0.1:PORT0 tcp://127.0.0.1:PORT1
+
+and clients connect with ``ZmqDataPlane(controller_endpoint, token)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncflow.queue.schema import Schema, schema_from_msg, schema_to_msg
+from asyncflow.queue.zmq_server import ControllerServer, StorageServer, _Server
+
+__all__ = ["Deployment", "launch", "main"]
+
+
+def _run_storage(schema_msg: list, bind: str, token: str | None, conn: Any) -> None:
+    server = StorageServer(schema_from_msg(schema_msg), bind, token)
+    conn.send(server.endpoint)
+    conn.close()
+    server.serve_forever()
+
+
+def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
+                    capacity: int | None, conn: Any) -> None:
+    server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity)
+    conn.send(server.endpoint)
+    conn.close()
+    server.serve_forever()
+
+
+@dataclass
+class Deployment:
+    """A running controller + storage units (child processes of :func:`launch`)."""
+
+    endpoint: str
+    token: str | None
+    processes: list
+
+    def client(self):
+        from asyncflow.queue.zmq_client import ZmqDataPlane
+
+        return ZmqDataPlane(self.endpoint, token=self.token)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop every server process (asks them, then terminates stragglers)."""
+        try:
+            self.client().shutdown_servers()
+        except Exception:
+            pass
+        for p in self.processes:
+            p.join(timeout)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout)
+
+
+def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,
+           host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp") -> Deployment:
+    """Start ``n_storage`` storage units and a controller as processes; return their handle.
+
+    Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
+    the temp folder (one machine only; skips the TCP stack). The child processes get only
+    plain data (the schema as lists, endpoints, token).
+    """
+    if transport not in ("tcp", "ipc"):
+        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+    prefix = os.path.join(tempfile.gettempdir(), f"asyncflow-dp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    bind = (lambda k: f"ipc://{prefix}-{k}") if transport == "ipc" else (lambda k: f"tcp://{host}:0")
+    if n_storage < 1:
+        raise ValueError(f"n_storage must be >= 1, got {n_storage}")
+    ctx = mp.get_context(start_method)
+    msg, procs, endpoints = schema_to_msg(schema), [], []
+
+    def start(target: Callable, *args: Any) -> str:
+        parent, child = ctx.Pipe(duplex=False)
+        p = ctx.Process(target=target, args=(*args, child), daemon=True)
+        p.start()
+        procs.append(p)
+        if not parent.poll(60):
+            raise RuntimeError(f"data plane server {target.__name__} did not start")
+        return parent.recv()
+
+    for k in range(n_storage):
+        endpoints.append(start(_run_storage, msg, bind(k), token))
+    endpoint = start(_run_controller, msg, endpoints, bind("ctl"), token, capacity)
+    return Deployment(endpoint, token, procs)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m asyncflow.queue.zmq_launch {storage,controller} --schema S.json ...``
+
+    The schema file is ``[[name, dtype, shape, ragged], ...]``; the token is read from
+    ``$ASYNCFLOW_DP_TOKEN`` (never from the command line, where ``ps`` would show it).
+    """
+    ap = argparse.ArgumentParser(prog="python -m asyncflow.queue.zmq_launch")
+    ap.add_argument("role", choices=["storage", "controller"])
+    ap.add_argument("--schema", required=True, help="JSON file: [[name, dtype, shape, ragged], ...]")
+    ap.add_argument("--bind", default="tcp://127.0.0.1:0")
+    ap.add_argument("--storage", nargs="*", default=[], help="controller: storage unit endpoints, in order")
+    ap.add_argument("--capacity", type=int, default=None)
+    args = ap.parse_args(argv)
+    with open(args.schema) as fh:
+        schema = schema_from_msg(json.load(fh))
+    token = os.environ.get("ASYNCFLOW_DP_TOKEN") or None
+    if args.role == "storage":
+        server: _Server = StorageServer(schema, args.bind, token)
+    else:
+        server = ControllerServer(schema, args.storage, args.bind, token, args.capacity)
+    print(server.endpoint, flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Data plane throughput and latency: ours (in process, distributed) vs TransferQueue 0.1.11.
+
+One command::
+
+    PYTHONPATH=. python benchmarks/data_plane.py            # both payload shapes
+    PYTHONPATH=. python benchmarks/data_plane.py --small    # the small shape only
+
+Payloads (float32, fixed length, as TransferQueue's ``scripts/performance_test/perftest.py``):
+
+* ``tq-perf``: global batch 1024 x 9 fields x seq len 8192 (~302 MB per put);
+* ``small``:   128 x 4 x 1024 (~2 MB per put).
+
+For each system: one put of the whole batch as new rows (writer = this process), then one
+get of every field of every row; the best of ``--iters`` runs (partition cleared between
+runs), in GB/s (1 GB = 2**30 bytes, as TransferQueue's script). The distributed deployment
+(over TCP on 127.0.0.1, and over Unix-socket IPC) and TransferQueue both keep the data in
+other processes (2 storage units each), so their figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
+Then ``get_meta`` latency of a client in this process against the controller process
+(non-blocking, 1 row, 2000 calls): p50/p99.
+
+TransferQueue is optional (``pip install -e .[bench]``); without it that column is skipped
+with a message. It starts Ray with 8 logical CPUs (its actors ask for one each).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+
+import numpy as np
+
+from asyncflow.queue import DataPlane, Field, Schema
+from asyncflow.queue.zmq_launch import launch
+
+SHAPES = {"tq-perf": (1024, 9, 8192), "small": (128, 4, 1024)}
+
+
+def payload(batch: int, n_fields: int, seq: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return {f"field_{i}": rng.standard_normal((batch, seq), dtype=np.float32) for i in range(n_fields)}
+
+
+def gbytes(data: dict[str, np.ndarray]) -> float:
+    return sum(v.nbytes for v in data.values()) / 2**30
+
+
+def bench_ours(dp, data: dict[str, np.ndarray], iters: int) -> tuple[float, float]:
+    fields, n = list(data), len(next(iter(data.values())))
+    put_t, get_t = [], []
+    for i in range(iters):
+        t = time.perf_counter()
+        dp.put(data, partition=f"b{i}")
+        put_t.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        meta, got = dp.get_batch("bench", fields, n=n, partition=f"b{i}")
+        get_t.append(time.perf_counter() - t)
+        assert len(meta.rows) == n and got[fields[0]].shape == data[fields[0]].shape
+        del got
+        dp.clear(f"b{i}")
+        gc.collect()
+    return min(put_t), min(get_t)
+
+
+def bench_tq(data: dict[str, np.ndarray], iters: int) -> tuple[float, float] | str:
+    try:
+        import ray
+        import torch
+        import transfer_queue as tq
+        from tensordict import TensorDict
+    except ImportError as exc:
+        return f"skipped: transferqueue not installed ({exc}); pip install -e .[bench]"
+    if not ray.is_initialized():
+        ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    tq.init()
+    n = len(next(iter(data.values())))
+    fields = TensorDict({k: torch.from_numpy(v) for k, v in data.items()}, batch_size=n)
+    keys = [f"k{i}" for i in range(n)]
+    put_t, get_t = [], []
+    try:
+        for i in range(iters):
+            t = time.perf_counter()
+            tq.kv_batch_put(keys=keys, partition_id=f"b{i}", fields=fields)
+            put_t.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            got = tq.kv_batch_get(keys=keys, partition_id=f"b{i}")
+            get_t.append(time.perf_counter() - t)
+            assert tuple(got["field_0"].shape)[0] == n  # a jagged tensor [n, j] in 0.1.11
+            del got
+            tq.kv_clear(keys=keys, partition_id=f"b{i}")
+            gc.collect()
+    finally:
+        tq.close()
+    return min(put_t), min(get_t)
+
+
+def get_meta_latency(dp, calls: int = 2000) -> tuple[float, float]:
+    dp.put({"x": np.arange(calls + 10, dtype=np.int64)}, partition="lat")
+    lat = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        dp.get_meta("lat", ["x"], n=1, partition="lat", block=False)
+        lat.append(time.perf_counter() - t)
+    dp.clear("lat")
+    ms = np.array(lat) * 1e3
+    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="only the small shape")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--no-tq", action="store_true", help="skip TransferQueue")
+    args = ap.parse_args()
+    shapes = {"small": SHAPES["small"]} if args.small else SHAPES
+    print(f"{'shape':8} {'system':12} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9}")
+    ratios = []
+    for name, (b, f, s) in shapes.items():
+        data = payload(b, f, s)
+        gb = gbytes(data)
+        schema = Schema([Field(k, "float32", (s,)) for k in data])
+        results = {"in-process": bench_ours(DataPlane(schema), data, args.iters)}
+        for transport in ("tcp", "ipc"):
+            dep = launch(schema, n_storage=2, transport=transport)
+            try:
+                results[f"dist-{transport}"] = bench_ours(dep.client(), data, args.iters)
+            finally:
+                dep.shutdown()
+        results["transferqueue"] = "skipped (--no-tq)" if args.no_tq else bench_tq(data, args.iters)
+        for system, r in results.items():
+            if isinstance(r, str):
+                print(f"{name:8} {system:12} {r}", flush=True)
+            else:
+                print(f"{name:8} {system:12} {gb:6.3f} {gb / r[0]:9.2f} {gb / r[1]:9.2f}", flush=True)
+        if not isinstance(results["transferqueue"], str):
+            for t in ("tcp", "ipc"):
+                (dp_, dg), (tp, tg) = results[f"dist-{t}"], results["transferqueue"]
+                ratios.append(f"{name}: dist-{t}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}")
+        del data
+        gc.collect()
+    for line in ratios:
+        print(line)
+    dep = launch(Schema([Field("x", "int64")]), n_storage=2)
+    try:
+        p50, p99 = get_meta_latency(dep.client())
+    finally:
+        dep.shutdown()
+    print(f"get_meta latency, client process -> controller process: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
