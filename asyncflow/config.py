@@ -153,6 +153,9 @@ class TrainConfig(_Section):
 class ResourcesConfig(_Section):
     threads_per_role: int = Field(1, gt=0, description="torch threads of each role process (stream/async).")
     sync_threads: int = Field(0, ge=0, description="torch threads of the colocated sync worker (0 = all cores).")
+    data_plane: Literal["ray", "zmq"] = Field(
+        "ray", description="ray launcher: the data plane as a Ray actor, or distributed over ZeroMQ (controller + storage units).")
+    storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
 
 
 class RunConfig(_Section):

@@ -71,3 +71,12 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
         assert r["efficiency"] == pytest.approx(r["samples_per_s"] / r["bound"])
         assert set(r["solo_s"]) == {"rollout", "reward", "actor"}
     assert rows["sync"]["bound_limit"] == "sum of phases"
+
+
+@pytest.mark.ray
+def test_async_on_ray_with_the_zeromq_data_plane(tmp_path):
+    cfg = load_config(None, ["resources.data_plane=zmq", "train.steps=4", "train.eval_every=0",
+                             f"run_dir={tmp_path}", "progress=false"])
+    summary = train(cfg, evaluate=False)
+    assert summary["samples"] == 4 * 128 and summary["dropped_stale"] == 0
+    assert 0 <= summary["max_staleness"] <= 1

@@ -66,7 +66,7 @@ class DelayLauncher(LocalLauncher):
         self.rng, self.max_delay_s = random.Random(seed), max_delay_s
         self.dp: DelayedDataPlane | None = None
 
-    def data_plane(self, schema):
+    def data_plane(self, schema, kind="ray", storage_units=2):
         self.dp = DelayedDataPlane(schema, self.rng, self.max_delay_s)
         return self.dp
 

@@ -16,7 +16,8 @@ class LocalLauncher:
         self.cpus = os.cpu_count() or 1
         self._pool = ThreadPoolExecutor(2, thread_name_prefix="local-launcher")
 
-    def data_plane(self, schema):
+    def data_plane(self, schema, kind: str = "ray", storage_units: int = 2):
+        """The in-process data plane (``kind`` only matters to the Ray launcher)."""
         return DataPlane(schema)
 
     def weight_store(self):

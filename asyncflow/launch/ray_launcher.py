@@ -7,9 +7,9 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
   the weight store ask for 0).
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
-* ``ASYNCFLOW_DATA_PLANE=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
-  plane (:mod:`asyncflow.queue.zmq_launch`: a controller + ``ASYNCFLOW_DP_UNITS`` storage
-  units, default 2, as child processes of the driver); roles get its picklable client.
+* ``resources.data_plane=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
+  plane (:mod:`asyncflow.queue.zmq_launch`: a controller + ``resources.storage_units``
+  storage units as child processes of the driver); roles get its picklable client.
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ class RayLauncher:
             self._owns = True
         self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
 
-    def data_plane(self, schema):
-        if os.environ.get("ASYNCFLOW_DATA_PLANE", "ray") == "zmq":
+    def data_plane(self, schema, kind: str = "ray", storage_units: int = 2):
+        if kind == "zmq":
             from asyncflow.queue.zmq_launch import launch
 
-            self._deployments.append(launch(schema, n_storage=int(os.environ.get("ASYNCFLOW_DP_UNITS", "2"))))
+            self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64).remote(schema))
 

@@ -15,7 +15,7 @@ from asyncflow.workflow.worker import Worker, plan_workers
 class Job:
     def __init__(self, cfg: RunConfig, launcher, model_dir: str):
         self.cfg, self.launcher = cfg, launcher
-        self.dp = launcher.data_plane(SCHEMA)
+        self.dp = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus)
         self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.dp, self.weights, s.threads)
