@@ -49,7 +49,7 @@ import numpy as np
 from asyncflow.queue.index import RowIndex
 from asyncflow.queue.samplers import Sampler, SequentialSampler, check_sample
 from asyncflow.queue.persist import data_files, load_state, save_arrays, save_state
-from asyncflow.queue.schema import Schema, validate_tags
+from asyncflow.queue.schema import Schema, prepare_write
 from asyncflow.queue.storage import Storage, assemble
 
 __all__ = ["BatchMeta", "DataPlane", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
@@ -140,18 +140,9 @@ class DataPlane:
         >>> dp.put({"x": [5, 6]}, tags={"group": [0, 0]})
         [0, 1]
         """
-        if rows is not None:
-            rows = [operator.index(r) for r in rows]
-        columns = self.schema.validate(data, None if rows is None else len(rows))
-        if rows is None:
-            if not columns:
-                raise ValueError("put of new rows needs at least one field")
-            n_rows = len(next(iter(columns.values())))
-        elif not rows:
+        rows, columns, n_rows, tag_lists = prepare_write(self.schema, data, rows, tags)
+        if rows == []:
             return []
-        else:
-            n_rows = len(rows)
-        tag_lists = validate_tags(tags, n_rows)
         if rows is None and self.capacity is not None and n_rows > self.capacity:
             raise ValueError(f"put of {n_rows} new rows can never fit capacity {self.capacity}")
         deadline = _deadline(timeout)

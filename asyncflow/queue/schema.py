@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Field", "Schema", "SchemaError", "schema_from_msg", "schema_to_msg", "validate_tags"]
+__all__ = ["Field", "Schema", "SchemaError", "prepare_write", "schema_from_msg", "schema_to_msg", "validate_tags"]
 
 
 class SchemaError(ValueError):
@@ -233,6 +233,28 @@ def _ragged_column(f: Field, value: Any, copy: bool = True) -> list[np.ndarray]:
         a.flags.writeable = False
         out.append(a)
     return out
+
+
+def prepare_write(
+    schema: Schema, data: Mapping[str, Any], rows: Sequence[int] | None,
+    tags: Mapping[str, Sequence[int]] | None, copy: bool = True,
+) -> tuple[list[int] | None, dict, int, dict[str, list[int]]]:
+    """Validate a whole put before anything is stored, for every deployment.
+
+    Returns ``(rows, columns, n_rows, tags)``: ``rows`` as plain ints (``None`` = new rows),
+    the validated columns, the row count and the checked tags. ``rows == []`` is an empty
+    write: returned as is, nothing else checked. Raises :class:`SchemaError` or
+    ``ValueError`` (a write of new rows without any field).
+    """
+    if rows is not None:
+        rows = [operator.index(r) for r in rows]
+        if not rows:
+            return rows, {}, 0, {}
+    columns = schema.validate(data, None if rows is None else len(rows), copy=copy)
+    if rows is None and not columns:
+        raise ValueError("put of new rows needs at least one field")
+    n_rows = len(rows) if rows is not None else len(next(iter(columns.values())))
+    return rows, columns, n_rows, validate_tags(tags, n_rows)
 
 
 def validate_tags(tags: Mapping[str, Sequence[int]] | None, n_rows: int) -> dict[str, list[int]]:

@@ -44,7 +44,7 @@ from asyncflow.queue.protocol import (
     unpack_header,
 )
 from asyncflow.queue.samplers import Sampler
-from asyncflow.queue.schema import Schema, schema_from_msg, validate_tags
+from asyncflow.queue.schema import Schema, prepare_write, schema_from_msg
 
 __all__ = ["ZmqDataPlane"]
 
@@ -147,18 +147,9 @@ class ZmqDataPlane:
         """As :meth:`DataPlane.put`: validated whole, then allocate, write shards, commit."""
         conn = self._conn()
         check_partition_name(partition)
-        if rows is not None:
-            rows = [int(r) for r in rows]
-        columns = self._schema.validate(data, None if rows is None else len(rows), copy=False)
-        if rows is None:
-            if not columns:
-                raise ValueError("put of new rows needs at least one field")
-            n_rows = len(next(iter(columns.values())))
-        elif not rows:
+        rows, columns, n_rows, tag_lists = prepare_write(self._schema, data, rows, tags, copy=False)
+        if rows == []:
             return []
-        else:
-            n_rows = len(rows)
-        tag_lists = validate_tags(tags, n_rows)
         fields = list(columns)
         if rows is None:
             rows = self._call(conn, conn.ctrl, "alloc", {"partition": partition, "n": n_rows, "timeout": timeout})
