@@ -15,6 +15,7 @@ Modules, one role each:
 * :mod:`~asyncflow.queue.samplers`   selection policies: ``sample(ready, n, tags)``
 * :mod:`~asyncflow.queue.index`      control plane bookkeeping (row ids, produced, consumed)
 * :mod:`~asyncflow.queue.storage`    data plane storage unit (values by row and field)
+* :mod:`~asyncflow.queue.rules`      request semantics shared by every deployment
 * :mod:`~asyncflow.queue.controller` :class:`DataPlane`, the thread-safe in-process deployment
 * :mod:`~asyncflow.queue.protocol`   wire format: msgpack headers + raw numpy frames, no pickle
 * :mod:`~asyncflow.queue.zmq_server` the distributed deployment: controller + N storage units

@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncflow.queue.controller import BatchMeta, QueueClosed, QueueTimeout
+from asyncflow.queue.rules import BatchMeta, QueueClosed, QueueTimeout
 from asyncflow.queue.samplers import (
     GroupSampler,
     Sampler,

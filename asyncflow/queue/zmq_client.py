@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from asyncflow.queue.controller import BatchMeta, Data, check_request
+from asyncflow.queue.rules import BatchMeta, Data, check_request
 from asyncflow.queue.index import check_partition_name
 from asyncflow.queue.protocol import (
     decode_columns,

@@ -45,7 +45,7 @@ from typing import Any
 import numpy as np
 import zmq
 
-from asyncflow.queue.controller import (
+from asyncflow.queue.rules import (
     BatchMeta,
     QueueClosed,
     QueueTimeout,
