@@ -7,17 +7,6 @@ import json
 import pytest
 
 from asyncflow.config import ConfigError, load_config
-from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
-
-
-@pytest.fixture
-def model_dir(tmp_path):
-    tok = build_char_tokenizer()
-    model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64)
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    return tmp_path / "m"
 
 
 def write_jsonl(path, rows):

@@ -7,23 +7,12 @@ import os
 import pytest
 
 from asyncflow.config import ConfigError
-from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.tasks import check_model_folder, load_model
 
 
-@pytest.fixture
-def saved(tmp_path):
-    tok = build_char_tokenizer()
-    model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
-                             intermediate_size=64)
-    model.save_pretrained(tmp_path / "m")
-    tok.save_pretrained(tmp_path / "m")
-    return tmp_path / "m"
-
-
-def test_a_saved_model_loads_back_through_model_path(saved):
-    assert check_model_folder(str(saved)) == str(saved)
-    model, tok = load_model(saved)
+def test_a_saved_model_loads_back_through_model_path(model_dir):
+    assert check_model_folder(str(model_dir)) == str(model_dir)
+    model, tok = load_model(model_dir)
     assert type(model).__name__ == "Qwen2ForCausalLM"
     assert tok.decode(tok("12+34=").input_ids) == "12+34="
 
@@ -38,12 +27,12 @@ def test_folder_without_config(tmp_path):
         check_model_folder(str(tmp_path))
 
 
-def test_folder_without_tokenizer(saved):
-    for name in os.listdir(saved):
+def test_folder_without_tokenizer(model_dir):
+    for name in os.listdir(model_dir):
         if name.startswith(("tokenizer", "special_tokens")):
-            os.remove(saved / name)
+            os.remove(model_dir / name)
     with pytest.raises(ConfigError, match="no tokenizer") as e:
-        check_model_folder(str(saved))
+        check_model_folder(str(model_dir))
     assert "\n" not in str(e.value)
 
 
@@ -63,11 +52,11 @@ def test_cli_reports_a_bad_model_path_in_one_line(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("asyncflow: error: model.path")
 
 
-def test_a_job_trains_a_model_from_a_folder(saved, tmp_path):
+def test_a_job_trains_a_model_from_a_folder(model_dir, tmp_path):
     from asyncflow.config import load_config
     from asyncflow.workflow.driver import train
 
-    cfg = load_config(None, [f"model.path={saved}", "mode=sync", "launcher=local", "train.steps=2",
+    cfg = load_config(None, [f"model.path={model_dir}", "mode=sync", "launcher=local", "train.steps=2",
                              "train.prompts_per_step=2", "rollout.group_size=2", "train.micro_prompts=1",
                              f"run_dir={tmp_path}/runs", "progress=false", "task.eval_n=8"])
     summary = train(cfg)
