@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -51,6 +52,7 @@ class ActorRole(Role):
         self.fields = FIELDS + (["ref_logprobs"] if self.algorithm.needs_reference else [])
         self.wait_timeout_s = wait_timeout_s
         self.wait_s = 0.0
+        self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="actor-prefetch")
         self.max_staleness = 0
         self.staleness_hist: dict[int, int] = {}
         self.dropped_stale = 0
@@ -59,14 +61,21 @@ class ActorRole(Role):
         """Train version ``v`` on partition ``v`` (blocks until the partition is consumed)."""
         sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
         seen, metrics, rewards, lengths, pending = 0, [], [], [], []
+
+        def fetch(want: int):
+            return self.dp.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
+                                     min_n=want, block=True, timeout=self.wait_timeout_s)
+
+        micro = self.micro_prompts * self.group_size
+        nxt = self._fetcher.submit(fetch, min(micro, self.batch_size))
         while seen < self.batch_size:
-            want = min(self.micro_prompts * self.group_size, self.batch_size - seen)
             t = time.perf_counter()
-            meta, data = self.dp.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
-                                           min_n=want, block=True, timeout=self.wait_timeout_s)
+            meta, data = nxt.result()
             self.wait_s += time.perf_counter() - t
             seen += len(meta.rows) + len(meta.dropped)
             self.dropped_stale += len(meta.dropped)
+            if seen < self.batch_size:  # the next micro-batch travels while this one computes
+                nxt = self._fetcher.submit(fetch, min(micro, self.batch_size - seen))
             if not meta.rows:
                 continue
             if self.algorithm.batch_level:
