@@ -109,8 +109,10 @@ class RewardRole(Role):
                         self.remote.submit((meta.partition, row), self.fn, t, delay)
         if not self.remote or not self.remote.inflight:
             return 0
-        # Wait a little for results when there was nothing new to start (no busy spinning).
-        done = self.remote.drain(0 if fetched else min(timeout, 0.02))
+        # Unless a full batch just arrived, collect results for linger_s before the next poll:
+        # one fetch and one put per ~20 ms, not one per trickling row (data-plane calls cost
+        # CPU on both sides, and on a small machine that CPU is the trainer's).
+        done = self.remote.drain(0 if fetched >= self.micro else min(timeout, self.linger_s))
         by_part: dict = defaultdict(lambda: ([], []))
         for (part, row), value in done:
             rows, scores = by_part[part]
