@@ -7,11 +7,12 @@ role running, weights never swapped):
 
 * ``sync``: the phases run one after another, each on all cores, so the bound is
   ``N / (t_rollout + t_reward + t_reference + t_actor)`` with every role on
-  ``sync_threads`` threads and rollout filling one step's batch at a time (the tail of each
-  step's batch is inherent to the mode).
-* ``stream``: roles overlap but on-policy rollout still fills one step at a time, one
-  thread per role: ``N / max(t_role)``.
-* ``async``: as ``stream``, but rollout refills continuously across steps.
+  ``sync_threads`` threads, rollout filling one step's batch at a time and reward scoring
+  that batch before the next step starts (the tail of each step's batch, and each step's
+  slowest reward call, are inherent to the mode).
+* ``stream``: roles overlap but on-policy rollout and reward still work one step at a
+  time, one thread per role: ``N / max(t_role)``.
+* ``async``: as ``stream``, but rollout and reward stream continuously across steps.
 
 What the bound leaves out is exactly what the mode pays in the pipeline: data-plane
 round trips between processes, weight export/transfer/swap, waiting at the staleness
@@ -77,11 +78,20 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
     import torch
 
     s = _Solo(cfg, model_dir, steps, threads, continuous)
+    middle = s.roles[1:-1]  # reward (and reference)
     try:
-        seconds = {"rollout": (s.generate(0), s.timed(s.generate, 1, steps))[1]}
-        for name in s.roles[1:-1]:
-            s.consume(name, 0)
-            seconds[name] = s.timed(lambda v, n=name: s.consume(n, v), 1, steps)
+        if continuous:  # async: each role streams across steps
+            seconds = {"rollout": (s.generate(0), s.timed(s.generate, 1, steps))[1]}
+            for name in middle:
+                s.consume(name, 0)
+                seconds[name] = s.timed(lambda v, n=name: s.consume(n, v), 1, steps)
+        else:  # sync / stream: one step's batch at a time, phase after phase
+            seconds = dict.fromkeys(["rollout", *middle], 0.0)
+            for v in range(steps):
+                phases = [("rollout", s.generate)] + [(n, lambda v, n=n: s.consume(n, v)) for n in middle]
+                for name, phase in phases:
+                    t = s.timed(phase, v, v + 1)
+                    seconds[name] += t if v else 0.0
         s.train(0)
         seconds["actor"] = s.timed(s.train, 1, steps)
         return seconds
