@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncflow.planner.sim import Allocation, ConstantCost, Workload, simulate
+from asyncflow.planner.costs import ConstantCost
+from asyncflow.planner.sim import Allocation, Workload, simulate
 
 # 2 prompts x 2 answers of 4 tokens; every answer decodes in 4 rounds of 1 s.
 WL = dict(prompts_per_step=2, group_size=2, prompt_len=3, lengths={4: 1.0}, steps=6)

@@ -12,6 +12,7 @@
 Nothing here imports torch except :mod:`~asyncflow.planner.profile`.
 """
 
-from asyncflow.planner.sim import Allocation, ConstantCost, SimResult, Workload, simulate
+from asyncflow.planner.costs import ConstantCost
+from asyncflow.planner.sim import Allocation, SimResult, Workload, simulate
 
 __all__ = ["Allocation", "ConstantCost", "SimResult", "Workload", "simulate"]

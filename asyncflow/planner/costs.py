@@ -189,3 +189,47 @@ class AnalyticCost:
 
     def reward_s(self, n):
         return self.a["reward_s_per_sample"] * n
+
+
+@dataclass
+class ConstantCost:
+    """Hand-set costs (tests and quick what-ifs): every call costs a fixed number of seconds."""
+
+    decode: float = 0.0  # per decode round (any batch size)
+    decode_per_row: float = 0.0
+    prefill: float = 0.0
+    train_per_row: float = 0.0
+    step: float = 0.0
+    export: float = 0.0
+    swap: float = 0.0
+    transfer: float = 0.0
+    reward: float = 0.0
+    overhead: float = 0.0
+    interference: float = 1.0
+
+    def decode_s(self, n, ctx, res):
+        return self.decode + self.decode_per_row * n
+
+    def prefill_s(self, n, prompt_len, res):
+        return self.prefill
+
+    def train_s(self, rows, padded_len, res):
+        return self.train_per_row * rows
+
+    def step_s(self, res):
+        return self.step
+
+    def export_s(self):
+        return self.export
+
+    def swap_s(self, n_live, ctx, res):
+        return self.swap
+
+    def transfer_s(self):
+        return self.transfer
+
+    def reward_s(self, n):
+        return self.reward * n
+
+    def step_overhead_s(self):
+        return self.overhead

@@ -18,7 +18,8 @@ Modules, one role each:
 * :mod:`~asyncflow.queue.rules`      request semantics shared by every deployment
 * :mod:`~asyncflow.queue.controller` :class:`DataPlane`, the thread-safe in-process deployment
 * :mod:`~asyncflow.queue.protocol`   wire format: msgpack headers + raw numpy frames, no pickle
-* :mod:`~asyncflow.queue.zmq_server` the distributed deployment: controller + N storage units
+* :mod:`~asyncflow.queue.zmq_server` the distributed deployment: the controller server
+* :mod:`~asyncflow.queue.zmq_storage` its storage-unit server (N of them, rows sharded)
 * :mod:`~asyncflow.queue.zmq_launch` starts it (child processes, or a command line)
 * :mod:`~asyncflow.queue.zmq_client` its client, with the ``DataPlane`` methods (picklable)
 

@@ -1,6 +1,6 @@
 """Starting the distributed data plane: :func:`launch` (child processes) or a command line.
 
-:func:`launch` starts N :class:`~asyncflow.queue.zmq_server.StorageServer` processes, then
+:func:`launch` starts N :class:`~asyncflow.queue.zmq_storage.StorageServer` processes, then
 a :class:`~asyncflow.queue.zmq_server.ControllerServer` that knows their endpoints, and
 returns a :class:`Deployment` (``client()``, ``shutdown()``). Children get only plain
 data over the process-start pipe (schema as lists, endpoints, token); each reports the
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncflow.queue.schema import Schema, schema_from_msg, schema_to_msg
-from asyncflow.queue.zmq_server import ControllerServer, StorageServer, _Server
+from asyncflow.queue.zmq_server import ControllerServer, _Server
+from asyncflow.queue.zmq_storage import StorageServer
 
 __all__ = ["Deployment", "launch", "main"]
 

@@ -9,8 +9,9 @@ Wiring (each box its own process; clients in any process)::
 * The controller owns the control plane (a :class:`~asyncflow.queue.index.RowIndex`) and
   never sees sample data; it hands out rows with the same
   :func:`~asyncflow.queue.controller.try_sample` as the in-process ``DataPlane``.
-* A storage unit owns a :class:`~asyncflow.queue.storage.Storage` of its shard and knows
-  nothing of tasks; it keeps received buffers as read-only views (no copy).
+* A storage unit (:mod:`asyncflow.queue.zmq_storage`) owns a
+  :class:`~asyncflow.queue.storage.Storage` of its shard and knows nothing of tasks; it
+  keeps received buffers as read-only views (no copy).
 * A put is ``alloc`` (new rows) or ``check_write`` (existing rows; reserves the
   ``(row, field)`` pairs so two writers cannot both pass), then the writes to the units,
   then ``commit``: rows become ready only after their data is stored, so a consumer can
@@ -36,13 +37,11 @@ reservation (those fields of those rows stay unwritable until the rows are clear
 from __future__ import annotations
 
 import hmac
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import zmq
 
 from asyncflow.queue.rules import (
@@ -52,12 +51,10 @@ from asyncflow.queue.rules import (
     check_request,
     try_sample,
 )
-from asyncflow.queue.persist import data_files, load_state, save_arrays, save_state
+from asyncflow.queue.persist import load_state, save_state
 from asyncflow.queue.index import RowIndex, check_partition_name
 from asyncflow.queue.protocol import (
     ProtocolError,
-    decode_columns,
-    encode_columns,
     error_to_msg,
     meta_to_msg,
     pack_header,
@@ -66,9 +63,8 @@ from asyncflow.queue.protocol import (
     unpack_header,
 )
 from asyncflow.queue.schema import Schema, schema_to_msg, validate_tags
-from asyncflow.queue.storage import Storage, assemble
 
-__all__ = ["ControllerServer", "StorageServer"]
+__all__ = ["ControllerServer"]  # StorageServer: asyncflow.queue.zmq_storage
 
 _PARKED = object()
 _POLL_MS = 50
@@ -139,55 +135,6 @@ def _args(header: dict, *names: str) -> list[Any]:
         return [header["a"][n] for n in names]
     except (KeyError, TypeError) as exc:
         raise ProtocolError(f"op {header.get('op')!r}: missing argument {exc}") from None
-
-
-class StorageServer(_Server):
-    """One storage unit: values of the rows of its shard, by ``(row, field)``."""
-
-    def __init__(self, schema: Schema, bind: str = "tcp://127.0.0.1:0", token: str | None = None) -> None:
-        super().__init__(bind, token)
-        self.schema, self.storage = schema, Storage(schema)
-        self.ops.update(write=self.write, gather=self.gather, drop=self.drop, save=self.save, load=self.load,
-                        nbytes=lambda h, f: self.storage.nbytes())
-
-    def write(self, header: dict, frames: list) -> None:
-        rows, spec = _args(header, "rows", "cols")
-        rows = [int(r) for r in rows]
-        columns = decode_columns(spec, frames, self.schema)
-        stored = self.storage._columns
-        for name, values in columns.items():
-            if len(values) != len(rows):
-                raise ProtocolError(f"field {name!r}: {len(values)} values for {len(rows)} rows")
-            for row in rows:
-                if row in stored[name]:
-                    raise ValueError(f"row {row} field {name!r} is already stored; fields are write-once")
-        self.storage.write(rows, columns)
-
-    def gather(self, header: dict, frames: list) -> tuple[list, list]:
-        rows, names = _args(header, "rows", "fields")
-        names = self.schema.check_names(names)
-        stored = self.storage._columns
-        for name in names:
-            for row in rows:
-                if row not in stored[name]:
-                    raise ValueError(f"row {row} field {name!r} is not stored (never written, or cleared)")
-        spec, buffers = encode_columns(assemble(self.schema, self.storage.gather(rows, names)))
-        return spec, buffers
-
-    def drop(self, header: dict, frames: list) -> None:
-        self.storage.drop(int(r) for r in _args(header, "rows")[0])
-
-    def save(self, header: dict, frames: list) -> None:
-        path, unit, n_units = _args(header, "path", "unit", "n_units")
-        save_arrays(os.path.join(path, f"data-{unit}-of-{n_units}.npz"), self.storage.to_arrays())
-
-    def load(self, header: dict, frames: list) -> None:
-        path, unit, n_units = _args(header, "path", "unit", "n_units")
-        storage = Storage(self.schema)
-        for name in data_files(path):
-            with np.load(name, allow_pickle=False) as arrays:
-                storage.load_arrays(arrays, keep=lambda r: shard_of(r, n_units) == unit)
-        self.storage = storage
 
 
 @dataclass
