@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     b.add_argument("--samples", type=int, default=None, help="samples per measured run (default from the bench preset)")
     b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, long-tailed), b (+ remote reward latency)")
-    b.add_argument("--modes", default="sync,stream,async", help="comma list of modes")
+    b.add_argument("--modes", default="sync,stream,async,async:2",
+                   help="comma list of modes; async:K runs async with staleness bound K")
     b.add_argument("--out", default=None, help="write the results as JSON here (default: the bench folder)")
     b.add_argument("--quality", action="store_true",
                    help="instead: held-out accuracy of sync and async after the same number of samples")

@@ -229,3 +229,13 @@ def test_cli_bad_value_exits_2(capsys):
     assert main(["train", "--dry-run", "train.steps=-1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("asyncflow: error:") and "train.steps" in err and err.count("\n") == 1
+
+
+def test_bench_mode_specs_name_the_staleness_or_fail_with_one_line():
+    from asyncflow.bench import parse_mode
+
+    assert parse_mode("sync") == ("sync", None)
+    assert parse_mode("async:2") == ("async", 2)
+    for bad in ("async:x", "sync:1", "fast", "stream:0"):
+        with pytest.raises(ConfigError, match="async:K"):
+            parse_mode(bad)

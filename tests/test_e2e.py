@@ -61,10 +61,11 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
     cfg = load_config(None, ["launcher=local", "warmstart.enabled=false", f"run_dir={tmp_path}",
                              "train.prompts_per_step=4", "rollout.group_size=4", "train.micro_prompts=2",
                              "rollout.longtail_long=16"])
-    report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "async"])
+    report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "async:2"])
     out = capsys.readouterr().out
-    assert "vs sync" in out and "limited by" in out
+    assert "vs sync" in out and "limited by" in out and "async:2" in out
     rows = {r["mode"]: r for r in report["rows"]}
+    assert rows["async:2"]["max_staleness"] <= 2
     assert rows["sync"]["vs_sync"] == pytest.approx(1.0)
     for r in rows.values():
         assert r["samples_per_s"] > 0 and r["bound"] > 0

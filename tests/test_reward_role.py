@@ -85,3 +85,22 @@ def test_broken_rewards_score_zero_and_are_counted(latency):
         assert role.stats()["errors"] == 4
     finally:
         role.close()
+
+
+def test_trickling_remote_results_are_written_once_per_window():
+    """64 calls finishing one by one over ~0.2 s reach the data plane in a few puts (one per
+    collection window of 50 ms), not one put per result: each data-plane call costs CPU on
+    both sides, which a small machine takes from the trainer."""
+    dp = DataPlane(SCHEMA)
+    puts = []
+    real_put = dp.put_nowait
+    dp.put_nowait = lambda data, **kw: (puts.append(len(data["reward"])), real_put(data, **kw))[1]
+    put_samples(dp, [("2", "2")] * 64)
+    role = RewardRole(dp, exact, decode, micro=64, concurrency=64, latency_ms=(20.0, 220.0))
+    try:
+        run_until(role, 64)
+        assert sum(puts) == 64
+        assert len(puts) <= 0.25 / RewardRole.window_s + 2  # old behaviour: ~one put per result
+        assert rewards(dp, 64) == [1.0] * 64
+    finally:
+        role.close()

@@ -36,27 +36,42 @@ WORKLOAD_TEXT = {
 }
 
 
-def _variant(cfg: RunConfig, workload: str, mode: str, steps: int, run_dir: str) -> RunConfig:
+def parse_mode(spec: str) -> tuple[str, int | None]:
+    """``"async:2"`` -> ``("async", 2)``: a mode, optionally with its staleness bound."""
+    mode, _, k = spec.partition(":")
+    if mode not in ("sync", "stream", "async") or (k and (mode != "async" or not k.isdigit())):
+        from asyncflow.config import ConfigError
+
+        raise ConfigError(f"unknown bench mode {spec!r} (modes: sync, stream, async, async:K with K the staleness)")
+    return mode, int(k) if k else None
+
+
+def _variant(cfg: RunConfig, workload: str, spec: str, steps: int, run_dir: str) -> RunConfig:
+    mode, staleness = parse_mode(spec)
     data = cfg.model_dump()
     for section, values in WORKLOADS[workload].items():
         data[section].update(values)
     data.update(mode=mode, progress=False, run_dir=run_dir)
+    if staleness is not None:
+        data["staleness"] = staleness
     data["train"].update(steps=steps, eval_every=0)
     return RunConfig.model_validate(data)
 
 
 def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = None,
-              workloads=("a", "b"), modes=("sync", "stream", "async"), out: str | None = None,
+              workloads=("a", "b"), modes=("sync", "stream", "async", "async:2"), out: str | None = None,
               quality: bool = False) -> dict:
     from asyncflow.launch import get_launcher
     from asyncflow.tasks import prepare_model
     from asyncflow.workflow.driver import train
 
-    bad = [w for w in workloads if w not in WORKLOADS] + [m for m in modes if m not in ("sync", "stream", "async")]
+    bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         from asyncflow.config import ConfigError
 
-        raise ConfigError(f"unknown workload or mode {bad} (workloads: a, b; modes: sync, stream, async)")
+        raise ConfigError(f"unknown workload {bad} (workloads: a, b)")
+    for spec in modes:
+        parse_mode(spec)
     root = Path(cfg.run_dir).expanduser() / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True, exist_ok=True)
     model_dir, _ = prepare_model(cfg, root)  # warm-start once (cached), before any timing
@@ -83,7 +98,7 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train) -> list[di
 
     rows = []
     for mode in modes:
-        vcfg = _variant(cfg, w, mode, steps, str(root))
+        vcfg = _variant(cfg, w, mode, steps, str(root))  # mode: a bench spec, e.g. "async:2"
         print(f"[bench] workload {w} ({WORKLOAD_TEXT[w]}): {mode} ...", flush=True)
         s = train(vcfg, launcher=launcher, evaluate=False)
         rows.append({"workload": w, "mode": mode, "samples_per_s": s["steady_samples_per_s"],
@@ -92,14 +107,14 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train) -> list[di
     solo_cache: dict = {}
     for row in rows:
         vcfg = _variant(cfg, w, row["mode"], steps, str(root))
-        threads = (vcfg.resources.sync_threads or launcher.cpus) if row["mode"] == "sync" else vcfg.resources.threads_per_role
-        key = (threads, row["mode"] == "async")
+        threads = (vcfg.resources.sync_threads or launcher.cpus) if vcfg.mode == "sync" else vcfg.resources.threads_per_role
+        key = (threads, vcfg.mode == "async")
         if key not in solo_cache:
             print(f"[bench] workload {w}: roles alone on {threads} thread(s), "
                   f"{'continuous' if key[1] else 'step-by-step'} rollout ...", flush=True)
             solo_cache[key] = measure_roles(vcfg, model_dir, steps, *key)
         seconds = solo_cache[key]
-        b, limit = bound(row["mode"], seconds, (steps - 1) * cfg.batch_size)
+        b, limit = bound(vcfg.mode, seconds, (steps - 1) * cfg.batch_size)
         row.update(solo_s=seconds, bound=b, bound_limit=limit, efficiency=row["samples_per_s"] / b)
     sync = next((r for r in rows if r["mode"] == "sync"), None)
     for row in rows:

@@ -15,6 +15,7 @@ import math
 import queue
 import random
 import threading
+import time
 from collections import defaultdict
 from typing import Callable
 
@@ -43,12 +44,17 @@ class RemoteCalls:
         self._thread = threading.Thread(target=self.loop.run_forever, name="reward-remote", daemon=True)
         self._thread.start()
 
-    def submit(self, key, fn: Callable, args: tuple, delay_s: float) -> None:
-        self.inflight += 1
-        asyncio.run_coroutine_threadsafe(self._call(key, fn, args, delay_s), self.loop)
+    def submit(self, calls: list[tuple]) -> None:
+        """Start ``(key, fn, args, delay_s)`` calls: one wake-up of the loop for the batch,
+        one timer per call (no coroutine, task or future per call)."""
+        self.inflight += len(calls)
+        self.loop.call_soon_threadsafe(self._schedule, calls)
 
-    async def _call(self, key, fn, args, delay_s) -> None:
-        await asyncio.sleep(delay_s)
+    def _schedule(self, calls: list[tuple]) -> None:
+        for key, fn, args, delay_s in calls:
+            self.loop.call_later(delay_s, self._finish, key, fn, args)
+
+    def _finish(self, key, fn, args) -> None:
         try:
             value = fn(*args)
         except Exception as e:  # reported as a reward error, never raised
@@ -56,9 +62,13 @@ class RemoteCalls:
         self.done.put((key, value))
 
     def drain(self, timeout: float) -> list[tuple]:
-        out = []
+        """The calls finished by ``timeout`` seconds from now. It sleeps the whole window and
+        then takes every result at once: one wake-up and, for the caller, one data-plane put
+        per window rather than one per trickling result."""
+        if timeout > 0:
+            time.sleep(timeout)
+        out: list = []
         try:
-            out.append(self.done.get(timeout=timeout) if timeout > 0 else self.done.get_nowait())
             while True:
                 out.append(self.done.get_nowait())
         except queue.Empty:
@@ -72,6 +82,7 @@ class RemoteCalls:
 
 class RewardRole(Role):
     name = "reward"
+    window_s = 0.05  # remote calls: results are collected this long per data-plane round trip
 
     def __init__(self, dp, reward_fn: RewardFn, decode: Callable[[list[int]], str], micro: int = 64,
                  concurrency: int = 64, latency_ms: tuple[float, float] | None = None, seed: int = 0):
@@ -104,15 +115,14 @@ class RewardRole(Role):
                         self.linger(len(meta.rows), self.micro)
                         return len(meta.rows)
                     fetched = len(meta.rows)
-                    for row, t in zip(meta.rows, texts):
-                        delay = self.rng.uniform(*self.latency_ms) / 1000.0
-                        self.remote.submit((meta.partition, row), self.fn, t, delay)
+                    self.remote.submit([((meta.partition, row), self.fn, t, self.rng.uniform(*self.latency_ms) / 1000.0)
+                                        for row, t in zip(meta.rows, texts)])
         if not self.remote or not self.remote.inflight:
             return 0
-        # Unless a full batch just arrived, collect results for linger_s before the next poll:
-        # one fetch and one put per ~20 ms, not one per trickling row (data-plane calls cost
-        # CPU on both sides, and on a small machine that CPU is the trainer's).
-        done = self.remote.drain(0 if fetched >= self.micro else min(timeout, self.linger_s))
+        # Unless a full batch just arrived, collect results for one window before the next
+        # poll: one fetch and one put per window, not one per trickling result (data-plane
+        # calls cost CPU on both sides, and on a small machine that CPU is the trainer's).
+        done = self.remote.drain(0 if fetched >= self.micro else self.window_s)
         by_part: dict = defaultdict(lambda: ([], []))
         for (part, row), value in done:
             rows, scores = by_part[part]
