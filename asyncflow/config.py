@@ -100,9 +100,10 @@ class RewardConfig(_Section):
 
 
 class AlgorithmConfig(_Section):
-    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline"] = Field(
+    name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = Field(
         "grpo", description="Advantage estimator: grpo (group mean/std), dr_grpo (group mean), rloo (leave-one-out), "
-                            "reinforce_pp (batch-whitened returns), reinforce_pp_baseline (group mean, then batch-whitened).")
+                            "reinforce_pp (batch-whitened returns), reinforce_pp_baseline (group mean, then batch-whitened), "
+                            "ppo (GAE on the values of a critic role, trained beside the policy).")
     clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (both sides unless clip_low/clip_high are set).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0 = no reference role).")
     std_normalize: bool = Field(True, description="Divide group advantages by the group std (False = Dr.GRPO).")
@@ -120,6 +121,11 @@ class AlgorithmConfig(_Section):
     is_cap: float | None = Field(2.0, gt=1, description="tis: truncate the IS weight here; decoupled: drop tokens whose weight exceeds it (None = no cap).")
     mask_low: float = Field(0.5, gt=0, lt=1, description="mask: drop tokens whose IS ratio is below this.")
     mask_high: float = Field(2.0, gt=1, description="mask: drop tokens whose IS ratio is above this.")
+    gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount per response token.")
+    lam: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (1 = Monte-Carlo return minus value, 0 = one-step TD).")
+    value_clip: float | None = Field(0.2, gt=0, description="ppo: clip the new value to old value +- value_clip in the value loss (None = no clipping).")
+    vf_coef: float = Field(0.5, gt=0, description="ppo: weight of the value loss (the critic has its own optimizer: this scales its gradient before clipping).")
+    critic_lr: float | None = Field(None, gt=0, description="ppo: critic AdamW learning rate (None = train.lr).")
 
     @model_validator(mode="after")
     def _algorithm(self) -> "AlgorithmConfig":

@@ -25,7 +25,10 @@ Whitening needs the whole step's rewards, so these two are *batch-level*
 (:data:`BATCH_LEVEL`): the actor collects the whole step before its first backward pass.
 Group estimators need only whole groups and keep streaming.
 
-``gae`` is the PPO estimator (needs a critic's values; library only for now).
+``gae`` is the PPO estimator (:data:`CRITIC_LEVEL`): :func:`ppo_targets` builds the same
+per-token rewards, then GAE on a critic's per-token values gives advantages and the
+critic's regression targets (returns). It runs in the critic role, which has the values;
+the actor reads the advantages it writes (see :mod:`asyncflow.workflow.critic`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import numpy as np
 
 GROUP_LEVEL = ("grpo", "dr_grpo", "rloo")
 BATCH_LEVEL = ("reinforce_pp", "reinforce_pp_baseline")
-ESTIMATORS = GROUP_LEVEL + BATCH_LEVEL
+CRITIC_LEVEL = ("gae",)
+ESTIMATORS = GROUP_LEVEL + BATCH_LEVEL + CRITIC_LEVEL
 
 
 def _f64(x) -> np.ndarray:
@@ -145,6 +149,14 @@ def gae(rewards: Sequence[np.ndarray], values: Sequence[np.ndarray], gamma: floa
     return advs, rets
 
 
+def ppo_targets(rewards, values: Sequence[np.ndarray], penalties: Sequence[np.ndarray] | None = None,
+                gamma: float = 1.0, lam: float = 1.0) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """PPO: per-token rewards (outcome on the last token, minus each token's KL penalty), then
+    :func:`gae` on the critic's ``values`` (one row per answer, its response length)."""
+    rows = token_rewards(rewards, [len(v) for v in values], penalties)
+    return gae(rows, values, gamma, lam)
+
+
 def compute_advantages(name: str, rewards, groups, lengths: Sequence[int],
                        penalties: Sequence[np.ndarray] | None = None, eps: float = 1e-6) -> list[np.ndarray]:
     """Per-token advantage rows of estimator ``name`` (one of :data:`ESTIMATORS`)."""
@@ -164,4 +176,6 @@ def compute_advantages(name: str, rewards, groups, lengths: Sequence[int],
         return reinforce_pp_advantages(rewards, lengths, penalties, eps=eps)
     if name == "reinforce_pp_baseline":
         return reinforce_pp_baseline_advantages(rewards, groups, lengths, penalties, eps=eps)
+    if name in CRITIC_LEVEL:
+        raise ValueError(f"estimator {name!r} needs a critic's values: use ppo_targets")
     raise ValueError(f"unknown advantage estimator {name!r} (known: {', '.join(ESTIMATORS)})")

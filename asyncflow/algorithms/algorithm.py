@@ -4,6 +4,11 @@ The actor calls only three things: :meth:`Algorithm.advantages` on a micro-batch
 groups (or, for :attr:`batch_level` estimators, on the whole step), :meth:`Algorithm.loss`
 once per step with the step's totals, and :attr:`needs_reference` to request reference
 log-probs. Engines never see any of it (they run whatever loss callable they are given).
+
+PPO (estimator ``gae``, :attr:`needs_critic`): the critic role calls
+:meth:`Algorithm.critic_targets` (advantages and returns from its values) and
+:meth:`Algorithm.value_loss`; the actor's :meth:`Algorithm.advantages` then only reads the
+``advantages`` column the critic wrote.
 """
 
 from __future__ import annotations
@@ -12,10 +17,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncflow.algorithms.advantages import BATCH_LEVEL, ESTIMATORS, compute_advantages
+from asyncflow.algorithms.advantages import BATCH_LEVEL, CRITIC_LEVEL, ESTIMATORS, compute_advantages, ppo_targets
 from asyncflow.algorithms.corrections import Correction
 from asyncflow.algorithms.kl import kl_estimate
 from asyncflow.algorithms.losses import PolicyLoss
+from asyncflow.algorithms.value import ValueLoss
 
 
 @dataclass
@@ -30,6 +36,10 @@ class Algorithm:
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
     correction: Correction = field(default_factory=Correction)
+    gamma: float = 1.0  # gae only
+    lam: float = 1.0
+    value_clip: float | None = 0.2
+    vf_coef: float = 0.5
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -39,12 +49,14 @@ class Algorithm:
     def from_config(cls, a) -> "Algorithm":
         """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``)."""
         name = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name
+        name = "gae" if name == "ppo" else name
         low = a.clip_low if a.clip_low is not None else a.clip_eps
         high = a.clip_high if a.clip_high is not None else a.clip_eps
         cap = a.is_cap
         return cls(estimator=name, clip_low=low, clip_high=high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
                    loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward,
-                   correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high))
+                   correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high),
+                   gamma=a.gamma, lam=a.lam, value_clip=a.value_clip, vf_coef=a.vf_coef)
 
     @property
     def needs_reference(self) -> bool:
@@ -55,14 +67,39 @@ class Algorithm:
         """True when advantages need the whole step (batch whitening), not just whole groups."""
         return self.estimator in BATCH_LEVEL
 
+    @property
+    def needs_critic(self) -> bool:
+        """True for PPO: a critic role computes values, GAE advantages, and trains."""
+        return self.estimator in CRITIC_LEVEL
+
+    @property
+    def penalties_needed(self) -> bool:
+        """True when the reward carries a per-token KL penalty (needs logprobs and ref_logprobs)."""
+        return self.kl_in_reward and self.kl_coef > 0
+
+    def penalties(self, data: dict) -> list[np.ndarray] | None:
+        """Per-token KL penalties ``kl_coef * k(logprobs, ref_logprobs)`` when ``kl_in_reward``, else None."""
+        if not self.penalties_needed:
+            return None
+        return [self.kl_coef * kl_estimate(self.kl_estimator, np.asarray(lp, np.float64), np.asarray(ref, np.float64))
+                for lp, ref in zip(data["logprobs"], data["ref_logprobs"])]
+
     def advantages(self, data: dict) -> list[np.ndarray]:
-        """Per-token advantage rows for a batch of rows (``reward``, ``group``, ``response_ids``...)."""
+        """Per-token advantage rows for a batch of rows (``reward``, ``group``, ``response_ids``...).
+
+        ``gae``: the ``advantages`` column written by the critic role, as is.
+        """
+        if self.needs_critic:
+            return [np.array(a, dtype=np.float32) for a in data["advantages"]]
         lengths = [len(r) for r in data["response_ids"]]
-        penalties = None
-        if self.kl_in_reward and self.kl_coef > 0:
-            penalties = [self.kl_coef * kl_estimate(self.kl_estimator, np.asarray(lp, np.float64), np.asarray(ref, np.float64))
-                         for lp, ref in zip(data["logprobs"], data["ref_logprobs"])]
-        return compute_advantages(self.estimator, data["reward"], data["group"], lengths, penalties)
+        return compute_advantages(self.estimator, data["reward"], data["group"], lengths, self.penalties(data))
+
+    def critic_targets(self, data: dict, values: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+        """PPO: ``(advantages, returns)`` rows by GAE from the critic's per-token ``values``."""
+        return ppo_targets(data["reward"], values, self.penalties(data), self.gamma, self.lam)
+
+    def value_loss(self, total_tokens: float) -> ValueLoss:
+        return ValueLoss(total_tokens=total_tokens, clip=self.value_clip, vf_coef=self.vf_coef)
 
     def loss(self, total_seqs: float, total_tokens: float | None = None) -> PolicyLoss:
         return PolicyLoss(total_seqs=total_seqs, total_tokens=total_tokens, clip_low=self.clip_low,

@@ -128,12 +128,15 @@ class TrainEngine:
         self.model.train(was_training)
         return [logp[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
 
+    def _forward(self, batch: TokenBatch) -> torch.Tensor:
+        """The per-token ``[B, R]`` quantity the loss sees: log-probs here (a critic: values)."""
+        return token_logprobs(self.model, batch, self.temperature)
+
     def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
         """Accumulate the gradient of ``loss_fn`` on one micro-batch; return its metrics."""
         self.model.train()
         batch = TokenBatch.build(prompts, responses, self.pad_id)
-        logp = token_logprobs(self.model, batch, self.temperature)
-        loss, metrics = loss_fn(logp, batch, extras)
+        loss, metrics = loss_fn(self._forward(batch), batch, extras)
         loss.backward()
         return metrics
 

@@ -7,7 +7,7 @@
 * the sampler is wrapped in ``StalenessSampler(v - staleness)``: a sample generated before
   ``v - staleness`` is never handed out (admission control makes that impossible, the
   sampler makes it a checked invariant; any drop is counted in ``dropped_stale``);
-* computes advantages with the configured :class:`~asyncflow.algorithms.algorithm.Algorithm`
+* computes advantages (PPO: reads those the critic role wrote) with the configured :class:`~asyncflow.algorithms.algorithm.Algorithm`
   and accumulates its loss's gradient (normalised by the step's totals, so accumulation
   equals one big batch), then one optimizer step. Group estimators (GRPO, RLOO...) train
   each micro-batch as it arrives; batch-level ones (REINFORCE++: whitening over the step)
@@ -50,6 +50,7 @@ class ActorRole(Role):
                                                 clip_low=clip_eps, clip_high=clip_eps, kl_coef=kl_coef)
         self.loss = self.algorithm.loss(batch_size)
         self.fields = FIELDS + (["ref_logprobs"] if self.algorithm.needs_reference else [])
+        self.fields += ["advantages"] if self.algorithm.needs_critic else []  # PPO: written by the critic
         self.wait_timeout_s = wait_timeout_s
         self.wait_s = 0.0
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="actor-prefetch")

@@ -6,7 +6,8 @@ Each training step owns one partition (its index). Two kinds of rows share the t
 * sample rows, put by rollout (one per answer): ``prompt_ids``, ``response_ids``,
   ``logprobs`` (behaviour policy), ``answer``, ``group`` (prompt row id), ``version``
   (policy version that started the answer); then ``reward`` (reward role) and
-  ``ref_logprobs`` (reference role).
+  ``ref_logprobs`` (reference role) and, for PPO, ``advantages`` (critic role: per-token
+  GAE advantages).
 
 Rows also carry tags ``group``, ``version`` and ``tokens`` for the samplers.
 """
@@ -26,6 +27,7 @@ SCHEMA = Schema([
     Field("version", "int64"),
     Field("reward", "float32"),
     Field("ref_logprobs", "float32", ragged=True),
+    Field("advantages", "float32", ragged=True),
 ])
 
 

@@ -31,16 +31,26 @@ class Job:
                     self.launcher.call(w, "start")
 
     def step(self, v: int) -> dict:
-        """Train version ``v``; while waiting, check that the other workers are alive."""
+        """Train version ``v`` (PPO: and collect the critic's step-``v`` metrics); while
+        waiting, check that the other workers are alive."""
         method = "sync_step" if self.cfg.mode == "sync" else "train_step"
         fut = self.launcher.submit(self.workers[self.trainer], method, v)
         while True:
             try:
-                return self.launcher.result(fut, timeout=2.0)
+                out = self.launcher.result(fut, timeout=2.0)
+                break
             except TimeoutError:
-                for name, w in self.workers.items():
-                    if name != self.trainer:
-                        self.launcher.call(w, "health")
+                self._health()
+        if "critic" in self.workers:  # PPO: the critic's update on step v runs beside the actor's
+            while (m := self.launcher.call(self.workers["critic"], "critic_metrics", v)) is None:
+                self._health()
+            out.update(m)
+        return out
+
+    def _health(self) -> None:
+        for name, w in self.workers.items():
+            if name != self.trainer:
+                self.launcher.call(w, "health")
 
     def evaluate(self, n: int | None = None) -> float:
         return self.launcher.call(self.workers[self.trainer], "evaluate", n)

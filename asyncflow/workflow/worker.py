@@ -10,6 +10,11 @@ Placement (``plan_workers``):
   and training engines (weight sync is free), using all cores in every phase;
 * ``stream`` / ``async``: one worker per role, one torch thread each; the rollout worker
   receives weights through a :class:`~asyncflow.engines.weights.WeightSubscriber`.
+
+The compute roles (rollout, actor, and reference / critic when the algorithm needs them)
+share the CPUs: each requests ``min(1, ncpu / n_compute)``, so the requests never add up
+to more than ``ncpu``; the reward worker (I/O) requests none. PPO's critic
+(:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy as backbone.
 """
 
 from __future__ import annotations
@@ -33,18 +38,27 @@ class WorkerSpec:
 
 def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
     ncpu = ncpu or os.cpu_count() or 1
-    kl = cfg.algorithm.kl_coef > 0
+    extra = (["reference"] if cfg.algorithm.kl_coef > 0 else []) + (["critic"] if cfg.algorithm.name == "ppo" else [])
     if cfg.mode == "sync":
-        roles = ["rollout", "reward"] + (["reference"] if kl else []) + ["actor"]
+        roles = ["rollout", "reward"] + extra + ["actor"]
         return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
-    compute = ["rollout", "actor"] + (["reference"] if kl else [])
-    share = min(1.0, ncpu / len(compute))
+    share = min(1.0, ncpu / (2 + len(extra)))  # rollout, actor and the extras
     t = cfg.resources.threads_per_role
     specs = [WorkerSpec("rollout", ["rollout"], t, share), WorkerSpec("reward", ["reward"], 1, 0.0)]
-    if kl:
-        specs.append(WorkerSpec("reference", ["reference"], t, share))
+    specs += [WorkerSpec(name, [name], t, share) for name in extra]
     specs.append(WorkerSpec("actor", ["actor"], t, share))
     return specs
+
+
+def _lr_schedule(cfg: RunConfig):
+    """The LR multiplier of ``train``'s schedule (actor and critic alike)."""
+    from functools import partial
+
+    from asyncflow.engines.training import lr_multiplier
+
+    t = cfg.train
+    return partial(lr_multiplier, total=t.steps, warmup=t.warmup_steps, schedule=t.lr_schedule,
+                   min_ratio=t.min_lr_ratio)
 
 
 class Worker:
@@ -75,14 +89,8 @@ class Worker:
             from asyncflow.algorithms.algorithm import Algorithm
             from asyncflow.workflow.actor import ActorRole
 
-            from functools import partial
-
-            from asyncflow.engines.training import lr_multiplier
-
-            schedule = partial(lr_multiplier, total=t.steps, warmup=t.warmup_steps, schedule=t.lr_schedule,
-                               min_ratio=t.min_lr_ratio)
             engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
-                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=schedule)
+                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg))
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
                                             a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
@@ -112,6 +120,18 @@ class Worker:
             ref_model = copy.deepcopy(self.model).eval()
             self.roles["reference"] = ReferenceRole(TrainEngine(ref_model, tok.pad_token_id,
                                                                 temperature=r.temperature), dp)
+        if "critic" in roles:
+            import copy
+
+            from asyncflow.algorithms.algorithm import Algorithm
+            from asyncflow.engines.critic import CriticEngine
+            from asyncflow.workflow.critic import CriticRole
+
+            # the policy's weights as backbone; a copy unless this worker hosts the critic alone
+            lm = self.model if list(roles) == ["critic"] else copy.deepcopy(self.model)
+            engine = CriticEngine(lm, tok.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
+                                  grad_clip=t.grad_clip, schedule=_lr_schedule(cfg))
+            self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a), cfg.batch_size)
         self.started = time.perf_counter()
 
     # ------------------------------------------------------------------ stream / async
@@ -138,9 +158,14 @@ class Worker:
     def train_step(self, v: int) -> dict:
         return self._on_compute(self.roles["actor"].train_step, v)
 
+    def critic_metrics(self, v: int, timeout: float = 2.0) -> dict | None:
+        """The critic's metrics of step ``v`` once its update is done (None if not within ``timeout``)."""
+        return self.roles["critic"].wait_step(v, timeout)
+
     # ------------------------------------------------------------------ sync (colocated)
     def sync_step(self, v: int) -> dict:
-        """One colocated step: generate all, score all, reference all, train, sync weights."""
+        """One colocated step: generate all, score all, reference all, value all and update the
+        critic (PPO), train, sync weights."""
         return self._on_compute(self._sync_step, v)
 
     def _sync_step(self, v: int) -> dict:
@@ -148,11 +173,13 @@ class Worker:
         target = (v + 1) * B  # rows each role has produced once partition v is done
         while roles["rollout"].produced[v] < B:
             roles["rollout"].poll(0.05)
-        for name in ("reward", "reference"):
+        for name in ("reward", "reference", "critic"):
             if name in roles:
                 while roles[name].items < target:
                     roles[name].poll(0.05)
         out = roles["actor"].train_step(v)
+        if "critic" in roles:  # valued by critic version v, updated on step v before the actor's step
+            out.update(roles["critic"].wait_step(v, 0))
         roles["rollout"].set_version(v + 1)
         return out
 
