@@ -126,6 +126,7 @@ class AlgorithmConfig(_Section):
     value_clip: float | None = Field(0.2, gt=0, description="ppo: clip the new value to old value +- value_clip in the value loss (None = no clipping).")
     vf_coef: float = Field(0.5, gt=0, description="ppo: weight of the value loss (the critic has its own optimizer: this scales its gradient before clipping).")
     critic_lr: float | None = Field(None, gt=0, description="ppo: critic AdamW learning rate (None = train.lr).")
+    critic_epochs: int = Field(1, ge=1, description="ppo: critic optimizer steps per training step, each a pass over the step's answers (value_clip acts from the second on).")
 
     @model_validator(mode="after")
     def _algorithm(self) -> "AlgorithmConfig":

@@ -131,7 +131,8 @@ class Worker:
             lm = self.model if list(roles) == ["critic"] else copy.deepcopy(self.model)
             engine = CriticEngine(lm, tok.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
                                   grad_clip=t.grad_clip, schedule=_lr_schedule(cfg))
-            self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a), cfg.batch_size)
+            self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a), cfg.batch_size,
+                                              epochs=a.critic_epochs)
         self.started = time.perf_counter()
 
     # ------------------------------------------------------------------ stream / async
