@@ -80,7 +80,7 @@ def test_clipped_value_loss_by_hand_ignores_padding():
     np.testing.assert_allclose(vpred.grad.numpy(), [[0, 0.5 * 1.0 / 3], [0, 0]], atol=1e-7)
     vpred, batch, extras = _value_case()
     loss, m = ValueLoss(total_tokens=3, clip=None, vf_coef=1.0)(vpred, batch, extras)
-    assert float(loss) == pytest.approx((0.125 + 0.5 + 0.0) / 3) and m["vf_clip_frac"] == 0
+    assert float(loss.detach()) == pytest.approx((0.125 + 0.5 + 0.0) / 3) and m["vf_clip_frac"] == 0
 
 
 def test_value_loss_micro_batches_sum_to_the_big_batch():

@@ -50,6 +50,8 @@ class Progress:
         self._acc = m.get("heldout_acc", self._acc)
         post = {"reward": f"{m['reward']:.2f}", "samples/s": f"{m['samples_per_s']:.1f}",
                 "tokens/s": f"{m['tokens_per_s']:.0f}", "stale": m.get("max_staleness", 0)}
+        if "value_loss" in m:  # PPO's critic
+            post.update(vf_loss=f"{m['value_loss']:.3f}", ev=f"{m['explained_var']:.2f}")
         if self._acc is not None:
             post["heldout_acc"] = f"{self._acc:.1%}"
         self.bar.set_postfix(post)
