@@ -90,8 +90,8 @@ def test_value_loss_micro_batches_sum_to_the_big_batch():
     for i in range(2):
         sub = SimpleNamespace(mask=batch.mask[i: i + 1])
         ex = {k: v[i: i + 1] for k, v in extras.items()}
-        parts += float(ValueLoss(3, 0.2, 0.5)(vpred[i: i + 1], sub, ex)[0])
-    assert parts == pytest.approx(float(full))
+        parts += float(ValueLoss(3, 0.2, 0.5)(vpred[i: i + 1], sub, ex)[0].detach())
+    assert parts == pytest.approx(float(full.detach()))
 
 
 def test_explained_variance_by_hand():
@@ -227,3 +227,10 @@ def test_ppo_trains_end_to_end(tmp_path, mode):
             assert k in m and math.isfinite(m[k]), (k, m)
     assert rows[0]["value_mean"] == 0 and rows[0]["value_loss"] > 0  # a fresh critic: zero values
     assert rows[-1]["value_mean"] != 0
+
+
+def test_bench_refuses_ppo_with_one_line():
+    from asyncflow.bench import run_bench
+
+    with pytest.raises(ConfigError, match="PPO critic"):
+        run_bench(load_config(None, ["algorithm.name=ppo", "launcher=local"]), workloads=["a"])

@@ -72,6 +72,11 @@ def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = N
         raise ConfigError(f"unknown workload {bad} (workloads: a, b)")
     for spec in modes:
         parse_mode(spec)
+    if cfg.algorithm.name == "ppo" and not quality:
+        from asyncflow.config import ConfigError
+
+        raise ConfigError("asyncflow bench has no solo timing of the PPO critic role yet: bench another "
+                          "algorithm.name, or compare learning with --quality")
     root = Path(cfg.run_dir).expanduser() / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
     root.mkdir(parents=True, exist_ok=True)
     model_dir, _ = prepare_model(cfg, root)  # warm-start once (cached), before any timing
