@@ -34,6 +34,9 @@ class ModelConfig(_Section):
     num_heads: int = Field(4, gt=0, description="Built-in model: attention heads.")
     num_kv_heads: int = Field(2, gt=0, description="Built-in model: key/value heads (GQA).")
     intermediate_size: int = Field(512, gt=0, description="Built-in model: MLP width.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute precision of training and inference: float32, or bfloat16 (autocast; "
+                               "float32 master weights and AdamW states).")
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
@@ -147,6 +150,9 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning rate after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of lr.")
+    max_tokens_per_micro: int | None = Field(
+        None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
+                                "rows x longest row <= budget (None = one pass per streamed micro-batch).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
 
 

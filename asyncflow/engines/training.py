@@ -12,10 +12,26 @@ Protocol (what roles call; an engine never knows which algorithm runs):
 
 Sequences are packed right-padded in one tensor; response tokens are located by the
 prompt length of each row, so ragged prompts and responses need no extra bookkeeping.
+
+Token-budget micro-batches (dynamic batch size, ``max_tokens_per_micro``): the rows one
+call receives are sorted by length (longest first) and packed greedily into chunks whose
+*padded* size ``rows x longest row`` stays within the budget (:func:`token_budget_split`);
+a row longer than the budget gets a chunk of its own. Each chunk is one forward/backward.
+This is exact: every loss normalises by the step's totals (sequences, or tokens through
+``grad_scale``), never by the chunk's, so the summed gradient of the chunks equals one
+forward/backward over all rows (tested for every ``loss_agg``). Streaming granularity (how
+many groups the actor fetches at once) and compute granularity (the budget) are thus
+independent: a micro-batch of long answers runs as several small chunks.
+
+Precision (``dtype``): ``float32``, or ``bfloat16`` as mixed precision: the parameters,
+their gradients and the AdamW states stay float32 (master weights), the forward runs under
+``torch.autocast(bfloat16)``, and log-softmax is taken in float32. Exported weights are
+float32; an inference engine casts them to its own precision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -79,6 +95,63 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     return logp * batch.mask
 
 
+def autocast(dtype: str, device: torch.device | str = "cpu"):
+    """The forward's precision context: ``bfloat16`` autocast, or nothing for ``float32``."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    if dtype != "bfloat16":
+        raise ValueError(f"unknown dtype {dtype!r} (known: float32, bfloat16)")
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def token_budget_split(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Row indices grouped so that ``len(chunk) * max(lengths in chunk) <= max_tokens``.
+
+    Longest first, packed greedily; a row longer than the budget is a chunk of its own.
+    ``None`` = one chunk of every row in the original order.
+
+    >>> token_budget_split([3, 10, 4, 4, 9, 2], 20)
+    [[1, 4], [2, 3, 0, 5]]
+    """
+    if max_tokens is None:
+        return [list(range(len(lengths)))] if len(lengths) else []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        # Descending order: the chunk's first row is its longest, so its width is fixed.
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def take_rows(value, idx: list[int]):
+    """Rows ``idx`` of a per-row value (numpy array, list or tuple); anything else as is."""
+    if isinstance(value, np.ndarray):
+        return value[idx]
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in idx]
+    return value
+
+
+def merge_metrics(parts: list[tuple[int, dict]]) -> dict:
+    """Combine per-chunk metrics: ``*_max`` by max, ``*_min`` by min, the rest row-weighted."""
+    if len(parts) == 1:
+        return parts[0][1]
+    rows = sum(n for n, _ in parts)
+    out = {}
+    for k in parts[0][1]:
+        vals = [(n, m[k]) for n, m in parts if k in m]
+        if k.endswith("_max"):
+            out[k] = max(v for _, v in vals)
+        elif k.endswith("_min"):
+            out[k] = min(v for _, v in vals)
+        else:
+            out[k] = sum(n * v for n, v in vals) / max(rows, 1)
+    return out
+
+
 LossFn = Callable[[torch.Tensor, TokenBatch, dict], tuple[torch.Tensor, dict]]
 
 
@@ -110,8 +183,12 @@ class TrainEngine:
 
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
-                 schedule: Callable[[int], float] | None = None):
-        self.model = model
+                 schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
+                 dtype: str = "float32"):
+        autocast(dtype)  # validates the name
+        self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
+        self.dtype = dtype
+        self.max_tokens_per_micro = max_tokens_per_micro
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
@@ -123,19 +200,33 @@ class TrainEngine:
     def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
         was_training = self.model.training
         self.model.eval()
-        batch = TokenBatch.build(prompts, responses, self.pad_id)
-        logp = token_logprobs(self.model, batch, self.temperature)
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
+        for idx in self._chunks(prompts, responses):
+            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
+            with autocast(self.dtype):
+                logp = token_logprobs(self.model, batch, self.temperature)
+            for j, i in enumerate(idx):
+                out[i] = logp[j, : batch.response_lens[j]].float().numpy().astype(np.float32)
         self.model.train(was_training)
-        return [logp[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
+        return out
+
+    def _chunks(self, prompts, responses) -> list[list[int]]:
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        return token_budget_split(lengths, self.max_tokens_per_micro)
 
     def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
-        """Accumulate the gradient of ``loss_fn`` on one micro-batch; return its metrics."""
+        """Accumulate the gradient of ``loss_fn`` on these rows (one backward per token-budget
+        chunk, see module doc); return their metrics."""
         self.model.train()
-        batch = TokenBatch.build(prompts, responses, self.pad_id)
-        logp = token_logprobs(self.model, batch, self.temperature)
-        loss, metrics = loss_fn(logp, batch, extras)
-        loss.backward()
-        return metrics
+        parts = []
+        for idx in self._chunks(prompts, responses):
+            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
+            with autocast(self.dtype):
+                logp = token_logprobs(self.model, batch, self.temperature)
+            loss, metrics = loss_fn(logp, batch, {k: take_rows(v, idx) for k, v in extras.items()})
+            loss.backward()
+            parts.append((len(idx), metrics))
+        return merge_metrics(parts)
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict:
         """Clip, step, zero grads, bump the version. ``grad_scale`` multiplies the accumulated

@@ -82,7 +82,8 @@ class Worker:
             schedule = partial(lr_multiplier, total=t.steps, warmup=t.warmup_steps, schedule=t.lr_schedule,
                                min_ratio=t.min_lr_ratio)
             engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
-                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=schedule)
+                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=schedule,
+                                 max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype)
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
                                             a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
@@ -110,8 +111,9 @@ class Worker:
             from asyncflow.workflow.reference import ReferenceRole
 
             ref_model = copy.deepcopy(self.model).eval()
-            self.roles["reference"] = ReferenceRole(TrainEngine(ref_model, tok.pad_token_id,
-                                                                temperature=r.temperature), dp)
+            self.roles["reference"] = ReferenceRole(TrainEngine(
+                ref_model, tok.pad_token_id, temperature=r.temperature,
+                max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype), dp)
         self.started = time.perf_counter()
 
     # ------------------------------------------------------------------ stream / async
