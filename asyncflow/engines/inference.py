@@ -24,6 +24,8 @@ Invariants
   step (the last sampled token is not in the cache yet; it is the next step's input).
 * The log-prob recorded for a sampled token is ``log_softmax(logits / temperature)`` at that
   token: the same quantity the training engine recomputes (tested to match a full forward).
+* ``dtype="bfloat16"`` runs every forward under bf16 autocast (the KV cache is then bf16),
+  as the training engine does; sampling and log-probs use float32 logits.
 * ``min_new_tokens`` masks EOS until reached (a benchmark device that forces answer
   lengths); the recorded log-prob stays the unmasked policy's, as training recomputes it.
   ``max_new_tokens`` stops the row.
@@ -87,8 +89,9 @@ class GenerationBatch:
     """Rows being decoded together with a shared right-aligned KV cache (see module doc)."""
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingParams,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, dtype: str = "float32"):
         self.model = model
+        self.dtype = dtype
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.sampling = sampling
@@ -123,8 +126,7 @@ class GenerationBatch:
             mask[i, L - lens[i]:] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
         logits = out.logits[:, -1, :]
         new_rows = [_Row(req=r, version=self.version) for r in requests]
         for r in requests:
@@ -174,8 +176,8 @@ class GenerationBatch:
         if not self.rows:
             return []
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], 1)
-        out = self.model(input_ids=self.next_tok[:, None], attention_mask=self.mask,
-                         position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+        out = self._forward(input_ids=self.next_tok[:, None], attention_mask=self.mask,
+                            position_ids=self.next_pos[:, None], past_key_values=self.cache)
         self.next_pos = self.next_pos + 1
         return self._sample_and_append(out.logits[:, -1, :], first=0)
 
@@ -222,8 +224,13 @@ class GenerationBatch:
             ids[i, T - len(seq):] = torch.tensor(seq, dtype=torch.long)
         pos = (self.mask.cumsum(1) - 1).clamp(min=0)
         self.cache = DynamicCache()
-        self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
-                   past_key_values=self.cache, use_cache=True)
+        self._forward(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache)
+
+    def _forward(self, **kw):
+        from asyncflow.engines.training import autocast
+
+        with autocast(self.dtype):
+            return self.model(use_cache=True, **kw)
 
 
 def _left_pad(x: torch.Tensor, T: int, dim: int) -> torch.Tensor:
@@ -273,8 +280,9 @@ class InferenceEngine:
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, max_batch: int = 64,
-                 seed: int = 0):
+                 seed: int = 0, dtype: str = "float32"):
         self.model = model.eval()
+        self.dtype = dtype
         self.eos_id, self.pad_id = eos_id, pad_id
         self.max_batch = max_batch
         self.version = 0
@@ -283,7 +291,7 @@ class InferenceEngine:
         self.total_slots = 0
 
     def new_batch(self, sampling: SamplingParams) -> GenerationBatch:
-        b = GenerationBatch(self.model, self.eos_id, self.pad_id, sampling, self.generator)
+        b = GenerationBatch(self.model, self.eos_id, self.pad_id, sampling, self.generator, self.dtype)
         b.version = self.version
         return b
 

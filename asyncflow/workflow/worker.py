@@ -92,7 +92,8 @@ class Worker:
             from asyncflow.workflow.rollout import RolloutRole
 
             # Colocated: the rollout engine shares the trainer's model (no weight copy).
-            engine = InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed)
+            engine = InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                                     dtype=cfg.model.dtype)
             if cfg.mode != "sync":
                 self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
