@@ -77,6 +77,9 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(8, gt=0, description="Longest answer, in tokens.")
     max_batch: int = Field(128, gt=0, description="Continuous-batching slots of one rollout worker (a decode step of the tiny model costs about the same for 64 or 128 rows on a CPU).")
     recompute_on_swap: bool = Field(True, description="At a weight swap, rebuild the KV cache of unfinished answers under the new weights.")
+    on_swap: Literal["continue", "discard"] = Field(
+        "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial rollout), "
+                                "or 'discard' them and restart their whole groups from the prompt.")
     gen_len: Literal["natural", "longtail"] = Field(
         "natural", description="'longtail' forces each answer's length from a long-tailed distribution (benchmark workload emulation).")
     longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")

@@ -15,7 +15,8 @@ That layout lets us
 * **swap weights** between two steps (the delayed parameter update):
   :meth:`InferenceEngine.load_weights` copies host buffers into the parameters; unfinished
   rows keep going (partial rollout), and :meth:`GenerationBatch.recompute_cache` rebuilds
-  their KV cache under the new weights first.
+  their KV cache under the new weights first; or the caller drops them
+  (:meth:`GenerationBatch.drop_all`) and starts them again from the prompt.
 
 Invariants
 ----------
@@ -24,6 +25,9 @@ Invariants
   step (the last sampled token is not in the cache yet; it is the next step's input).
 * The log-prob recorded for a sampled token is ``log_softmax(logits / temperature)`` at that
   token: the same quantity the training engine recomputes (tested to match a full forward).
+* Every generated token records the policy version that sampled it
+  (``Completion.token_versions``); ``Completion.version`` is the oldest of them (the row's
+  start version), so a continued answer shows which tokens came from which weights.
 * ``dtype="bfloat16"`` runs every forward under bf16 autocast (the KV cache is then bf16),
   as the training engine does; sampling and log-probs use float32 logits.
 * ``min_new_tokens`` masks EOS until reached (a benchmark device that forces answer
@@ -44,37 +48,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncflow.engines.types import Completion, Request, SamplingParams
 
-@dataclass
-class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-
-
-@dataclass
-class Request:
-    """One sequence to generate. ``key`` is opaque to the engine (the caller's id)."""
-
-    key: Any
-    prompt_ids: list[int]
-    max_new_tokens: int | None = None  # overrides SamplingParams.max_new_tokens
-    min_new_tokens: int = 0
-    version: int = 0  # policy version when the request was admitted (filled by the engine)
-
-
-@dataclass
-class Completion:
-    """A finished sequence: generated ids (EOS included when it stopped on EOS)."""
-
-    key: Any
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    version: int  # oldest policy version that produced any of its tokens
-    finished_on_eos: bool
+__all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Request", "SamplingParams",
+           "load_named_weights", "sample_tokens", "token_logprob"]
 
 
 @dataclass
@@ -83,6 +60,7 @@ class _Row:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version: int = 0
+    versions: list[int] = field(default_factory=list)  # per generated token
 
 
 class GenerationBatch:
@@ -199,15 +177,22 @@ class GenerationBatch:
         for i, row in enumerate(rows):
             row.out.append(tok_l[i])
             row.logprobs.append(logp_l[i])
+            row.versions.append(self.version)
             limit = row.req.max_new_tokens or self.sampling.max_new_tokens
             eos = tok_l[i] == self.eos_id
             if eos or len(row.out) >= limit:
                 done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs,
-                                       row.version, eos))
+                                       row.version, eos, row.versions))
             else:
                 keep.append(first + i)
         self._keep(keep)
         return done
+
+    def drop_all(self) -> list[Request]:
+        """Remove every live row (``rollout.on_swap=discard``); return their requests."""
+        reqs = [row.req for row in self.rows]
+        self._keep([])
+        return reqs
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

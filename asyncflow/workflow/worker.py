@@ -98,7 +98,7 @@ class Worker:
                 self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
             self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
-                                                self._subscriber, r.recompute_on_swap)
+                                                self._subscriber, r.recompute_on_swap, r.on_swap)
         if "reward" in roles:
             from asyncflow.workflow.reward import RewardRole
 
