@@ -92,8 +92,9 @@ class Worker:
             from asyncflow.workflow.rollout import RolloutRole
 
             # Colocated: the rollout engine shares the trainer's model (no weight copy).
-            engine = InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
-                                     dtype=cfg.model.dtype)
+            engine = self._inference_engine(model_dir) if r.engine != "builtin" else \
+                InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                                dtype=cfg.model.dtype)
             if cfg.mode != "sync":
                 self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
@@ -116,6 +117,18 @@ class Worker:
                 ref_model, tok.pad_token_id, temperature=r.temperature,
                 max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype), dp)
         self.started = time.perf_counter()
+
+    def _inference_engine(self, model_dir: str):
+        """rollout.engine=vllm|sglang: the adapter, loading the same model folder on the GPU."""
+        r, eos = self.cfg.rollout, self.tokenizer.eos_token_id
+        dtype = "float32" if self.cfg.model.dtype == "float32" else "bfloat16"
+        if r.engine == "vllm":
+            from asyncflow.engines.vllm_engine import VLLMEngine
+
+            return VLLMEngine(model_dir, eos, r.max_batch, dtype, self.cfg.seed)
+        from asyncflow.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_dir, eos, r.max_batch, dtype, self.cfg.seed)
 
     # ------------------------------------------------------------------ stream / async
     def start(self) -> None:
