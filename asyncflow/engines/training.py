@@ -152,6 +152,29 @@ def merge_metrics(parts: list[tuple[int, dict]]) -> dict:
     return out
 
 
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2 over every rank: each decoder layer, then the root (which keeps the embeddings,
+    tied head and final norm). FSDP averages gradients over ranks (a divide factor of 1
+    would need ReduceOp.PREMUL_SUM, which gloo lacks): ``optimizer_step`` multiplies by the
+    world size to get the sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("fsdp=True needs torch.distributed initialised (init_process_group) first")
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+    base = getattr(model, "model", model)
+    for layer in getattr(base, "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _full(t):
+    """A DTensor's full value (FSDP), anything else as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 LossFn = Callable[[torch.Tensor, TokenBatch, dict], tuple[torch.Tensor, dict]]
 
 
@@ -179,14 +202,24 @@ class TrainEngine:
     ``optimizer_step`` sums the gradients over ranks before clipping, so every rank takes
     the same step as one process on the whole batch would (losses are normalised by the
     step's global batch, hence a sum, not a mean, across ranks).
+
+    FSDP (``fsdp=True``, torch.distributed initialised): every decoder layer and then the
+    root are wrapped with ``fully_shard`` (FSDP2) over all ranks, so each rank keeps 1/N of
+    the parameters, gradients and AdamW states; gradients are reduce-scattered (a mean,
+    scaled back to the sum above) instead of the all-reduce, and ``export_weights``
+    all-gathers full tensors (every rank must call it). Checked on CPU with gloo in torch
+    2.13: same weights as one process (tests/test_data_parallel.py).
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", fsdp: bool = False):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
+        self.fsdp = fsdp
+        if fsdp:
+            shard(self.model)
         self.dtype = dtype
         self.max_tokens_per_micro = max_tokens_per_micro
         self.pad_id = pad_id
@@ -232,12 +265,14 @@ class TrainEngine:
         """Clip, step, zero grads, bump the version. ``grad_scale`` multiplies the accumulated
         gradient first (a loss normalised by a count known only at the end of the step)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.fsdp:  # FSDP reduce-scatters a mean over ranks; the losses want the sum
+            grad_scale *= torch.distributed.get_world_size()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # every rank must join every all-reduce
             if grad_scale != 1.0:
                 p.grad.mul_(grad_scale)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if not self.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized():
             for p in params:
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
@@ -247,9 +282,9 @@ class TrainEngine:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": float(_full(norm)), "lr": lr}
 
     @torch.no_grad()
     def export_weights(self) -> dict[str, np.ndarray]:
         """Host copies of every parameter (tied weights appear once), as numpy buffers."""
-        return {n: p.detach().to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}
+        return {n: _full(p).detach().to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}
