@@ -34,6 +34,9 @@ class ModelConfig(_Section):
     num_heads: int = Field(4, gt=0, description="Built-in model: attention heads.")
     num_kv_heads: int = Field(2, gt=0, description="Built-in model: key/value heads (GQA).")
     intermediate_size: int = Field(512, gt=0, description="Built-in model: MLP width.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Compute precision of training and inference: float32, or bfloat16 (autocast; "
+                               "float32 master weights and AdamW states).")
 
     @model_validator(mode="after")
     def _heads(self) -> "ModelConfig":
@@ -74,11 +77,32 @@ class RolloutConfig(_Section):
     max_new_tokens: int = Field(8, gt=0, description="Longest answer, in tokens.")
     max_batch: int = Field(128, gt=0, description="Continuous-batching slots of one rollout worker (a decode step of the tiny model costs about the same for 64 or 128 rows on a CPU).")
     recompute_on_swap: bool = Field(True, description="At a weight swap, rebuild the KV cache of unfinished answers under the new weights.")
+    engine: Literal["builtin", "vllm", "sglang"] = Field(
+        "builtin", description="Inference engine of the rollout role: builtin (torch, any device), vllm or sglang "
+                               "(optional extras for CUDA machines: pip install 'asyncflow[vllm]' / '[sglang]').")
+    on_swap: Literal["continue", "discard"] = Field(
+        "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial rollout), "
+                                "or 'discard' them and restart their whole groups from the prompt.")
     gen_len: Literal["natural", "longtail"] = Field(
         "natural", description="'longtail' forces each answer's length from a long-tailed distribution (benchmark workload emulation).")
     longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")
     longtail_long: int = Field(48, gt=0, description="longtail: length of the long answers.")
     longtail_frac: float = Field(0.125, ge=0, le=1, description="longtail: fraction of long answers.")
+
+
+    @model_validator(mode="after")
+    def _engine_installed(self) -> "RolloutConfig":
+        if self.engine != "builtin" and not engine_installed(self.engine):
+            raise ValueError(f"rollout.engine={self.engine} needs the {self.engine} package, which is not installed: "
+                             f"pip install 'asyncflow[{self.engine}]' on a CUDA machine, or set rollout.engine=builtin")
+        return self
+
+
+def engine_installed(name: str) -> bool:
+    """Is the optional inference engine ``name`` importable? (find_spec: nothing is imported)"""
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
 
 
 class RewardConfig(_Section):
@@ -154,6 +178,9 @@ class TrainConfig(_Section):
     lr_schedule: Literal["constant", "cosine"] = Field("constant", description="Learning rate after warmup.")
     warmup_steps: int = Field(0, ge=0, description="Linear warmup from 0 to lr over this many steps.")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine: the final lr as a fraction of lr.")
+    max_tokens_per_micro: int | None = Field(
+        None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
+                                "rows x longest row <= budget (None = one pass per streamed micro-batch).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
 
 
@@ -193,6 +220,12 @@ class RunConfig(_Section):
         if self.rollout.max_batch < self.rollout.group_size:
             raise ValueError(f"rollout.max_batch ({self.rollout.max_batch}) must be >= rollout.group_size "
                              f"({self.rollout.group_size}): a prompt's whole group decodes together")
+        if self.rollout.engine != "builtin" and self.mode == "sync":
+            raise ValueError(f"rollout.engine={self.rollout.engine} needs mode=stream or async (sync shares one torch "
+                             f"model between rollout and training); set mode=async or rollout.engine=builtin")
+        if self.rollout.engine == "sglang" and self.rollout.on_swap == "continue":
+            raise ValueError("rollout.engine=sglang returns an answer only when it finishes, so it cannot be "
+                             "continued after a weight swap: set rollout.on_swap=discard")
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")

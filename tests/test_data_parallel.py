@@ -1,4 +1,4 @@
-"""Data parallel on CPU (torch.distributed, gloo): 2 ranks take the same step as 1 process.
+"""Data parallel and FSDP on CPU (torch.distributed, gloo): 2 ranks take the same step as 1 process.
 
 Each rank trains on half of the step's sequences with the loss normalised by the whole
 step's batch; ``TrainEngine.optimizer_step`` sums gradients over ranks. After two steps
@@ -29,12 +29,14 @@ def batch(step: int):
     return prompts, responses, old, adv
 
 
-def train(rows: slice, steps: int = 2) -> dict[str, np.ndarray]:
+def train(rows: slice, steps: int = 2, fsdp: bool = False) -> dict[str, np.ndarray]:
     torch.manual_seed(0)
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)
-    engine = TrainEngine(model, tok.pad_token_id, lr=1e-2)
+    engine = TrainEngine(model, tok.pad_token_id, lr=1e-2, fsdp=fsdp)
+    if fsdp:  # really sharded: each rank holds only part of the parameters
+        assert all(p.to_local().numel() < p.numel() for p in model.parameters() if p.numel() > 1)
     for step in range(steps):
         prompts, responses, old, adv = batch(step)
         extras = {"logprobs": old[rows], "advantages": adv[rows]}
@@ -43,21 +45,23 @@ def train(rows: slice, steps: int = 2) -> dict[str, np.ndarray]:
     return engine.export_weights()
 
 
-def _rank(rank: int, world: int, init: str, out: str) -> None:
+def _rank(rank: int, world: int, init: str, out: str, fsdp: bool = False) -> None:
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         half = B // world
-        weights = train(slice(rank * half, (rank + 1) * half))
+        weights = train(slice(rank * half, (rank + 1) * half), fsdp=fsdp)
         np.savez(f"{out}.{rank}.npz", **weights)
     finally:
         torch.distributed.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_two_ranks_take_the_same_step_as_one_process(tmp_path):
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_two_ranks_take_the_same_step_as_one_process(tmp_path, fsdp):
+    """With ``fsdp`` each rank holds half of every sharded parameter (FSDP2 on CPU, gloo)."""
     init, out = f"file://{tmp_path}/rendezvous", str(tmp_path / "weights")
-    mp.spawn(_rank, args=(2, init, out), nprocs=2, join=True)
+    mp.spawn(_rank, args=(2, init, out, fsdp), nprocs=2, join=True)
     single = train(slice(0, B))
     for rank in range(2):
         got = np.load(f"{out}.{rank}.npz")

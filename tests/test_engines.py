@@ -281,8 +281,13 @@ def test_partial_rollout_logprobs_follow_the_weights_that_produced_them(tok):
         lp_new = new_te.logprobs([c.prompt_ids], [c.response_ids])[0]
         rec = np.asarray(c.logprobs)
         n = n_old[k]
+        # Each token records the version that sampled it: n tokens of version 0, then 1s.
+        assert c.token_versions == [0] * n + [1] * (len(rec) - n), k
         np.testing.assert_allclose(rec[:n], lp_old[:n], atol=ATOL, rtol=0, err_msg=f"key {k} before swap")
         np.testing.assert_allclose(rec[n:], lp_new[n:], atol=ATOL, rtol=0, err_msg=f"key {k} after swap")
+        # The same check driven by the recorded versions alone (what a trainer can see).
+        by_version = np.where(np.asarray(c.token_versions) == 0, lp_old, lp_new)
+        np.testing.assert_allclose(rec, by_version, atol=ATOL, rtol=0, err_msg=f"key {k}")
         # The two weight sets really differ on these tokens (the check has power).
         assert np.abs(lp_old - lp_new).max() > 100 * ATOL
         straddled += 0 < n < len(rec)

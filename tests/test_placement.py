@@ -81,3 +81,16 @@ def test_admission_is_enforced():
     g.start(0, 0)
     with pytest.raises(RuntimeError, match="admission"):
         g.start(1, 0)
+
+
+def test_restart_keeps_admission_and_moves_the_deadline():
+    """on_swap=discard: a restarted group is not a new admission; its deadline moves later."""
+    p = GroupPlacer(groups_per_step=1, staleness=1)
+    p.start(10, version=0)  # deadline 1
+    p.start(11, version=0)  # deadline 1; admission at v0 is now exhausted: (0 + 1 + 1) x 1
+    assert p.admits(0) == 0
+    p.restart(11, version=1)
+    assert p.started == 2 and p.running == {10: 1, 11: 2} and p.admits(1) == 1
+    assert p.complete(11) == 0 and p.complete(10) == 1  # EDF still places both within deadlines
+    with pytest.raises(RuntimeError, match="not running"):
+        p.restart(12, version=1)

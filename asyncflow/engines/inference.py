@@ -15,7 +15,8 @@ That layout lets us
 * **swap weights** between two steps (the delayed parameter update):
   :meth:`InferenceEngine.load_weights` copies host buffers into the parameters; unfinished
   rows keep going (partial rollout), and :meth:`GenerationBatch.recompute_cache` rebuilds
-  their KV cache under the new weights first.
+  their KV cache under the new weights first; or the caller drops them
+  (:meth:`GenerationBatch.drop_all`) and starts them again from the prompt.
 
 Invariants
 ----------
@@ -24,6 +25,11 @@ Invariants
   step (the last sampled token is not in the cache yet; it is the next step's input).
 * The log-prob recorded for a sampled token is ``log_softmax(logits / temperature)`` at that
   token: the same quantity the training engine recomputes (tested to match a full forward).
+* Every generated token records the policy version that sampled it
+  (``Completion.token_versions``); ``Completion.version`` is the oldest of them (the row's
+  start version), so a continued answer shows which tokens came from which weights.
+* ``dtype="bfloat16"`` runs every forward under bf16 autocast (the KV cache is then bf16),
+  as the training engine does; sampling and log-probs use float32 logits.
 * ``min_new_tokens`` masks EOS until reached (a benchmark device that forces answer
   lengths); the recorded log-prob stays the unmasked policy's, as training recomputes it.
   ``max_new_tokens`` stops the row.
@@ -42,37 +48,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncflow.engines.types import Completion, Request, SamplingParams
 
-@dataclass
-class SamplingParams:
-    """How to sample. ``temperature == 0`` means greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 8
-
-
-@dataclass
-class Request:
-    """One sequence to generate. ``key`` is opaque to the engine (the caller's id)."""
-
-    key: Any
-    prompt_ids: list[int]
-    max_new_tokens: int | None = None  # overrides SamplingParams.max_new_tokens
-    min_new_tokens: int = 0
-    version: int = 0  # policy version when the request was admitted (filled by the engine)
-
-
-@dataclass
-class Completion:
-    """A finished sequence: generated ids (EOS included when it stopped on EOS)."""
-
-    key: Any
-    prompt_ids: list[int]
-    response_ids: list[int]
-    logprobs: list[float]
-    version: int  # oldest policy version that produced any of its tokens
-    finished_on_eos: bool
+__all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Request", "SamplingParams",
+           "load_named_weights", "sample_tokens", "token_logprob"]
 
 
 @dataclass
@@ -81,14 +60,16 @@ class _Row:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     version: int = 0
+    versions: list[int] = field(default_factory=list)  # per generated token
 
 
 class GenerationBatch:
     """Rows being decoded together with a shared right-aligned KV cache (see module doc)."""
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingParams,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, dtype: str = "float32"):
         self.model = model
+        self.dtype = dtype
         self.eos_id = eos_id
         self.pad_id = pad_id
         self.sampling = sampling
@@ -123,8 +104,7 @@ class GenerationBatch:
             mask[i, L - lens[i]:] = 1
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos,
-                         past_key_values=cache, use_cache=True)
+        out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
         logits = out.logits[:, -1, :]
         new_rows = [_Row(req=r, version=self.version) for r in requests]
         for r in requests:
@@ -174,8 +154,8 @@ class GenerationBatch:
         if not self.rows:
             return []
         self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], 1)
-        out = self.model(input_ids=self.next_tok[:, None], attention_mask=self.mask,
-                         position_ids=self.next_pos[:, None], past_key_values=self.cache, use_cache=True)
+        out = self._forward(input_ids=self.next_tok[:, None], attention_mask=self.mask,
+                            position_ids=self.next_pos[:, None], past_key_values=self.cache)
         self.next_pos = self.next_pos + 1
         return self._sample_and_append(out.logits[:, -1, :], first=0)
 
@@ -197,15 +177,22 @@ class GenerationBatch:
         for i, row in enumerate(rows):
             row.out.append(tok_l[i])
             row.logprobs.append(logp_l[i])
+            row.versions.append(self.version)
             limit = row.req.max_new_tokens or self.sampling.max_new_tokens
             eos = tok_l[i] == self.eos_id
             if eos or len(row.out) >= limit:
                 done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs,
-                                       row.version, eos))
+                                       row.version, eos, row.versions))
             else:
                 keep.append(first + i)
         self._keep(keep)
         return done
+
+    def drop_all(self) -> list[Request]:
+        """Remove every live row (``rollout.on_swap=discard``); return their requests."""
+        reqs = [row.req for row in self.rows]
+        self._keep([])
+        return reqs
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -222,8 +209,13 @@ class GenerationBatch:
             ids[i, T - len(seq):] = torch.tensor(seq, dtype=torch.long)
         pos = (self.mask.cumsum(1) - 1).clamp(min=0)
         self.cache = DynamicCache()
-        self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos,
-                   past_key_values=self.cache, use_cache=True)
+        self._forward(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache)
+
+    def _forward(self, **kw):
+        from asyncflow.engines.training import autocast
+
+        with autocast(self.dtype):
+            return self.model(use_cache=True, **kw)
 
 
 def _left_pad(x: torch.Tensor, T: int, dim: int) -> torch.Tensor:
@@ -273,8 +265,9 @@ class InferenceEngine:
     """
 
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, max_batch: int = 64,
-                 seed: int = 0):
+                 seed: int = 0, dtype: str = "float32"):
         self.model = model.eval()
+        self.dtype = dtype
         self.eos_id, self.pad_id = eos_id, pad_id
         self.max_batch = max_batch
         self.version = 0
@@ -283,7 +276,7 @@ class InferenceEngine:
         self.total_slots = 0
 
     def new_batch(self, sampling: SamplingParams) -> GenerationBatch:
-        b = GenerationBatch(self.model, self.eos_id, self.pad_id, sampling, self.generator)
+        b = GenerationBatch(self.model, self.eos_id, self.pad_id, sampling, self.generator, self.dtype)
         b.version = self.version
         return b
 

@@ -12,10 +12,26 @@ Protocol (what roles call; an engine never knows which algorithm runs):
 
 Sequences are packed right-padded in one tensor; response tokens are located by the
 prompt length of each row, so ragged prompts and responses need no extra bookkeeping.
+
+Token-budget micro-batches (dynamic batch size, ``max_tokens_per_micro``): the rows one
+call receives are sorted by length (longest first) and packed greedily into chunks whose
+*padded* size ``rows x longest row`` stays within the budget (:func:`token_budget_split`);
+a row longer than the budget gets a chunk of its own. Each chunk is one forward/backward.
+This is exact: every loss normalises by the step's totals (sequences, or tokens through
+``grad_scale``), never by the chunk's, so the summed gradient of the chunks equals one
+forward/backward over all rows (tested for every ``loss_agg``). Streaming granularity (how
+many groups the actor fetches at once) and compute granularity (the budget) are thus
+independent: a micro-batch of long answers runs as several small chunks.
+
+Precision (``dtype``): ``float32``, or ``bfloat16`` as mixed precision: the parameters,
+their gradients and the AdamW states stay float32 (master weights), the forward runs under
+``torch.autocast(bfloat16)``, and log-softmax is taken in float32. Exported weights are
+float32; an inference engine casts them to its own precision.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -79,6 +95,86 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     return logp * batch.mask
 
 
+def autocast(dtype: str, device: torch.device | str = "cpu"):
+    """The forward's precision context: ``bfloat16`` autocast, or nothing for ``float32``."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    if dtype != "bfloat16":
+        raise ValueError(f"unknown dtype {dtype!r} (known: float32, bfloat16)")
+    return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
+
+
+def token_budget_split(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
+    """Row indices grouped so that ``len(chunk) * max(lengths in chunk) <= max_tokens``.
+
+    Longest first, packed greedily; a row longer than the budget is a chunk of its own.
+    ``None`` = one chunk of every row in the original order.
+
+    >>> token_budget_split([3, 10, 4, 4, 9, 2], 20)
+    [[1, 4], [2, 3, 0, 5]]
+    """
+    if max_tokens is None:
+        return [list(range(len(lengths)))] if len(lengths) else []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        # Descending order: the chunk's first row is its longest, so its width is fixed.
+        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_tokens:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def take_rows(value, idx: list[int]):
+    """Rows ``idx`` of a per-row value (numpy array, list or tuple); anything else as is."""
+    if isinstance(value, np.ndarray):
+        return value[idx]
+    if isinstance(value, (list, tuple)):
+        return [value[i] for i in idx]
+    return value
+
+
+def merge_metrics(parts: list[tuple[int, dict]]) -> dict:
+    """Combine per-chunk metrics: ``*_max`` by max, ``*_min`` by min, the rest row-weighted."""
+    if len(parts) == 1:
+        return parts[0][1]
+    rows = sum(n for n, _ in parts)
+    out = {}
+    for k in parts[0][1]:
+        vals = [(n, m[k]) for n, m in parts if k in m]
+        if k.endswith("_max"):
+            out[k] = max(v for _, v in vals)
+        elif k.endswith("_min"):
+            out[k] = min(v for _, v in vals)
+        else:
+            out[k] = sum(n * v for n, v in vals) / max(rows, 1)
+    return out
+
+
+def shard(model: torch.nn.Module) -> None:
+    """FSDP2 over every rank: each decoder layer, then the root (which keeps the embeddings,
+    tied head and final norm). FSDP averages gradients over ranks (a divide factor of 1
+    would need ReduceOp.PREMUL_SUM, which gloo lacks): ``optimizer_step`` multiplies by the
+    world size to get the sum."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise RuntimeError("fsdp=True needs torch.distributed initialised (init_process_group) first")
+    device = next(model.parameters()).device.type
+    mesh = init_device_mesh(device, (torch.distributed.get_world_size(),))
+    base = getattr(model, "model", model)
+    for layer in getattr(base, "layers", []):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _full(t):
+    """A DTensor's full value (FSDP), anything else as is."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 LossFn = Callable[[torch.Tensor, TokenBatch, dict], tuple[torch.Tensor, dict]]
 
 
@@ -106,12 +202,26 @@ class TrainEngine:
     ``optimizer_step`` sums the gradients over ranks before clipping, so every rank takes
     the same step as one process on the whole batch would (losses are normalised by the
     step's global batch, hence a sum, not a mean, across ranks).
+
+    FSDP (``fsdp=True``, torch.distributed initialised): every decoder layer and then the
+    root are wrapped with ``fully_shard`` (FSDP2) over all ranks, so each rank keeps 1/N of
+    the parameters, gradients and AdamW states; gradients are reduce-scattered (a mean,
+    scaled back to the sum above) instead of the all-reduce, and ``export_weights``
+    all-gathers full tensors (every rank must call it). Checked on CPU with gloo in torch
+    2.13: same weights as one process (tests/test_data_parallel.py).
     """
 
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
-                 schedule: Callable[[int], float] | None = None):
-        self.model = model
+                 schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
+                 dtype: str = "float32", fsdp: bool = False):
+        autocast(dtype)  # validates the name
+        self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
+        self.fsdp = fsdp
+        if fsdp:
+            shard(self.model)
+        self.dtype = dtype
+        self.max_tokens_per_micro = max_tokens_per_micro
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
@@ -123,33 +233,50 @@ class TrainEngine:
     def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
         was_training = self.model.training
         self.model.eval()
-        batch = TokenBatch.build(prompts, responses, self.pad_id)
-        logp = token_logprobs(self.model, batch, self.temperature)
+        out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
+        for idx in self._chunks(prompts, responses):
+            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
+            with autocast(self.dtype):
+                logp = token_logprobs(self.model, batch, self.temperature)
+            for j, i in enumerate(idx):
+                out[i] = logp[j, : batch.response_lens[j]].float().numpy().astype(np.float32)
         self.model.train(was_training)
-        return [logp[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
+        return out
+
+    def _chunks(self, prompts, responses) -> list[list[int]]:
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        return token_budget_split(lengths, self.max_tokens_per_micro)
 
     def _forward(self, batch: TokenBatch) -> torch.Tensor:
         """The per-token ``[B, R]`` quantity the loss sees: log-probs here (a critic: values)."""
         return token_logprobs(self.model, batch, self.temperature)
 
     def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
-        """Accumulate the gradient of ``loss_fn`` on one micro-batch; return its metrics."""
+        """Accumulate the gradient of ``loss_fn`` on these rows (one backward per token-budget
+        chunk, see module doc); return their metrics."""
         self.model.train()
-        batch = TokenBatch.build(prompts, responses, self.pad_id)
-        loss, metrics = loss_fn(self._forward(batch), batch, extras)
-        loss.backward()
-        return metrics
+        parts = []
+        for idx in self._chunks(prompts, responses):
+            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
+            with autocast(self.dtype):
+                out = self._forward(batch)
+            loss, metrics = loss_fn(out, batch, {k: take_rows(v, idx) for k, v in extras.items()})
+            loss.backward()
+            parts.append((len(idx), metrics))
+        return merge_metrics(parts)
 
     def optimizer_step(self, grad_scale: float = 1.0) -> dict:
         """Clip, step, zero grads, bump the version. ``grad_scale`` multiplies the accumulated
         gradient first (a loss normalised by a count known only at the end of the step)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.fsdp:  # FSDP reduce-scatters a mean over ranks; the losses want the sum
+            grad_scale *= torch.distributed.get_world_size()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)  # every rank must join every all-reduce
             if grad_scale != 1.0:
                 p.grad.mul_(grad_scale)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if not self.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized():
             for p in params:
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
@@ -159,9 +286,9 @@ class TrainEngine:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": float(norm), "lr": lr}
+        return {"grad_norm": float(_full(norm)), "lr": lr}
 
     @torch.no_grad()
     def export_weights(self) -> dict[str, np.ndarray]:
         """Host copies of every parameter (tied weights appear once), as numpy buffers."""
-        return {n: p.detach().to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}
+        return {n: _full(p).detach().to("cpu", copy=True).numpy() for n, p in self.model.named_parameters()}

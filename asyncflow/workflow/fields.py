@@ -4,7 +4,8 @@ Each training step owns one partition (its index). Two kinds of rows share the t
 
 * prompt rows, put by the driver: ``query_ids``, ``answer``, ``gen_len``;
 * sample rows, put by rollout (one per answer): ``prompt_ids``, ``response_ids``,
-  ``logprobs`` (behaviour policy), ``answer``, ``group`` (prompt row id), ``version``
+  ``logprobs`` (behaviour policy), ``token_versions`` (the policy version that sampled each
+  token), ``answer``, ``group`` (prompt row id), ``version``
   (policy version that started the answer); then ``reward`` (reward role) and
   ``ref_logprobs`` (reference role) and, for PPO, ``advantages`` (critic role: per-token
   GAE advantages).
@@ -23,6 +24,7 @@ SCHEMA = Schema([
     Field("prompt_ids", "int64", ragged=True),
     Field("response_ids", "int64", ragged=True),
     Field("logprobs", "float32", ragged=True),
+    Field("token_versions", "int64", ragged=True),
     Field("group", "int64"),
     Field("version", "int64"),
     Field("reward", "float32"),

@@ -44,6 +44,15 @@ class GroupPlacer:
         self.started += 1
         self.running[gid] = version + self.k
 
+    def restart(self, gid: int, version: int) -> None:
+        """A running group starts again from its prompt at ``version`` (``on_swap=discard``):
+        it keeps its admission slot and its deadline moves to ``version + k``. Moving a
+        deadline later only relaxes Hall's condition, and ``started`` is unchanged, so every
+        guarantee above still holds."""
+        if gid not in self.running:
+            raise RuntimeError(f"group {gid} restarted but it is not running")
+        self.running[gid] = max(self.running[gid], version + self.k)
+
     def complete(self, gid: int) -> int:
         """Place the finished group ``gid``; return its step."""
         deadline = self.running.pop(gid)

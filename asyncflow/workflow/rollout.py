@@ -3,8 +3,13 @@
 Each ``poll`` is one micro-batch boundary of the engine (one decode step):
 
 1. **swap weights** if the subscriber has staged a newer version (delayed parameter
-   update); unfinished answers continue under the new weights (partial rollout), their
-   KV cache rebuilt first when ``recompute_on_swap``;
+   update). ``on_swap="continue"``: unfinished answers continue under the new weights
+   (partial rollout), their KV cache rebuilt first when ``recompute_on_swap``; every token
+   records the version that sampled it (``token_versions``). ``on_swap="discard"``: every
+   group with an unfinished answer is restarted *whole* from its prompt under the new
+   weights (its finished answers are dropped too), so all tokens of a group come from one
+   version; the restart keeps the group's admission slot (it is not a new group) and
+   moves its version tag and deadline to the new version (:meth:`GroupPlacer.restart`);
 2. **refill** free slots with whole prompt groups. Prompts are fetched in order, a step's
    worth per round trip, as far as admission allows (:class:`GroupPlacer`: at version
    ``v`` at most ``(v + staleness + 1) * prompts_per_step`` groups ever started);
@@ -13,7 +18,8 @@ Each ``poll`` is one micro-batch boundary of the engine (one decode step):
    to a later step instead of holding its step back), and goes to the data plane
    (streaming), batched per step, with ``put_nowait`` (no round trip on the hot path).
 
-Every answer is tagged with the version that *started* it; the placer guarantees that a
+Every answer is tagged with the version that *started* it (for a restarted group: the
+version it restarted at); the placer guarantees that a
 group started at ``w`` lands in a step ``<= w + staleness``, which the trainer trains at
 that version: the bound holds per sample, by construction, and nothing is thrown away.
 """
@@ -25,7 +31,7 @@ from collections import defaultdict, deque
 
 import numpy as np
 
-from asyncflow.engines.inference import Completion, InferenceEngine, Request, SamplingParams
+from asyncflow.engines.types import Completion, Request, SamplingParams
 from asyncflow.engines.weights import WeightSubscriber
 from asyncflow.queue import QueueTimeout
 from asyncflow.workflow.placement import GroupPlacer
@@ -37,13 +43,18 @@ PROMPT_FIELDS = ["query_ids", "answer", "gen_len"]
 class RolloutRole(Role):
     name = "rollout"
 
-    def __init__(self, engine: InferenceEngine, dp, sampling: SamplingParams, group_size: int,
+    def __init__(self, engine, dp, sampling: SamplingParams, group_size: int,
                  prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
-                 recompute_on_swap: bool = True):
+                 recompute_on_swap: bool = True, on_swap: str = "continue"):
+        if on_swap not in ("continue", "discard"):
+            raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
         super().__init__()
         self.engine, self.dp, self.weights = engine, dp, weights
         self.group_size, self.prompts_per_step = group_size, prompts_per_step
-        self.recompute_on_swap = recompute_on_swap
+        self.recompute_on_swap, self.on_swap = recompute_on_swap, on_swap
+        self.groups: dict[int, list[Request]] = {}  # running group id -> its requests (for restarts)
+        self.restarts: deque[int] = deque()  # discarded groups waiting to start again
+        self.discarded = 0  # answers (finished or not) thrown away at swaps
         self.batch = engine.new_batch(sampling)
         self.placer = GroupPlacer(prompts_per_step, staleness)
         self.partition = 0  # the prompt partition prompts are taken from now
@@ -86,7 +97,9 @@ class RolloutRole(Role):
             with self.work():
                 self.weights.swap_if_ready()
                 self.batch.version = self.version
-                if self.recompute_on_swap:
+                if self.on_swap == "discard":
+                    self._discard()
+                elif self.recompute_on_swap:
                     self.batch.recompute_cache()
         self._refill(timeout)
         if not len(self.batch):
@@ -101,17 +114,38 @@ class RolloutRole(Role):
             self._emit(done)
         return len(done)
 
+    def _discard(self) -> None:
+        """Drop every live answer and the finished answers of their groups; queue the groups."""
+        live = self.batch.drop_all()
+        gids = sorted({r.key[0] for r in live} | set(self.finished))
+        self.discarded += len(live) + sum(len(self.finished.pop(g, [])) for g in gids)
+        self.restarts.extend(gids)
+
     def _refill(self, timeout: float) -> None:
-        """Start waiting prompt groups in free slots; fetch the next prompts when none wait."""
+        """Start waiting prompt groups in free slots (restarted groups first); fetch the next
+        prompts when none wait."""
         free_groups = (self.engine.max_batch - len(self.batch)) // self.group_size
         if free_groups <= 0:
             return
+        restart = [self.restarts.popleft() for _ in range(min(free_groups, len(self.restarts)))]
+        if restart:
+            fresh = []
+            for gid in restart:
+                self.placer.restart(gid, self.version)
+                fresh += [Request(r.key, r.prompt_ids, r.max_new_tokens, r.min_new_tokens)
+                          for r in self.groups[gid]]
+            free_groups -= len(restart)
+            with self.work():
+                self._emit(self.batch.add(fresh))
+            if free_groups <= 0:
+                return
         if not self.waiting and self.admissible():
             self._fetch(block=len(self.batch) == 0, timeout=timeout)
         start = [self.waiting.popleft() for _ in range(min(free_groups, len(self.waiting)))]
         if start:
             for group in start:
                 self.placer.start(group[0].key[0], self.version)
+                self.groups[group[0].key[0]] = group
             with self.work():
                 self._emit(self.batch.add([req for group in start for req in group]))
 
@@ -147,6 +181,7 @@ class RolloutRole(Role):
             group.append(c)
             if len(group) == self.group_size:  # the whole group is done: place it
                 del self.finished[c.key[0]]
+                self.groups.pop(c.key[0], None)
                 self.outbox[self.placer.complete(c.key[0])].extend(group)
                 self._outbox_since = self._outbox_since or now
         waiting = sum(len(cs) for cs in self.outbox.values())
@@ -162,6 +197,7 @@ class RolloutRole(Role):
                 "prompt_ids": [np.asarray(c.prompt_ids, dtype=np.int64) for c in cs],
                 "response_ids": [np.asarray(c.response_ids, dtype=np.int64) for c in cs],
                 "logprobs": [np.asarray(c.logprobs, dtype=np.float32) for c in cs],
+                "token_versions": [np.asarray(c.token_versions, dtype=np.int64) for c in cs],
                 "answer": [c.key[1] for c in cs],
                 "group": np.asarray([c.key[0] for c in cs], dtype=np.int64),
                 "version": np.asarray([c.version for c in cs], dtype=np.int64),
@@ -180,5 +216,6 @@ class RolloutRole(Role):
                  max_batch=self.engine.max_batch,
                  swap_s=self.weights.swap_seconds if self.weights else 0.0,
                  swaps=self.weights.swaps if self.weights else 0,
-                 weights_rejected=self.weights.rejected if self.weights else 0)
+                 weights_rejected=self.weights.rejected if self.weights else 0,
+                 discarded=self.discarded)
         return s

@@ -90,7 +90,8 @@ class Worker:
             from asyncflow.workflow.actor import ActorRole
 
             engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
-                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg))
+                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg),
+                                 max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype)
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
                                             a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
@@ -99,12 +100,14 @@ class Worker:
             from asyncflow.workflow.rollout import RolloutRole
 
             # Colocated: the rollout engine shares the trainer's model (no weight copy).
-            engine = InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed)
+            engine = self._inference_engine(model_dir) if r.engine != "builtin" else \
+                InferenceEngine(self.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                                dtype=cfg.model.dtype)
             if cfg.mode != "sync":
                 self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
             self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
-                                                self._subscriber, r.recompute_on_swap)
+                                                self._subscriber, r.recompute_on_swap, r.on_swap)
         if "reward" in roles:
             from asyncflow.workflow.reward import RewardRole
 
@@ -118,8 +121,9 @@ class Worker:
             from asyncflow.workflow.reference import ReferenceRole
 
             ref_model = copy.deepcopy(self.model).eval()
-            self.roles["reference"] = ReferenceRole(TrainEngine(ref_model, tok.pad_token_id,
-                                                                temperature=r.temperature), dp)
+            self.roles["reference"] = ReferenceRole(TrainEngine(
+                ref_model, tok.pad_token_id, temperature=r.temperature,
+                max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype), dp)
         if "critic" in roles:
             import copy
 
@@ -130,10 +134,23 @@ class Worker:
             # the policy's weights as backbone; a copy unless this worker hosts the critic alone
             lm = self.model if list(roles) == ["critic"] else copy.deepcopy(self.model)
             engine = CriticEngine(lm, tok.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
-                                  grad_clip=t.grad_clip, schedule=_lr_schedule(cfg))
+                                  grad_clip=t.grad_clip, schedule=_lr_schedule(cfg),
+                                  max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype)
             self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a), cfg.batch_size,
                                               epochs=a.critic_epochs)
         self.started = time.perf_counter()
+
+    def _inference_engine(self, model_dir: str):
+        """rollout.engine=vllm|sglang: the adapter, loading the same model folder on the GPU."""
+        r, eos = self.cfg.rollout, self.tokenizer.eos_token_id
+        dtype = "float32" if self.cfg.model.dtype == "float32" else "bfloat16"
+        if r.engine == "vllm":
+            from asyncflow.engines.vllm_engine import VLLMEngine
+
+            return VLLMEngine(model_dir, eos, r.max_batch, dtype, self.cfg.seed)
+        from asyncflow.engines.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_dir, eos, r.max_batch, dtype, self.cfg.seed)
 
     # ------------------------------------------------------------------ stream / async
     def start(self) -> None:

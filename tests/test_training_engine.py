@@ -1,0 +1,159 @@
+"""Training engine: token-budget micro-batches (exact gradient accumulation) and bf16.
+
+The budget splits a call's rows into chunks of at most ``max_tokens_per_micro`` padded
+tokens; since every loss normalises by the step's totals, the summed chunk gradients must
+equal one forward/backward over all rows, for every ``loss_agg``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.algorithms.losses import LOSS_AGGS
+from asyncflow.config import ConfigError, load_config
+from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+from asyncflow.engines.training import TrainEngine, merge_metrics, token_budget_split
+
+torch.set_num_threads(1)
+PAD, BOS, EOS = 0, 1, 2
+
+
+def test_token_budget_split_hand_computed():
+    # Sorted longest first: 10, 9 | 4, 4, 3, 2. 2 x 10 = 20 fits, 3 x 10 = 30 does not;
+    # the second chunk is 4 rows x width 4 = 16 <= 20.
+    assert token_budget_split([3, 10, 4, 4, 9, 2], 20) == [[1, 4], [2, 3, 0, 5]]
+    # A row over the budget gets its own chunk; the others still pack.
+    assert token_budget_split([25, 3, 3], 6) == [[0], [1, 2]]
+    assert token_budget_split([25, 3, 3], 5) == [[0], [1], [2]]
+    assert token_budget_split([2, 1], None) == [[0, 1]]
+    assert token_budget_split([], 8) == []
+
+
+def test_merge_metrics_weights_rows():
+    got = merge_metrics([(1, {"loss": 1.0, "ratio_max": 2.0, "ratio_min": 0.5}),
+                         (3, {"loss": 3.0, "ratio_max": 1.5, "ratio_min": 0.9})])
+    assert got == {"loss": (1 * 1.0 + 3 * 3.0) / 4, "ratio_max": 2.0, "ratio_min": 0.5}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_char_tokenizer()
+
+
+def _ragged(tok):
+    """Ten rows; prompt + response lengths from 3 to 16 tokens."""
+    rng = np.random.default_rng(0)
+    prompts = [[BOS, *tok(t).input_ids] for t in ["1+2=", "12+34=", "=", "123+45=", "9+9", "5+5=", "7=",
+                                                   "99+99=", "1+1=", "42+7="]]
+    rlens = [2, 5, 1, 3, 12, 1, 8, 2, 6, 4]
+    responses = [rng.integers(4, 30, size=n).tolist() for n in rlens]
+    return prompts, responses
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _step_grads(tok, prompts, responses, extras, loss, budget, grad_scale=1.0):
+    model = build_tiny_model(tok, seed=0)
+    te = TrainEngine(model, pad_id=PAD, max_tokens_per_micro=budget)
+    te.forward_backward(prompts, responses, extras, loss)
+    g = _grads(model)
+    return {n: v * grad_scale for n, v in g.items()}
+
+
+@pytest.mark.parametrize("loss_agg", LOSS_AGGS)
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_token_budget_gradient_equals_one_big_batch(tok, loss_agg, kl_coef):
+    prompts, responses = _ragged(tok)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    budget = 15
+    chunks = token_budget_split(lengths, budget)
+    assert len(chunks) >= 4 and max(lengths) > budget  # several chunks, one row over the budget
+    cur = TrainEngine(build_tiny_model(tok, seed=0), pad_id=PAD).logprobs(prompts, responses)
+    rng = np.random.default_rng(1)
+    extras = {"logprobs": [lp + rng.uniform(-0.3, 0.3, lp.shape).astype(np.float32) for lp in cur],
+              "ref_logprobs": [lp + rng.uniform(-0.2, 0.2, lp.shape).astype(np.float32) for lp in cur],
+              "advantages": rng.normal(size=len(prompts)).astype(np.float32)}
+    alg = Algorithm(loss_agg=loss_agg, kl_coef=kl_coef)
+    B, T = len(prompts), sum(len(r) for r in responses)
+    full = _step_grads(tok, prompts, responses, extras, alg.loss(B, T), None)
+    split = _step_grads(tok, prompts, responses, extras, alg.loss(B, T), budget)
+    for n in full:
+        torch.testing.assert_close(split[n], full[n], atol=1e-6, rtol=1e-5, msg=n)
+    assert max(float(g.abs().max()) for g in full.values()) > 1e-4
+    if loss_agg == "token-mean":  # the streaming path: a token sum, scaled by 1/T at the step
+        scaled = _step_grads(tok, prompts, responses, extras, alg.loss(B, None), budget, grad_scale=1.0 / T)
+        for n in full:
+            torch.testing.assert_close(scaled[n], full[n], atol=1e-6, rtol=1e-5, msg=n)
+    # Power: advantages that do not follow their rows through the split change the gradient.
+    wrong = dict(extras, advantages=extras["advantages"][::-1].copy())
+    bad = _step_grads(tok, prompts, responses, wrong, alg.loss(B, T), budget)
+    assert any(not torch.allclose(bad[n], full[n], atol=1e-5) for n in full)
+
+
+def test_token_budget_logprobs_keep_row_order(tok):
+    prompts, responses = _ragged(tok)
+    model = build_tiny_model(tok, seed=0)
+    whole = TrainEngine(model, pad_id=PAD).logprobs(prompts, responses)
+    split = TrainEngine(model, pad_id=PAD, max_tokens_per_micro=10).logprobs(prompts, responses)
+    for a, b, r in zip(whole, split, responses):
+        assert len(a) == len(b) == len(r)
+        np.testing.assert_allclose(b, a, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------- bf16
+
+BF16_ATOL = 0.02  # measured: <= 0.004 (train) and <= 0.008 (generation vs recompute) on this model
+
+
+def test_bf16_logprobs_close_to_fp32_and_train_step_runs(tok):
+    prompts, responses = _ragged(tok)
+    model = build_tiny_model(tok, seed=0)
+    fp32 = TrainEngine(model, pad_id=PAD).logprobs(prompts, responses)
+    te = TrainEngine(model, pad_id=PAD, lr=1e-2, dtype="bfloat16")
+    bf16 = te.logprobs(prompts, responses)
+    diff = np.abs(np.concatenate(fp32) - np.concatenate(bf16))
+    assert diff.max() < BF16_ATOL
+    assert diff.max() > 1e-5  # bf16 really ran (fp32 would agree to ~1e-7)
+    # One step: master weights and grads stay float32, the gradient points where fp32's does.
+    alg = Algorithm(loss_agg="token-mean")
+    extras = {"logprobs": fp32, "advantages": np.linspace(-1, 1, len(prompts)).astype(np.float32)}
+    loss = alg.loss(len(prompts), sum(map(len, responses)))
+    te.forward_backward(prompts, responses, extras, loss)
+    g16 = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
+    ref = build_tiny_model(tok, seed=0)
+    TrainEngine(ref, pad_id=PAD).forward_backward(prompts, responses, extras, loss)
+    g32 = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    assert float(torch.nn.functional.cosine_similarity(g16, g32, dim=0)) > 0.99
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert np.isfinite(te.optimizer_step()["grad_norm"])
+    assert any(not torch.equal(before[n], p) for n, p in model.named_parameters())
+    assert all(v.dtype == np.float32 for v in te.export_weights().values())
+
+
+def test_bf16_generation_logprobs_match_recompute(tok):
+    from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams
+
+    prompts, _ = _ragged(tok)
+    model = build_tiny_model(tok, seed=0)
+    eng = InferenceEngine(model, eos_id=EOS, pad_id=PAD, max_batch=4, dtype="bfloat16")
+    out = eng.generate([Request(i, p) for i, p in enumerate(prompts)], SamplingParams(1.0, max_new_tokens=8))
+    rec = TrainEngine(model, pad_id=PAD, dtype="bfloat16").logprobs([c.prompt_ids for c in out],
+                                                                   [c.response_ids for c in out])
+    for c, lp in zip(out, rec):
+        np.testing.assert_allclose(c.logprobs, lp, atol=BF16_ATOL, rtol=0)
+
+
+def test_engine_config_fields_give_one_line_errors():
+    cfg = load_config(None, ["model.dtype=bfloat16", "train.max_tokens_per_micro=512"])
+    assert (cfg.model.dtype, cfg.train.max_tokens_per_micro) == ("bfloat16", 512)
+    with pytest.raises(ConfigError, match=r"^config error: model.dtype = 'fp16'.*bfloat16") as e:
+        load_config(None, ["model.dtype=fp16"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro = 0.*Token budget"):
+        load_config(None, ["train.max_tokens_per_micro=0"])
