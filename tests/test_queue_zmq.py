@@ -141,8 +141,7 @@ def _raw(endpoint, frames):
 
 
 def _units(dp):
-    dp.stats()
-    return dp._units
+    return dp.storage_endpoints()
 
 
 def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
