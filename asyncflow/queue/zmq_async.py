@@ -1,4 +1,4 @@
-"""The asyncio core of the distributed data plane's client (``zmq.asyncio``).
+"""The asyncio core of the distributed data plane's client.
 
 :class:`AsyncZmqDataPlane` holds every data-plane method as a coroutine; the synchronous
 :class:`~asyncflow.queue.zmq_client.ZmqDataPlane` that the roles use only runs these on a
@@ -11,8 +11,8 @@ and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)``
 64 consecutive ids, round-robin), so a put sends each unit contiguous slices of its rows
 (views of the validated arrays: no copy) and a get asks for them, all requests in flight
 at once, then places each slice in ``meta.rows`` order. One DEALER socket per server per
-core, shared by every coroutine: each request carries an id and one reader task per
-socket hands each reply to the coroutine waiting for that id, so any number of calls
+core, shared by every coroutine: each request carries an id and the loop's reader
+callback on the socket hands each reply to the coroutine waiting for that id, so any number of calls
 (e.g. several ``get_meta`` parked on the server) wait at once without holding each other
 up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in process.
 
@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from asyncflow.queue.index import check_partition_name
 from asyncflow.queue.protocol import (
@@ -66,39 +65,42 @@ _ZERO_COPY_BYTES = 65536  # below this, copying into the message is cheaper than
 
 
 class _Link:
-    """One DEALER socket to one server and the reader task that routes its replies."""
+    """One DEALER socket to one server, read by the event loop: the socket's file
+    descriptor is registered with ``loop.add_reader`` and every readable edge drains all
+    pending replies, each handed to the future waiting for its request id (one loop
+    wake-up per burst of replies, no task per receive)."""
 
-    def __init__(self, ctx: zmq.asyncio.Context, endpoint: str, token: str) -> None:
-        self.sock = ctx.socket(zmq.DEALER)
+    def __init__(self, endpoint: str, token: str, loop: asyncio.AbstractEventLoop) -> None:
+        # The process-wide context: never collected mid-run (a collected context with a
+        # socket still open would hang in term()).
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)  # never block a send: the caller bounds what it sends
         self.sock.connect(endpoint)
-        self.token, self.ids = token, itertools.count(1)
+        self.token, self.ids, self.loop = token, itertools.count(1), loop
         self.waiting: dict[int, asyncio.Future] = {}
-        self.reader: asyncio.Task | None = None
+        self.fd = self.sock.getsockopt(zmq.FD)
+        loop.add_reader(self.fd, self._drain)
 
-    def send(self, op: str, args: dict, buffers: Sequence[Any] = (), noreply: bool = False) -> tuple[int, Any]:
-        """Queue one request now (pyzmq sends at once when nothing is queued before it, so
-        requests leave in call order); returns its id and the send's future."""
+    def send(self, op: str, args: dict, buffers: Sequence[Any] = (), noreply: bool = False) -> int:
+        """Send one request now (requests leave in call order); returns its id."""
         rid = next(self.ids)
         header = {"op": op, "id": rid, "a": args, "tok": self.token}
         if noreply:
             header["noreply"] = True
         big = any(np.asarray(b).nbytes >= _ZERO_COPY_BYTES for b in buffers)
-        sent = self.sock.send_multipart([pack_header(header), *buffers], copy=not big)
-        if noreply:
-            sent.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
-        return rid, sent
+        self.sock.send_multipart([pack_header(header), *buffers], copy=not big)
+        # ZeroMQ's descriptor is edge-triggered and a send can consume the edge of a reply
+        # that is already queued: drain again from the loop.
+        self.loop.call_soon(self._drain)
+        return rid
 
     async def call(self, op: str, args: dict, buffers: Sequence[Any] = ()) -> tuple[Any, list]:
         """Send a request and wait for its reply: ``(result, data frames)``, or its error raised."""
-        loop = asyncio.get_running_loop()
-        if self.reader is None:
-            self.reader = loop.create_task(self._read())
-        fut = loop.create_future()
-        rid, sent = self.send(op, args, buffers)
+        fut = self.loop.create_future()
+        rid = self.send(op, args, buffers)
         self.waiting[rid] = fut
         try:
-            await sent
             header, frames = await fut
         finally:
             self.waiting.pop(rid, None)
@@ -106,26 +108,27 @@ class _Link:
             raise error_from_msg(header.get("err", {}))
         return header.get("r"), frames
 
-    async def _read(self) -> None:
-        try:
-            while True:
-                frames = await self.sock.recv_multipart(copy=False)
-                try:
-                    header = unpack_header(frames[0].buffer)
-                except ProtocolError:
-                    continue  # not a reply of ours
-                fut = self.waiting.get(header.get("id"))
-                if fut is not None and not fut.done():
-                    fut.set_result((header, frames[1:]))
-        except BaseException as exc:  # closed or cancelled: no reply will come any more
-            for fut in self.waiting.values():
-                if not fut.done():
-                    fut.set_exception(ConnectionError(f"data plane connection closed ({type(exc).__name__})"))
-            raise
+    def _drain(self) -> None:
+        sock = self.sock
+        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                header = unpack_header(frames[0].buffer)
+            except ProtocolError:
+                continue  # not a reply of ours
+            fut = self.waiting.get(header.get("id"))
+            if fut is not None and not fut.done():
+                fut.set_result((header, frames[1:]))
 
     def close(self) -> None:
-        if self.reader is not None:
-            self.reader.cancel()
+        if not self.loop.is_closed():
+            self.loop.remove_reader(self.fd)
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.set_exception(ConnectionError("data plane connection closed"))
         self.sock.close(0)
 
 
@@ -167,10 +170,7 @@ class AsyncZmqDataPlane:
                                "(copy.copy or pickle) per loop")
         if self._schema is None:
             if self._hello is None:
-                # The process-wide context: never collected mid-run (a collected context with a
-                # socket still open would hang in term()).
-                ctx = zmq.asyncio.Context.instance()
-                self._ctrl = _Link(ctx, self.endpoint, self.token or "")
+                self._ctrl = _Link(self.endpoint, self.token or "", loop)
                 self._hello = loop.create_task(self._ctrl.call("hello", {}))
             try:
                 hello, _ = await asyncio.shield(self._hello)
@@ -179,9 +179,8 @@ class AsyncZmqDataPlane:
                     self._hello = None
                 raise
             if self._schema is None:
-                ctx = zmq.asyncio.Context.instance()
                 self._unit_endpoints = list(hello["storage"])
-                self._units = [_Link(ctx, ep, self.token or "") for ep in self._unit_endpoints]
+                self._units = [_Link(ep, self.token or "", loop) for ep in self._unit_endpoints]
                 self._schema = schema_from_msg(hello["schema"])
         self._raise_sent()
 
