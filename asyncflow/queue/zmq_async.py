@@ -11,10 +11,10 @@ and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)``
 64 consecutive ids, round-robin), so a put sends each unit contiguous slices of its rows
 (views of the validated arrays: no copy) and a get asks for them, all requests in flight
 at once, then places each slice in ``meta.rows`` order. One DEALER socket per server per
-core, shared by every coroutine: each request carries an id and the loop's reader
-callback on the socket hands each reply to the coroutine waiting for that id, so any number of calls
-(e.g. several ``get_meta`` parked on the server) wait at once without holding each other
-up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in process.
+core, shared by every coroutine: each request carries an id and the loop's reader callback
+on the socket hands each reply to the coroutine waiting for that id, so any number of
+calls (e.g. several ``get_meta`` parked on the server) wait at once without holding each
+other up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in process.
 
 Invariants:
 

@@ -112,3 +112,4 @@ for _name in ("put", "put_nowait", "flush", "seal", "clear", "clear_rows", "rese
               "save", "load", "get_meta", "get_data", "get_batch", "tags", "stats", "storage_endpoints",
               "shutdown_servers"):
     setattr(ZmqDataPlane, _name, _sync(_name))
+del _name
