@@ -141,8 +141,7 @@ def _raw(endpoint, frames):
 
 
 def _units(dp):
-    dp.stats()
-    return dp._units
+    return dp.storage_endpoints()
 
 
 def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
@@ -211,3 +210,32 @@ def test_close_wakes_every_waiter_and_capacity_waits():
         assert dp.get_data(BatchMeta("b", [2], ["r"]))["r"].tolist() == [3.0]  # data stays readable
     finally:
         d.shutdown()
+
+
+def test_storage_unit_sends_a_put_block_back_without_stacking():
+    from asyncflow.queue.protocol import decode_columns, encode_columns
+    from asyncflow.queue.zmq_storage import StorageServer
+
+    unit = StorageServer(SCHEMA)
+    try:
+        block = np.arange(12, dtype=np.int32).reshape(6, 2)
+        spec, buffers = encode_columns({"v": block, "r": np.ones(6, np.float32)})
+        unit.write({"a": {"rows": list(range(10, 16)), "cols": spec}}, buffers)
+        stored = unit.storage._columns["v"][10]
+
+        def gather(rows):
+            spec, frames = unit.gather({"a": {"rows": rows, "fields": ["v", "r"]}}, [])
+            return decode_columns(spec, frames), frames
+
+        cols, frames = gather([11, 12, 13])  # consecutive rows of one block: a view of it
+        assert cols["v"].tolist() == block[1:4].tolist() and np.shares_memory(frames[0], stored.base)
+        for rows in ([13, 11], [11, 13], [15, 10]):  # anything else is stacked, in request order
+            cols, frames = gather(rows)
+            assert cols["v"].tolist() == [block[r - 10].tolist() for r in rows]
+            assert not np.shares_memory(frames[0], stored.base)
+        unit.drop({"a": {"rows": [12]}}, [])
+        with pytest.raises(ValueError, match="row 12 field 'v' is not stored"):
+            gather([11, 12, 13])
+        assert gather([13, 14])[0]["v"].tolist() == block[3:5].tolist()
+    finally:
+        unit.ctx.destroy(linger=0)

@@ -21,7 +21,10 @@ Modules, one role each:
 * :mod:`~asyncflow.queue.zmq_server` the distributed deployment: the controller server
 * :mod:`~asyncflow.queue.zmq_storage` its storage-unit server (N of them, rows sharded)
 * :mod:`~asyncflow.queue.zmq_launch` starts it (child processes, or a command line)
-* :mod:`~asyncflow.queue.zmq_client` its client, with the ``DataPlane`` methods (picklable)
+* :mod:`~asyncflow.queue.leases`     pins that keep a ``get_batch``'s rows until read
+* :mod:`~asyncflow.queue.zmq_async`  its client: one asyncio core with every ``DataPlane`` method
+* :mod:`~asyncflow.queue.zmq_client` the synchronous client the roles use: a thin wrapper
+  that runs the async core on a private event-loop thread (both picklable)
 
 Invariants: each row is consumed at most once per task; a row is never handed out before
 all its required fields are produced; a put is all-or-nothing; back-pressure never drops.

@@ -28,10 +28,17 @@ token is refused (``PermissionError``) before anything is decoded further. Every
 request (garbage bytes, unknown op or field, bad dtype, wrong byte count) gets an error
 reply and changes nothing; the server goes on. No pickle on any socket.
 
-Not atomic across processes: ``get_batch`` is ``get_meta`` then fetches, so a ``clear``
-in between makes the fetch fail with "row ... does not exist" (the in-process plane
-serialises the two). A client that dies between ``check_write`` and ``commit`` leaves its
-reservation (those fields of those rows stay unwritable until the rows are cleared).
+Atomic ``get_batch`` across processes: the client's ``get_batch`` is ``get_meta`` then
+fetches from the units, so a ``clear`` in between would free bytes it is about to read.
+It therefore asks with ``pin``: the answer carries a lease, and until the client sends
+``unpin`` (after its fetches were answered) the controller *defers* the storage drop of
+those rows. The index forgets cleared rows at once (ids are never reused, so deferring
+cannot alias newer data) and capacity counts them as free. A lease not released within
+:data:`LEASE_TTL_S` (a client that died mid-read) expires and its deferred drops happen.
+Plain ``get_meta`` + ``get_data`` stays unpinned: a clear in between fails the fetch with
+"not stored", never returns other data. A client that dies between ``check_write`` and
+``commit`` leaves its reservation (those fields of those rows stay unwritable until the
+rows are cleared).
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ from asyncflow.queue.rules import (
 )
 from asyncflow.queue.persist import load_state, save_state
 from asyncflow.queue.index import RowIndex, check_partition_name
+from asyncflow.queue.leases import Leases
 from asyncflow.queue.protocol import (
     ProtocolError,
     error_to_msg,
@@ -68,6 +76,7 @@ __all__ = ["ControllerServer"]  # StorageServer: asyncflow.queue.zmq_storage
 
 _PARKED = object()
 _POLL_MS = 50
+LEASE_TTL_S = 600.0  # a get_batch lease not released by then is dropped (its client died)
 
 
 class _Server:
@@ -167,13 +176,14 @@ class ControllerServer(_Server):
             s.connect(ep)
             self.units.append(s)
         self._unit_rid = 0
+        self.leases = Leases(LEASE_TTL_S)
         self.parking_ops = frozenset({"alloc", "get_meta"})
         self.ops.update(
             hello=lambda h, f: {"schema": schema_to_msg(self.schema), "storage": self.storage_endpoints},
             alloc=self.alloc, check_write=self.check_write, commit=self.commit, get_meta=self.get_meta,
             seal=self.seal, clear=self.clear, clear_rows=self.clear_rows, close=self.close,
             reset_consumption=self.reset_consumption, tags=self.tags, stats=self.stats,
-            save=self.save, load=self.load,
+            save=self.save, load=self.load, unpin=self.unpin,
         )
 
     # -- writes ------------------------------------------------------------------------
@@ -253,6 +263,7 @@ class ControllerServer(_Server):
     def get_meta(self, header: dict, frames: list, ident: bytes) -> Any:
         task, fields, n, partition, sampler, min_n, block, timeout = _args(
             header, "task", "fields", "n", "partition", "sampler", "min_n", "block", "timeout")
+        pin = bool(header["a"].get("pin", False))
         fields, min_n = check_request(self.schema, task, fields, n, min_n)
         sampler = sampler_from_msg(sampler)
         what = f"task {task!r} waiting for {min_n}..{n} rows with fields {fields} in partition {partition!r}"
@@ -265,9 +276,17 @@ class ControllerServer(_Server):
             if meta is None:
                 return None
             self.gets += 1
+            if pin and meta.rows:
+                return [*meta_to_msg(meta), self.leases.pin(meta.rows, time.monotonic())]
             return meta_to_msg(meta)
 
         return self._answer_or_park(ident, header, retry, timeout, f"get_meta timed out after {timeout}s: {what}")
+
+    def unpin(self, header: dict, frames: list) -> None:
+        """Release a ``get_batch`` lease; drop its rows' bytes if they were cleared meanwhile.
+        An unknown lease (expired, or from before a ``load``) is ignored."""
+        (lease,) = _args(header, "lease")
+        self._send_drops(self.leases.release(lease))
 
     def tags(self, header: dict, frames: list) -> dict:
         return self.index.row_tags([int(r) for r in _args(header, "rows")[0]])
@@ -278,6 +297,7 @@ class ControllerServer(_Server):
             "consumed": dict(self.index.consumed_total), "dropped": dict(self.index.dropped_total),
             "puts": self.puts, "gets": self.gets, "rows_allocated": self.index.rows_allocated,
             "storage_units": len(self.units), "waiting": len(self.parked),
+            "pinned": self.leases.pinned, "deferred_drops": self.leases.deferred,
         }
 
     # -- persistence (waits for the units: an admin operation) ------------------------
@@ -291,6 +311,7 @@ class ControllerServer(_Server):
         state = load_state(path, self.schema)
         self._on_units("load", path)
         self.index, self.reserved = RowIndex.from_state(state), set()
+        self.leases = Leases(LEASE_TTL_S)  # the units' bytes were replaced
         self._wake()
 
     def _on_units(self, op: str, path: str) -> None:
@@ -310,6 +331,10 @@ class ControllerServer(_Server):
         return self.token.decode() if self.token else ""
 
     def _drop_on_units(self, rows: Sequence[int]) -> None:
+        """Free the bytes of forgotten rows now, or at their last ``unpin`` if pinned."""
+        self._send_drops(self.leases.forget(rows))
+
+    def _send_drops(self, rows: Sequence[int]) -> None:
         if not rows or not self.units:
             return
         n = len(self.units)
@@ -350,9 +375,10 @@ class ControllerServer(_Server):
         self.parked = still
 
     def on_idle(self) -> None:
+        now = time.monotonic()
+        self._send_drops(self.leases.expire(now))
         if not self.parked:
             return
-        now = time.monotonic()
         expired = [p for p in self.parked if p.deadline is not None and p.deadline <= now]
         if expired:
             self.parked = [p for p in self.parked if p not in expired]
