@@ -5,7 +5,8 @@ Protocol (what roles call; an engine never knows which algorithm runs):
 * ``logprobs(prompts, responses) -> list[np.ndarray]``: per response token, under
   ``log_softmax(logits / temperature)`` (the quantity the inference engine records);
 * ``forward_backward(batch, loss_fn) -> metrics``: accumulates gradients of one
-  micro-batch; the loss function receives per-token tensors and returns a scalar already
+  micro-batch; the loss function receives per-token tensors (and ``batch.entropy``, the
+  per-token entropy, when it sets ``needs_entropy``) and returns a scalar already
   normalised for the whole step (so accumulation over micro-batches equals one big batch);
 * ``optimizer_step(grad_scale=1.0) -> metrics``: scale, clip, step, zero grads, bump the policy version;
 * ``export_weights() -> dict[str, np.ndarray]``: host copies of every parameter.
@@ -39,6 +40,7 @@ class TokenBatch:
     response_lens: list[int]
     targets: torch.Tensor  # [B, R] response token ids (0 where padded)
     mask: torch.Tensor  # [B, R] float
+    entropy: torch.Tensor | None = None  # [B, R] per-token entropy, set when the loss asks for it
 
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> "TokenBatch":
@@ -67,15 +69,21 @@ class TokenBatch:
         return idx.clamp(max=self.input_ids.shape[1] - 1)
 
 
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Per response token log-probs ``[B, R]`` (0 where masked)."""
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0,
+                   entropy: bool = False) -> torch.Tensor:
+    """Per response token log-probs ``[B, R]`` (0 where masked). With ``entropy``, also sets
+    ``batch.entropy``: the entropy ``-sum_v p_v log p_v`` of each position's (tempered)
+    next-token distribution, differentiable, 0 where masked."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     logits = out.logits
     idx = batch.gather_index()
     picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     if temperature > 0 and temperature != 1.0:
         picked = picked / temperature
-    logp = F.log_softmax(picked.float(), -1).gather(2, batch.targets[:, :, None])[:, :, 0]
+    logp_all = F.log_softmax(picked.float(), -1)
+    if entropy:
+        batch.entropy = -(logp_all.exp() * logp_all).sum(-1) * batch.mask
+    logp = logp_all.gather(2, batch.targets[:, :, None])[:, :, 0]
     return logp * batch.mask
 
 
@@ -129,10 +137,11 @@ class TrainEngine:
         return [logp[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
 
     def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
-        """Accumulate the gradient of ``loss_fn`` on one micro-batch; return its metrics."""
+        """Accumulate the gradient of ``loss_fn`` on one micro-batch; return its metrics.
+        A loss with ``needs_entropy = True`` also gets ``batch.entropy`` (per-token entropy)."""
         self.model.train()
         batch = TokenBatch.build(prompts, responses, self.pad_id)
-        logp = token_logprobs(self.model, batch, self.temperature)
+        logp = token_logprobs(self.model, batch, self.temperature, getattr(loss_fn, "needs_entropy", False))
         loss, metrics = loss_fn(logp, batch, extras)
         loss.backward()
         return metrics
