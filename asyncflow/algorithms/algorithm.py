@@ -16,6 +16,7 @@ from asyncflow.algorithms.advantages import BATCH_LEVEL, ESTIMATORS, compute_adv
 from asyncflow.algorithms.corrections import Correction
 from asyncflow.algorithms.kl import kl_estimate
 from asyncflow.algorithms.losses import PolicyLoss
+from asyncflow.algorithms.shaping import overlong_penalty
 
 
 @dataclass
@@ -30,21 +31,28 @@ class Algorithm:
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
     correction: Correction = field(default_factory=Correction)
+    entropy_coef: float = 0.0
+    max_new_tokens: int = 0  # the rollout's length limit (for the overlong penalty)
+    overlong_buffer: int = 0  # 0 = no overlong penalty
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"unknown advantage estimator {self.estimator!r} (known: {', '.join(ESTIMATORS)})")
 
     @classmethod
-    def from_config(cls, a) -> "Algorithm":
-        """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``)."""
+    def from_config(cls, a, max_new_tokens: int = 0) -> "Algorithm":
+        """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``);
+        ``max_new_tokens`` (``rollout.max_new_tokens``) is needed by the overlong penalty."""
         name = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name
         low = a.clip_low if a.clip_low is not None else a.clip_eps
         high = a.clip_high if a.clip_high is not None else a.clip_eps
         cap = a.is_cap
         return cls(estimator=name, clip_low=low, clip_high=high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
                    loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward,
-                   correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high))
+                   correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high),
+                   entropy_coef=a.entropy_coef, max_new_tokens=max_new_tokens,
+                   overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
 
     @property
     def needs_reference(self) -> bool:
@@ -55,6 +63,13 @@ class Algorithm:
         """True when advantages need the whole step (batch whitening), not just whole groups."""
         return self.estimator in BATCH_LEVEL
 
+    def shaped_rewards(self, rewards, lengths) -> np.ndarray:
+        """The rewards advantages are computed from: raw scores plus the overlong penalty."""
+        r = np.asarray(rewards, dtype=np.float64)
+        if self.overlong_buffer > 0:
+            r = r + overlong_penalty(lengths, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
+        return r
+
     def advantages(self, data: dict) -> list[np.ndarray]:
         """Per-token advantage rows for a batch of rows (``reward``, ``group``, ``response_ids``...)."""
         lengths = [len(r) for r in data["response_ids"]]
@@ -62,10 +77,12 @@ class Algorithm:
         if self.kl_in_reward and self.kl_coef > 0:
             penalties = [self.kl_coef * kl_estimate(self.kl_estimator, np.asarray(lp, np.float64), np.asarray(ref, np.float64))
                          for lp, ref in zip(data["logprobs"], data["ref_logprobs"])]
-        return compute_advantages(self.estimator, data["reward"], data["group"], lengths, penalties)
+        rewards = self.shaped_rewards(data["reward"], lengths) if self.overlong_buffer > 0 else data["reward"]
+        return compute_advantages(self.estimator, rewards, data["group"], lengths, penalties)
 
     def loss(self, total_seqs: float, total_tokens: float | None = None) -> PolicyLoss:
         return PolicyLoss(total_seqs=total_seqs, total_tokens=total_tokens, clip_low=self.clip_low,
                           clip_high=self.clip_high, dual_clip=self.dual_clip, ratio_level=self.ratio_level,
                           loss_agg=self.loss_agg, kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
-                          kl_estimator=self.kl_estimator, correction=self.correction)
+                          kl_estimator=self.kl_estimator, correction=self.correction,
+                          entropy_coef=self.entropy_coef)
