@@ -120,6 +120,14 @@ class AlgorithmConfig(_Section):
     is_cap: float | None = Field(2.0, gt=1, description="tis: truncate the IS weight here; decoupled: drop tokens whose weight exceeds it (None = no cap).")
     mask_low: float = Field(0.5, gt=0, lt=1, description="mask: drop tokens whose IS ratio is below this.")
     mask_high: float = Field(2.0, gt=1, description="mask: drop tokens whose IS ratio is above this.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: add -entropy_coef x (token entropy of the current policy, "
+                                                       "aggregated by loss_agg) to the loss (0 = off; typical 0.001).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (no "
+                                                      "signal) and keep generating until the step is full.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: answers longer than max_new_tokens - "
+                                                      "overlong_buffer tokens lose reward linearly (0 = off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by an answer of max_new_tokens tokens (the overlong "
+                                                           "penalty's full size).")
 
     @model_validator(mode="after")
     def _algorithm(self) -> "AlgorithmConfig":
@@ -186,6 +194,12 @@ class RunConfig(_Section):
         if self.rollout.max_batch < self.rollout.group_size:
             raise ValueError(f"rollout.max_batch ({self.rollout.max_batch}) must be >= rollout.group_size "
                              f"({self.rollout.group_size}): a prompt's whole group decodes together")
+        if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < rollout.max_new_tokens "
+                             f"({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
+        if self.algorithm.dynamic_sampling and self.reward.latency_ms is not None:
+            raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group is kept or dropped when it "
+                             "finishes), so it cannot emulate a remote reward: unset reward.latency_ms")
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")
