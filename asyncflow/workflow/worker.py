@@ -34,13 +34,14 @@ class WorkerSpec:
 def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
     ncpu = ncpu or os.cpu_count() or 1
     kl = cfg.algorithm.kl_coef > 0
+    reward = [] if cfg.algorithm.dynamic_sampling else ["reward"]  # dynamic sampling scores inside rollout
     if cfg.mode == "sync":
-        roles = ["rollout", "reward"] + (["reference"] if kl else []) + ["actor"]
+        roles = ["rollout"] + reward + (["reference"] if kl else []) + ["actor"]
         return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
     compute = ["rollout", "actor"] + (["reference"] if kl else [])
     share = min(1.0, ncpu / len(compute))
     t = cfg.resources.threads_per_role
-    specs = [WorkerSpec("rollout", ["rollout"], t, share), WorkerSpec("reward", ["reward"], 1, 0.0)]
+    specs = [WorkerSpec("rollout", ["rollout"], t, share)] + [WorkerSpec(n, [n], 1, 0.0) for n in reward]
     if kl:
         specs.append(WorkerSpec("reference", ["reference"], t, share))
     specs.append(WorkerSpec("actor", ["actor"], t, share))
@@ -86,7 +87,7 @@ class Worker:
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
                                             a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
-                                            algorithm=Algorithm.from_config(a))
+                                            algorithm=Algorithm.from_config(a, r.max_new_tokens))
         if "rollout" in roles:
             from asyncflow.workflow.rollout import RolloutRole
 
@@ -96,7 +97,8 @@ class Worker:
                 self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
             self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
-                                                self._subscriber, r.recompute_on_swap)
+                                                self._subscriber, r.recompute_on_swap,
+                                                **(self._dynamic_sampling() if a.dynamic_sampling else {}))
         if "reward" in roles:
             from asyncflow.workflow.reward import RewardRole
 
@@ -113,6 +115,20 @@ class Worker:
             self.roles["reference"] = ReferenceRole(TrainEngine(ref_model, tok.pad_token_id,
                                                                 temperature=r.temperature), dp)
         self.started = time.perf_counter()
+
+    def _dynamic_sampling(self) -> dict:
+        """Rollout's extras for DAPO dynamic sampling: a reward scorer (a RewardRole that is
+        never run as a role: its scoring and error counting only), the algorithm's reward
+        shaping, and a prompt feeder (drops consume prompts faster than one partition a step)."""
+        from asyncflow.algorithms.algorithm import Algorithm
+        from asyncflow.workflow.driver import PromptFeeder
+        from asyncflow.workflow.reward import RewardRole
+
+        tok, cfg = self.tokenizer, self.cfg
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        algorithm = Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+        return {"scorer": RewardRole(self.dp, self.reward_fn(), decode), "shape": algorithm.shaped_rewards,
+                "feed": PromptFeeder(cfg, tok, self.task, self.dp, unlimited=True).fill}
 
     # ------------------------------------------------------------------ stream / async
     def start(self) -> None:
