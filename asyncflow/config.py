@@ -48,8 +48,9 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["addition", "dataset"] = Field(
-        "addition", description="'addition': the built-in task; 'dataset': prompts and answers from task.path.")
+    name: Literal["addition", "countdown", "multistep", "dataset"] = Field(
+        "addition", description="Built-in: 'addition' (12+34=), 'countdown' (reach a target with given numbers: "
+                                "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path.")
     path: str | None = Field(None, description="dataset: local .jsonl or .parquet file of training rows.")
     heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
     fields: dict[str, str] = Field(default_factory=dict,
@@ -57,6 +58,8 @@ class TaskConfig(_Section):
     on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad row, or skip and count it.")
     chat_template: bool = Field(False, description="Wrap each prompt as a user message with the tokenizer's chat template.")
     digits: int = Field(2, ge=1, le=4, description="Operand digits of the addition task.")
+    terms: int | None = Field(None, ge=2, le=5, description="countdown: numbers given; multistep: operands "
+                                                          "(None = 3 for countdown, 4 for multistep).")
     holdout_frac: float = Field(0.2, gt=0, lt=1, description="Fraction of problems held out for evaluation.")
     eval_n: int = Field(500, gt=0, description="Held-out problems scored at each evaluation.")
 

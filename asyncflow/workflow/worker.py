@@ -177,7 +177,10 @@ class Worker:
         from asyncflow.tasks.warmstart import evaluate
 
         problems = self.task.heldout[: n or self.cfg.task.eval_n]
-        score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
+        # a task's own held-out metric (countdown/multistep: accuracy), unless reward.fn replaces the reward
+        score = getattr(self.task, "eval_score", None) if not self.cfg.reward.fn else None
+        if score is None:
+            score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
         return self._on_compute(evaluate, self.model, self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
                                 score, self.cfg.task.chat_template)
 
