@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("items", nargs="*", help="config names (asyncflow/configs/<name>.yaml) and key=value overrides")
     ap.add_argument("--steps", type=int, default=None, help="RL steps per config (default: the config's)")
     ap.add_argument("--run-dir", default="runs/learning")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # names, key=value overrides and options in any order
     names = [x for x in args.items if "=" not in x] or DEFAULT
     overrides = [x for x in args.items if "=" in x]
     rows = []
