@@ -51,8 +51,9 @@ class ModelConfig(_Section):
 
 
 class TaskConfig(_Section):
-    name: Literal["addition", "dataset"] = Field(
-        "addition", description="'addition': the built-in task; 'dataset': prompts and answers from task.path.")
+    name: Literal["addition", "countdown", "multistep", "dataset"] = Field(
+        "addition", description="Built-in: 'addition' (12+34=), 'countdown' (reach a target with given numbers: "
+                                "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path.")
     path: str | None = Field(None, description="dataset: local .jsonl or .parquet file of training rows.")
     heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
     fields: dict[str, str] = Field(default_factory=dict,
@@ -60,6 +61,8 @@ class TaskConfig(_Section):
     on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad row, or skip and count it.")
     chat_template: bool = Field(False, description="Wrap each prompt as a user message with the tokenizer's chat template.")
     digits: int = Field(2, ge=1, le=4, description="Operand digits of the addition task.")
+    terms: int | None = Field(None, ge=2, le=5, description="countdown: numbers given; multistep: operands "
+                                                          "(None = 3 for countdown, 4 for multistep).")
     holdout_frac: float = Field(0.2, gt=0, lt=1, description="Fraction of problems held out for evaluation.")
     eval_n: int = Field(500, gt=0, description="Held-out problems scored at each evaluation.")
 
@@ -151,6 +154,14 @@ class AlgorithmConfig(_Section):
     vf_coef: float = Field(0.5, gt=0, description="ppo: weight of the value loss (the critic has its own optimizer: this scales its gradient before clipping).")
     critic_lr: float | None = Field(None, gt=0, description="ppo: critic AdamW learning rate (None = train.lr).")
     critic_epochs: int = Field(1, ge=1, description="ppo: critic optimizer steps per training step, each a pass over the step's answers (value_clip acts from the second on).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: add -entropy_coef x (token entropy of the current policy, "
+                                                       "aggregated by loss_agg) to the loss (0 = off; typical 0.001).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (no "
+                                                      "signal) and keep generating until the step is full.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: answers longer than max_new_tokens - "
+                                                      "overlong_buffer tokens lose reward linearly (0 = off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by an answer of max_new_tokens tokens (the overlong "
+                                                           "penalty's full size).")
 
     @model_validator(mode="after")
     def _algorithm(self) -> "AlgorithmConfig":
@@ -226,6 +237,12 @@ class RunConfig(_Section):
         if self.rollout.engine == "sglang" and self.rollout.on_swap == "continue":
             raise ValueError("rollout.engine=sglang returns an answer only when it finishes, so it cannot be "
                              "continued after a weight swap: set rollout.on_swap=discard")
+        if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
+            raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < rollout.max_new_tokens "
+                             f"({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
+        if self.algorithm.dynamic_sampling and self.reward.latency_ms is not None:
+            raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group is kept or dropped when it "
+                             "finishes), so it cannot emulate a remote reward: unset reward.latency_ms")
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")

@@ -94,3 +94,54 @@ def test_restart_keeps_admission_and_moves_the_deadline():
     assert p.complete(11) == 0 and p.complete(10) == 1  # EDF still places both within deadlines
     with pytest.raises(RuntimeError, match="not running"):
         p.restart(12, version=1)
+
+
+# --------------------------------------------------------------------------- dynamic sampling
+
+
+def test_a_dropped_group_gives_its_admission_back_and_takes_no_slot():
+    g = GroupPlacer(groups_per_step=2, staleness=0)
+    g.start(0, 0)
+    g.start(1, 0)
+    assert g.admits(0) == 0
+    g.drop(0)  # all rewards equal: not trained
+    assert g.admits(0) == 1  # live = 2 started - 1 dropped
+    g.start(2, 0)
+    assert g.complete(1) == 0 and g.complete(2) == 0  # step 0 is full with the two kept groups
+    assert g.admits(0) == 0 and g.admits(1) == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(P=st.integers(1, 4), k=st.integers(0, 3), steps=st.integers(1, 6), seed=st.integers(0, 10**6),
+       slots=st.integers(1, 10), drop_p=st.sampled_from([0.0, 0.3, 0.7]))
+def test_dropping_groups_keeps_the_bound_and_fills_every_step(P, k, steps, seed, slots, drop_p):
+    """Random drops (dynamic sampling) with unlimited prompts: every placed group is within
+    the bound, every trained step is full, and the pipeline never jams."""
+    rng = random.Random(seed)
+    placer, version, gid = GroupPlacer(P, k), 0, 0
+    running: dict[int, int] = {}
+    full: dict[int, int] = {}
+    dropped = 0
+    for _ in range(100_000):
+        if version >= steps:
+            break
+        while len(running) < slots and placer.admits(version):
+            placer.start(gid, version)
+            running[gid] = version
+            gid += 1
+        assert running, "jammed: nothing running and the trainer cannot step"
+        done = rng.choice(list(running))
+        w = running.pop(done)
+        if rng.random() < drop_p:
+            placer.drop(done)
+            dropped += 1
+            continue
+        step = placer.complete(done)
+        assert 0 <= step - w <= k, (step, w)
+        full[step] = full.get(step, 0) + 1
+        assert full[step] <= P
+        while full.get(version, 0) == P and (rng.random() < 0.7 or not running):
+            version += 1
+    assert version >= steps
+    assert all(full[v] == P for v in range(steps))
+    assert placer.started - placer.dropped == sum(full.values()) + len(running)

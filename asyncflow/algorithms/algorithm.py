@@ -22,6 +22,7 @@ from asyncflow.algorithms.corrections import Correction
 from asyncflow.algorithms.kl import kl_estimate
 from asyncflow.algorithms.losses import PolicyLoss
 from asyncflow.algorithms.value import ValueLoss
+from asyncflow.algorithms.shaping import overlong_penalty
 
 
 @dataclass
@@ -40,14 +41,19 @@ class Algorithm:
     lam: float = 1.0
     value_clip: float | None = 0.2
     vf_coef: float = 0.5
+    entropy_coef: float = 0.0
+    max_new_tokens: int = 0  # the rollout's length limit (for the overlong penalty)
+    overlong_buffer: int = 0  # 0 = no overlong penalty
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
             raise ValueError(f"unknown advantage estimator {self.estimator!r} (known: {', '.join(ESTIMATORS)})")
 
     @classmethod
-    def from_config(cls, a) -> "Algorithm":
-        """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``)."""
+    def from_config(cls, a, max_new_tokens: int = 0) -> "Algorithm":
+        """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``);
+        ``max_new_tokens`` (``rollout.max_new_tokens``) is needed by the overlong penalty."""
         name = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name
         name = "gae" if name == "ppo" else name
         low = a.clip_low if a.clip_low is not None else a.clip_eps
@@ -56,7 +62,9 @@ class Algorithm:
         return cls(estimator=name, clip_low=low, clip_high=high, dual_clip=a.dual_clip, ratio_level=a.ratio_level,
                    loss_agg=a.loss_agg, kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, kl_in_reward=a.kl_in_reward,
                    correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high),
-                   gamma=a.gamma, lam=a.lam, value_clip=a.value_clip, vf_coef=a.vf_coef)
+                   gamma=a.gamma, lam=a.lam, value_clip=a.value_clip, vf_coef=a.vf_coef,
+                   entropy_coef=a.entropy_coef, max_new_tokens=max_new_tokens,
+                   overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
 
     @property
     def needs_reference(self) -> bool:
@@ -84,6 +92,13 @@ class Algorithm:
         return [self.kl_coef * kl_estimate(self.kl_estimator, np.asarray(lp, np.float64), np.asarray(ref, np.float64))
                 for lp, ref in zip(data["logprobs"], data["ref_logprobs"])]
 
+    def shaped_rewards(self, rewards, lengths) -> np.ndarray:
+        """The rewards advantages are computed from: raw scores plus the overlong penalty."""
+        r = np.asarray(rewards, dtype=np.float64)
+        if self.overlong_buffer > 0:
+            r = r + overlong_penalty(lengths, self.max_new_tokens, self.overlong_buffer, self.overlong_penalty)
+        return r
+
     def advantages(self, data: dict) -> list[np.ndarray]:
         """Per-token advantage rows for a batch of rows (``reward``, ``group``, ``response_ids``...).
 
@@ -92,11 +107,16 @@ class Algorithm:
         if self.needs_critic:
             return [np.array(a, dtype=np.float32) for a in data["advantages"]]
         lengths = [len(r) for r in data["response_ids"]]
-        return compute_advantages(self.estimator, data["reward"], data["group"], lengths, self.penalties(data))
+        rewards = self.shaped_rewards(data["reward"], lengths) if self.overlong_buffer > 0 else data["reward"]
+        return compute_advantages(self.estimator, rewards, data["group"], lengths, self.penalties(data))
 
     def critic_targets(self, data: dict, values: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
-        """PPO: ``(advantages, returns)`` rows by GAE from the critic's per-token ``values``."""
-        return ppo_targets(data["reward"], values, self.penalties(data), self.gamma, self.lam)
+        """PPO: ``(advantages, returns)`` rows by GAE from the critic's per-token ``values``
+        (on the shaped rewards: the overlong penalty applies to PPO too)."""
+        rewards = data["reward"]
+        if self.overlong_buffer > 0:
+            rewards = self.shaped_rewards(rewards, [len(r) for r in data["response_ids"]])
+        return ppo_targets(rewards, values, self.penalties(data), self.gamma, self.lam)
 
     def value_loss(self, total_tokens: float) -> ValueLoss:
         return ValueLoss(total_tokens=total_tokens, clip=self.value_clip, vf_coef=self.vf_coef)
@@ -105,4 +125,5 @@ class Algorithm:
         return PolicyLoss(total_seqs=total_seqs, total_tokens=total_tokens, clip_low=self.clip_low,
                           clip_high=self.clip_high, dual_clip=self.dual_clip, ratio_level=self.ratio_level,
                           loss_agg=self.loss_agg, kl_coef=0.0 if self.kl_in_reward else self.kl_coef,
-                          kl_estimator=self.kl_estimator, correction=self.correction)
+                          kl_estimator=self.kl_estimator, correction=self.correction,
+                          entropy_coef=self.entropy_coef)

@@ -11,7 +11,11 @@ Per token, with update ratio ``rho = exp(logp - base)`` and advantage ``A``:
 * off-policy correction (:mod:`asyncflow.algorithms.corrections`): ``pg *= weight``,
   dropped tokens zeroed;
 * KL to the reference as a loss term: ``+ kl_coef * k(logp, ref)`` (k1/k2/k3, see
-  :mod:`asyncflow.algorithms.kl`) on every valid token.
+  :mod:`asyncflow.algorithms.kl`) on every valid token;
+* entropy bonus: ``- entropy_coef * H_t`` with ``H_t = -sum_v p_v log p_v`` the entropy of
+  the current policy's next-token distribution at response token ``t`` (the engine
+  computes it when the loss sets ``needs_entropy``). Like every other term it is
+  per-token and aggregated below, so it sums exactly over micro-batches.
 
 Aggregation (``loss_agg``) over the valid tokens, normalised by the **step's** totals so
 that summing the losses of micro-batches equals the loss of one big batch (gradient
@@ -27,7 +31,6 @@ with ``total_tokens=None`` ``token-mean`` returns the plain token sum, and the c
 the accumulated gradient by ``1 / total_tokens`` before the optimizer step (exactly
 equivalent, see ``TrainEngine.optimizer_step(grad_scale=...)``).
 
-An entropy bonus is not offered: the engine returns only the sampled tokens' log-probs.
 """
 
 from __future__ import annotations
@@ -112,6 +115,12 @@ class PolicyLoss:
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     correction: Correction = field(default_factory=Correction)
+    entropy_coef: float = 0.0
+
+    @property
+    def needs_entropy(self) -> bool:
+        """Ask the engine for per-token entropy (always: it is also logged as a metric)."""
+        return True
 
     def __call__(self, logp: torch.Tensor, batch, extras: dict) -> tuple[torch.Tensor, dict]:
         mask = batch.mask
@@ -130,6 +139,13 @@ class PolicyLoss:
             kl = kl_estimate(self.kl_estimator, logp, pad_rows(extras["ref_logprobs"], mask))
             per_tok = per_tok + self.kl_coef * kl * mask
             metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+        entropy = getattr(batch, "entropy", None)
+        if self.entropy_coef:
+            if entropy is None:
+                raise ValueError("entropy_coef > 0 needs batch.entropy: the engine must honour needs_entropy")
+            per_tok = per_tok - self.entropy_coef * entropy * mask
+        if entropy is not None:
+            metrics["entropy"] = float((entropy.detach() * mask).sum() / mask.sum().clamp(min=1))
         loss = aggregate(per_tok, mask, self.loss_agg, self.total_seqs, self.total_tokens, lengths)
         with torch.no_grad():
             n = mask.sum().clamp(min=1)

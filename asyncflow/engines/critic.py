@@ -54,7 +54,7 @@ class CriticEngine(TrainEngine):
     def __init__(self, lm: torch.nn.Module, pad_id: int, **kwargs):
         super().__init__(ValueModel(lm), pad_id, **kwargs)
 
-    def _forward(self, batch: TokenBatch) -> torch.Tensor:
+    def _forward(self, batch: TokenBatch, entropy: bool = False) -> torch.Tensor:
         return token_values(self.model, batch)
 
     @torch.no_grad()

@@ -5,7 +5,8 @@ Protocol (what roles call; an engine never knows which algorithm runs):
 * ``logprobs(prompts, responses) -> list[np.ndarray]``: per response token, under
   ``log_softmax(logits / temperature)`` (the quantity the inference engine records);
 * ``forward_backward(batch, loss_fn) -> metrics``: accumulates gradients of one
-  micro-batch; the loss function receives per-token tensors and returns a scalar already
+  micro-batch; the loss function receives per-token tensors (and ``batch.entropy``, the
+  per-token entropy, when it sets ``needs_entropy``) and returns a scalar already
   normalised for the whole step (so accumulation over micro-batches equals one big batch);
 * ``optimizer_step(grad_scale=1.0) -> metrics``: scale, clip, step, zero grads, bump the policy version;
 * ``export_weights() -> dict[str, np.ndarray]``: host copies of every parameter.
@@ -55,6 +56,7 @@ class TokenBatch:
     response_lens: list[int]
     targets: torch.Tensor  # [B, R] response token ids (0 where padded)
     mask: torch.Tensor  # [B, R] float
+    entropy: torch.Tensor | None = None  # [B, R] per-token entropy, set when the loss asks for it
 
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> "TokenBatch":
@@ -83,15 +85,21 @@ class TokenBatch:
         return idx.clamp(max=self.input_ids.shape[1] - 1)
 
 
-def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0) -> torch.Tensor:
-    """Per response token log-probs ``[B, R]`` (0 where masked)."""
+def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0,
+                   entropy: bool = False) -> torch.Tensor:
+    """Per response token log-probs ``[B, R]`` (0 where masked). With ``entropy``, also sets
+    ``batch.entropy``: the entropy ``-sum_v p_v log p_v`` of each position's (tempered)
+    next-token distribution, differentiable, 0 where masked."""
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     logits = out.logits
     idx = batch.gather_index()
     picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     if temperature > 0 and temperature != 1.0:
         picked = picked / temperature
-    logp = F.log_softmax(picked.float(), -1).gather(2, batch.targets[:, :, None])[:, :, 0]
+    logp_all = F.log_softmax(picked.float(), -1)
+    if entropy:
+        batch.entropy = -(logp_all.exp() * logp_all).sum(-1) * batch.mask
+    logp = logp_all.gather(2, batch.targets[:, :, None])[:, :, 0]
     return logp * batch.mask
 
 
@@ -247,19 +255,21 @@ class TrainEngine:
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         return token_budget_split(lengths, self.max_tokens_per_micro)
 
-    def _forward(self, batch: TokenBatch) -> torch.Tensor:
+    def _forward(self, batch: TokenBatch, entropy: bool = False) -> torch.Tensor:
         """The per-token ``[B, R]`` quantity the loss sees: log-probs here (a critic: values)."""
-        return token_logprobs(self.model, batch, self.temperature)
+        return token_logprobs(self.model, batch, self.temperature, entropy)
 
     def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
         """Accumulate the gradient of ``loss_fn`` on these rows (one backward per token-budget
-        chunk, see module doc); return their metrics."""
+        chunk, see module doc); return their metrics. A loss with ``needs_entropy = True`` also
+        gets ``batch.entropy`` (per-token entropy)."""
         self.model.train()
+        need_entropy = getattr(loss_fn, "needs_entropy", False)
         parts = []
         for idx in self._chunks(prompts, responses):
             batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
             with autocast(self.dtype):
-                out = self._forward(batch)
+                out = self._forward(batch, need_entropy)
             loss, metrics = loss_fn(out, batch, {k: take_rows(v, idx) for k, v in extras.items()})
             loss.backward()
             parts.append((len(idx), metrics))

@@ -76,11 +76,14 @@ class RunMeter:
 
     Step 1 warms up kernels, allocators and caches of every process, so the *steady*
     figures (samples/s, tokens/s, busy fractions) start at its end; both are reported.
-    ``stats`` returns the workers' counters (``role -> {busy_s, wall_s, ...}``).
+    ``stats`` returns the workers' counters (``role -> {busy_s, wall_s, ...}``). With
+    ``drops`` (dynamic sampling) every step also reads rollout's group counters and reports
+    ``groups_dropped`` / ``drop_rate``: groups dropped (all rewards equal) over groups
+    scored since the previous step.
     """
 
-    def __init__(self, stats: Callable[[], dict]):
-        self.stats = stats
+    def __init__(self, stats: Callable[[], dict], drops: bool = False):
+        self.stats, self.drops, self._groups = stats, drops, (0, 0)
         self.t0, self.stats0 = time.perf_counter(), stats()
         self.steps = self.samples = self.tokens = 0
         self.steady0: tuple | None = None  # (time, stats, samples, tokens) at the end of step 1
@@ -92,6 +95,12 @@ class RunMeter:
         elapsed = time.perf_counter() - self.t0
         if self.steady0 is None:
             self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens)
+        if self.drops:
+            r = self.stats().get("rollout", {})
+            scored, dropped = r.get("groups_scored", 0), r.get("groups_dropped", 0)
+            d_scored, d_dropped = scored - self._groups[0], dropped - self._groups[1]
+            self._groups = (scored, dropped)
+            m = {**m, "groups_dropped": d_dropped, "drop_rate": d_dropped / d_scored if d_scored else 0.0}
         return {**m, "step": self.steps, "elapsed_s": elapsed, "samples_per_s": self.samples / max(elapsed, 1e-9),
                 "tokens_per_s": self.tokens / max(elapsed, 1e-9)}
 
@@ -107,6 +116,11 @@ class RunMeter:
 def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: str) -> dict:
     """The end-of-run summary (``summary.json``) from :meth:`RunMeter.finish` totals."""
     actor = totals["stats"].get("actor", {})
+    rollout = totals["stats"].get("rollout", {})
+    dyn = {}
+    if "groups_scored" in rollout:  # dynamic sampling
+        n, d = rollout["groups_scored"], rollout["groups_dropped"]
+        dyn = {"dynamic_sampling": {"groups_scored": n, "groups_dropped": d, "drop_rate": d / n if n else 0.0}}
     samples, tokens, wall, s_wall = totals["samples"], totals["tokens"], totals["wall_s"], totals["steady_wall_s"]
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
@@ -117,11 +131,11 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "steady_tokens_per_s": totals["steady_tokens"] / s_wall if s_wall else 0.0,
         "busy": totals["busy"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
-        "reward_errors": totals["stats"].get("reward", {}).get("errors", 0),
+        "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
         # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
         "reward_fn": {k: v for k, v in totals["stats"].get("reward", {}).items()
                       if k.startswith(("reward_", "score_"))},
-        "run_dir": str(run_dir), "checkpoint": ckpt,
+        "run_dir": str(run_dir), "checkpoint": ckpt, **dyn,
     }
 
 
@@ -136,6 +150,10 @@ def format_summary(s: dict) -> str:
     if ws.get("source") == "warmstart":
         how = "cached" if ws["cached"] else f"{ws['seconds']:.0f} s"
         init = f"warm-start         SFT to {ws['accuracy']:.1%} in {ws['steps']} steps ({how})\n"
+    if "dynamic_sampling" in s:
+        d = s["dynamic_sampling"]
+        acc += (f"dynamic sampling   dropped {d['groups_dropped']} of {d['groups_scored']} groups "
+                f"({d['drop_rate']:.1%}: all rewards equal)\n")
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"

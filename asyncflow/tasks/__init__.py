@@ -13,6 +13,11 @@ def build_task(cfg):
     length, for short exact answers)."""
     if cfg.task.name == "dataset":
         return DatasetTask(cfg)
+    if cfg.task.name in ("countdown", "multistep"):
+        from asyncflow.tasks.arith_tasks import CountdownTask, MultistepTask
+
+        cls, terms = (CountdownTask, 3) if cfg.task.name == "countdown" else (MultistepTask, 4)
+        return cls(terms=cfg.task.terms or terms, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed)
     from asyncflow.tasks.addition import AdditionTask
 
     return AdditionTask(digits=cfg.task.digits, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed)

@@ -205,6 +205,9 @@ def sft(
 ) -> SFTResult:
     """Teacher-forced SFT on ``task.train`` until held-out greedy accuracy >= ``target_acc``.
 
+    Accuracy is exact match, or ``task.eval_score`` where the task has one (countdown: any
+    correct expression counts, not only the reference answer SFT imitates).
+
     Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` (already a
     random sample) every ``eval_every`` steps and after the last step. Stops early at the
     target; otherwise runs ``max_steps`` and returns whatever accuracy it reached.
@@ -223,7 +226,7 @@ def sft(
         step += 1
         step_acc = None
         if step % eval_every == 0 or step == max_steps:
-            acc = step_acc = evaluate(model, tokenizer, eval_set)
+            acc = step_acc = evaluate(model, tokenizer, eval_set, score=getattr(task, "eval_score", None))
         if progress is not None:
             progress(step, step_acc, loss)
         if step_acc is not None and step_acc >= target_acc:
@@ -285,7 +288,9 @@ def load_or_warm_start(
         "format": CACHE_FORMAT_VERSION,
         "charset": CHARSET,
         "model_dims": _resolved_dims(model_dims or {}),
-        "task": {"digits": task.digits, "holdout_frac": task.holdout_frac, "seed": task.seed},
+        # addition's key is unchanged from before other tasks existed (its cache stays valid)
+        "task": task.cache_key() if hasattr(task, "cache_key") else
+        {"digits": task.digits, "holdout_frac": task.holdout_frac, "seed": task.seed},
         "sft": {
             "target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
             "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps,

@@ -22,16 +22,22 @@ from asyncflow.workflow.fields import encode_text
 
 
 class PromptFeeder:
-    """Puts each step's prompt rows into the data plane (partition = step index)."""
+    """Puts each step's prompt rows into the data plane (partition = step index).
 
-    def __init__(self, cfg: RunConfig, tokenizer, task, dp):
+    Partition ``p``'s prompts depend only on ``(seed, p)``. With dynamic sampling rollout
+    owns its feeder (``unlimited``: dropped groups consume prompts beyond the last step's
+    partition) and the driver feeds nothing.
+    """
+
+    def __init__(self, cfg: RunConfig, tokenizer, task, dp, unlimited: bool = False):
         self.cfg, self.tok, self.task, self.dp = cfg, tokenizer, task, dp
         self.fed = 0  # partitions put so far
+        self.limit = None if unlimited else cfg.train.steps
 
     def fill(self, upto: int) -> None:
         """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
         r = self.cfg.rollout
-        while self.fed < min(upto, self.cfg.train.steps):
+        while self.fed < (upto if self.limit is None else min(upto, self.limit)):
             rng = np.random.default_rng([self.cfg.seed, self.fed])
             idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
             probs = [self.task.train[i] for i in idx]
@@ -83,10 +89,11 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
         acc0 = job.evaluate() if evaluate else None
         progress.start(acc0)
         job.start()
-        meter = RunMeter(job.stats)
+        meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling)
         with (run_dir / "metrics.jsonl").open("w") as log:
             for v in range(cfg.train.steps):
-                feeder.fill(v + cfg.effective_staleness + 2)  # prompts for every admissible step
+                if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
+                    feeder.fill(v + cfg.effective_staleness + 2)  # prompts for every admissible step
                 m = meter.step(job.step(v))
                 if evaluate and cfg.train.eval_every and m["step"] % cfg.train.eval_every == 0 \
                         and m["step"] < cfg.train.steps:

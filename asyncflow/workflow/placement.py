@@ -15,7 +15,12 @@ later one. The staleness bound stays exact, per sample:
 * **placement** (:meth:`GroupPlacer.complete`): the lowest step that is not full, unless
   taking it would leave some running group without a slot before its deadline (an
   earliest-deadline-first check); then the next such step. With ``k = 0`` this is the
-  on-policy schedule: every group of step ``v`` starts at ``v`` and lands in ``v``.
+  on-policy schedule: every group of step ``v`` starts at ``v`` and lands in ``v``;
+* **drop** (:meth:`GroupPlacer.drop`, DAPO dynamic sampling): a finished group that will
+  not be trained (all rewards equal) is never placed and gives its admission back
+  (``live = started - dropped`` is what admission counts). Hall's condition still holds:
+  the live groups with deadline ``<= D`` all started while ``live < (D + 1) * P``, and a
+  drop only removes a running group, so every remaining deadline stays feasible.
 
 Plain logic, no I/O: :class:`~asyncflow.workflow.rollout.RolloutRole` drives it, and a
 property test drives it with random completion orders.
@@ -30,13 +35,14 @@ class GroupPlacer:
     def __init__(self, groups_per_step: int, staleness: int):
         self.P, self.k = groups_per_step, staleness
         self.started = 0
+        self.dropped = 0  # finished groups never placed (dynamic sampling)
         self.running: dict[int, int] = {}  # group id -> deadline (start version + k)
         self.filled: dict[int, int] = defaultdict(int)  # step -> groups placed
         self.lowest = 0  # lowest step that is not full
 
     def admits(self, version: int, extra: int = 0) -> int:
         """How many more groups may start now (``extra`` already promised, e.g. fetched)."""
-        return max(0, (version + self.k + 1) * self.P - self.started - extra)
+        return max(0, (version + self.k + 1) * self.P - (self.started - self.dropped) - extra)
 
     def start(self, gid: int, version: int) -> None:
         if not self.admits(version):
@@ -52,6 +58,11 @@ class GroupPlacer:
         if gid not in self.running:
             raise RuntimeError(f"group {gid} restarted but it is not running")
         self.running[gid] = max(self.running[gid], version + self.k)
+
+    def drop(self, gid: int) -> None:
+        """The finished group ``gid`` will not be trained: forget it, free its admission."""
+        del self.running[gid]
+        self.dropped += 1
 
     def complete(self, gid: int) -> int:
         """Place the finished group ``gid``; return its step."""

@@ -132,6 +132,10 @@ class RewardRole(Role):
             self._put(part, rows, scores)
         return len(done)
 
+    def score_ids(self, prompt_ids, response_ids, answer) -> float:
+        """One local call on token ids (used inline by rollout for dynamic sampling)."""
+        return self._call((self.decode(list(prompt_ids)), self.decode(list(response_ids)), decode_text(answer)))
+
     def _call(self, texts: tuple) -> float:
         try:
             return self._safe(self.fn(*texts))

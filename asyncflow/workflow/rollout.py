@@ -22,6 +22,16 @@ Every answer is tagged with the version that *started* it (for a restarted group
 version it restarted at); the placer guarantees that a
 group started at ``w`` lands in a step ``<= w + staleness``, which the trainer trains at
 that version: the bound holds per sample, by construction, and nothing is thrown away.
+
+**Dynamic sampling** (DAPO; ``scorer`` given): a finished group is scored here, before
+placement, because whether it is kept decides whether it takes a training slot. A group
+whose (shaped) rewards are all equal has no advantage signal: it is dropped
+(:meth:`GroupPlacer.drop` returns its admission, so another prompt starts in its place)
+and never reaches the data plane; a kept group is placed as above and its rewards travel
+with it (no reward role runs). Steps therefore fill only with groups that carry signal, the
+staleness bound holds as before (drops only free slots), and nothing is trained twice.
+Prompts run out faster than one partition per step, so rollout feeds its own prompt
+partitions (``feed``) just before reading each one.
 """
 
 from __future__ import annotations
@@ -45,7 +55,8 @@ class RolloutRole(Role):
 
     def __init__(self, engine, dp, sampling: SamplingParams, group_size: int,
                  prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
-                 recompute_on_swap: bool = True, on_swap: str = "continue"):
+                 recompute_on_swap: bool = True, on_swap: str = "continue",
+                 scorer=None, shape=None, feed=None):
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
         super().__init__()
@@ -68,6 +79,11 @@ class RolloutRole(Role):
         self._outbox_since: float | None = None
         self.batch_rows = prompts_per_step * group_size
         self.flush_s = 0.02
+        # dynamic sampling: scorer.score_ids(prompt_ids, response_ids, answer) -> raw reward;
+        # shape(rewards, lengths) -> the rewards the trainer will see (e.g. overlong penalty)
+        self.scorer, self.shape, self.feed = scorer, shape, feed
+        self.rewards: dict[int, list[float]] = defaultdict(list)  # partition -> rewards of outbox rows
+        self.groups_scored = self.groups_dropped = 0
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -156,6 +172,8 @@ class RolloutRole(Role):
         are set when it starts, which can only be later (newer weights): still admitted.
         """
         n = min(self.prompts_per_step - self.taken, self.placer.admits(self.version, extra=len(self.waiting)))
+        if self.feed is not None:
+            self.feed(self.partition + 1)
         try:
             meta, data = self.dp.get_batch("rollout", PROMPT_FIELDS, n=n,
                                            partition=self.partition, min_n=1, block=block, timeout=timeout)
@@ -182,7 +200,15 @@ class RolloutRole(Role):
             if len(group) == self.group_size:  # the whole group is done: place it
                 del self.finished[c.key[0]]
                 self.groups.pop(c.key[0], None)
-                self.outbox[self.placer.complete(c.key[0])].extend(group)
+                raw, shaped = self._score(group) if self.scorer is not None else (None, None)
+                if shaped is not None and max(shaped) - min(shaped) <= 1e-9:
+                    self.placer.drop(c.key[0])  # no signal: never trained, admission given back
+                    self.groups_dropped += 1
+                    continue
+                part = self.placer.complete(c.key[0])
+                self.outbox[part].extend(group)
+                if raw is not None:
+                    self.rewards[part].extend(raw)
                 self._outbox_since = self._outbox_since or now
         waiting = sum(len(cs) for cs in self.outbox.values())
         if not waiting:
@@ -190,6 +216,15 @@ class RolloutRole(Role):
         complete = any(self.produced[p] + len(cs) >= self.batch_rows for p, cs in self.outbox.items())
         if force or complete or now - self._outbox_since >= self.flush_s:
             self._flush()
+
+    def _score(self, group: list[Completion]) -> tuple[list[float], list[float]]:
+        """Raw rewards of a finished group (what the data plane stores) and the shaped ones
+        the trainer will compute advantages from (what decides keep or drop)."""
+        raw = np.asarray([self.scorer.score_ids(c.prompt_ids, c.response_ids, c.key[1]) for c in group],
+                         dtype=np.float32)
+        self.groups_scored += 1
+        shaped = self.shape(raw, [len(c.response_ids) for c in group]) if self.shape is not None else raw
+        return raw.tolist(), np.asarray(shaped, dtype=np.float64).tolist()
 
     def _flush(self) -> None:
         for part, cs in self.outbox.items():
@@ -202,6 +237,8 @@ class RolloutRole(Role):
                 "group": np.asarray([c.key[0] for c in cs], dtype=np.int64),
                 "version": np.asarray([c.version for c in cs], dtype=np.int64),
             }
+            if self.scorer is not None:  # raw rewards; the trainer applies the shaping itself
+                data["reward"] = np.asarray(self.rewards.pop(part), dtype=np.float32)
             tags = {"group": [c.key[0] for c in cs], "version": [c.version for c in cs],
                     "tokens": [len(c.prompt_ids) + len(c.response_ids) for c in cs]}
             self.dp.put_nowait(data, partition=part, tags=tags)
@@ -218,4 +255,7 @@ class RolloutRole(Role):
                  swaps=self.weights.swaps if self.weights else 0,
                  weights_rejected=self.weights.rejected if self.weights else 0,
                  discarded=self.discarded)
+        if self.scorer is not None:
+            s.update(groups_scored=self.groups_scored, groups_dropped=self.groups_dropped,
+                     reward_errors=self.scorer.errors)
         return s

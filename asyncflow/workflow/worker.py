@@ -39,12 +39,13 @@ class WorkerSpec:
 def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
     ncpu = ncpu or os.cpu_count() or 1
     extra = (["reference"] if cfg.algorithm.kl_coef > 0 else []) + (["critic"] if cfg.algorithm.name == "ppo" else [])
+    reward = [] if cfg.algorithm.dynamic_sampling else ["reward"]  # dynamic sampling scores inside rollout
     if cfg.mode == "sync":
-        roles = ["rollout", "reward"] + extra + ["actor"]
+        roles = ["rollout"] + reward + extra + ["actor"]
         return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
     share = min(1.0, ncpu / (2 + len(extra)))  # rollout, actor and the extras
     t = cfg.resources.threads_per_role
-    specs = [WorkerSpec("rollout", ["rollout"], t, share), WorkerSpec("reward", ["reward"], 1, 0.0)]
+    specs = [WorkerSpec("rollout", ["rollout"], t, share)] + [WorkerSpec(n, [n], 1, 0.0) for n in reward]
     specs += [WorkerSpec(name, [name], t, share) for name in extra]
     specs.append(WorkerSpec("actor", ["actor"], t, share))
     return specs
@@ -95,7 +96,7 @@ class Worker:
             publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
             self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
                                             a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
-                                            algorithm=Algorithm.from_config(a))
+                                            algorithm=Algorithm.from_config(a, r.max_new_tokens))
         if "rollout" in roles:
             from asyncflow.workflow.rollout import RolloutRole
 
@@ -107,7 +108,8 @@ class Worker:
                 self._subscriber = WeightSubscriber(weights, engine.load_weights, start_version=0)
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
             self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
-                                                self._subscriber, r.recompute_on_swap, r.on_swap)
+                                                self._subscriber, r.recompute_on_swap, r.on_swap,
+                                                **(self._dynamic_sampling() if a.dynamic_sampling else {}))
         if "reward" in roles:
             from asyncflow.workflow.reward import RewardRole
 
@@ -136,7 +138,7 @@ class Worker:
             engine = CriticEngine(lm, tok.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
                                   grad_clip=t.grad_clip, schedule=_lr_schedule(cfg),
                                   max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype)
-            self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a), cfg.batch_size,
+            self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a, r.max_new_tokens), cfg.batch_size,
                                               epochs=a.critic_epochs)
         self.started = time.perf_counter()
 
@@ -151,6 +153,20 @@ class Worker:
         from asyncflow.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(model_dir, eos, r.max_batch, dtype, self.cfg.seed)
+
+    def _dynamic_sampling(self) -> dict:
+        """Rollout's extras for DAPO dynamic sampling: a reward scorer (a RewardRole that is
+        never run as a role: its scoring and error counting only), the algorithm's reward
+        shaping, and a prompt feeder (drops consume prompts faster than one partition a step)."""
+        from asyncflow.algorithms.algorithm import Algorithm
+        from asyncflow.workflow.driver import PromptFeeder
+        from asyncflow.workflow.reward import RewardRole
+
+        tok, cfg = self.tokenizer, self.cfg
+        decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+        algorithm = Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+        return {"scorer": RewardRole(self.dp, self.reward_fn(), decode), "shape": algorithm.shaped_rewards,
+                "feed": PromptFeeder(cfg, tok, self.task, self.dp, unlimited=True).fill}
 
     # ------------------------------------------------------------------ stream / async
     def start(self) -> None:
@@ -206,7 +222,10 @@ class Worker:
         from asyncflow.tasks.warmstart import evaluate
 
         problems = self.task.heldout[: n or self.cfg.task.eval_n]
-        score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
+        # a task's own held-out metric (countdown/multistep: accuracy), unless reward.fn replaces the reward
+        score = getattr(self.task, "eval_score", None) if not self.cfg.reward.fn else None
+        if score is None:
+            score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
         return self._on_compute(evaluate, self.model, self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
                                 score, self.cfg.task.chat_template)
 
