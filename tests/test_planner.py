@@ -166,3 +166,23 @@ def test_profile_fit_never_returns_a_negative_cost_term():
     assert _fit([[1, 1], [1, 2], [1, 3]], [2, 4, 6]) == pytest.approx([0, 2], abs=1e-9)
     noisy = _fit([[1, 10], [1, 20], [1, 30]], [0.5, 0.2, 0.6])  # a load spike on the first point
     assert min(noisy) >= 0
+
+
+def test_completion_order_placement_moves_a_long_group_to_a_later_step():
+    # 2 prompts x 1 answer per step, staleness 1, decode 1 s per round, everything else free.
+    # Groups in start order have lengths 4, 1, 1, 1, 1, 1 (group 0 is the long tail).
+    # t=0: v0 admits (0+1+1)*2 = 4 groups; fetch g0, g1; round 1 ends at t=1: g1 -> step 0.
+    # t=1: fetch g2, g3; round 2 ends at t=2: g2 -> step 0 (now full), g3 -> step 1.
+    #      the trainer trains step 0 at t=2 and publishes v1 (no wait for g0).
+    # t=2: rollout still on v0 (publish lands after its round), admits 0 more; round 3 ends at t=3.
+    # t=3: swap to v1, admits (1+1+1)*2 - 4 = 2: g4, g5 start at v1; round 4 ends at t=4:
+    #      g0 -> step 1 (deadline 0+1), g4, g5 -> step 2. Steps 1 and 2 both train at t=4.
+    wl = Workload(prompts_per_step=2, group_size=1, prompt_len=1, steps=3, length_seq=[4, 1, 1, 1, 1, 1])
+    r = simulate(wl, Allocation("async", micro_prompts=1, staleness=1, slots=8), ConstantCost(decode=1.0))
+    assert r.placement == {0: 1, 1: 0, 2: 0, 3: 1, 4: 2, 5: 2}
+    assert r.step_end == pytest.approx([2.0, 4.0, 4.0])
+    assert r.max_staleness == 1
+    # staleness 0 (stream): every group lands in its prompt's step, so step 0 waits for g0
+    s = simulate(wl, Allocation("stream", micro_prompts=1, slots=8), ConstantCost(decode=1.0))
+    assert s.placement == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    assert s.step_end == pytest.approx([4.0, 5.0, 6.0])
