@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a training job (default: built-in GRPO example, async mode, local Ray)")
     t.add_argument("config", nargs="?", help="YAML config file (optional)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 mode=sync")
-    t.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and exit (plan=auto: the plan too, profiling first if needed)")
     b = sub.add_parser("bench", help="compare sync, stream and async on the same resources")
     b.add_argument("config", nargs="?", help="YAML config file (optional)")
     b.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         config, overrides = _split(args.config, args.overrides)
         cfg = load_config(config, overrides)
         if args.command == "train":
+            if cfg.plan == "auto":
+                from asyncflow.planner.auto import resolve
+
+                cfg, text = resolve(cfg, log=lambda m: print(m, file=sys.stderr))
+                print("# plan=auto\n" + "\n".join(f"# {line}".rstrip() for line in text.splitlines()), flush=True)
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0

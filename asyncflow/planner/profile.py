@@ -163,7 +163,7 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
     from asyncflow.workflow.driver import train
 
     data = cfg.model_dump()
-    data.update(mode="sync", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
+    data.update(mode="sync", plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
     data["train"].update(steps=steps, eval_every=0)
     data["resources"].update(sync_threads=1)
     run = RunConfig.model_validate(data)
@@ -256,6 +256,9 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
             print(f"[profile] pipeline: a short sync run on the {cfg.launcher} launcher ...", flush=True)
             prof["pipeline"] = _pipeline(cfg, prof, ncpu)
         prof["seconds"] = time.perf_counter() - t_start
+        from asyncflow.planner.auto import fingerprint
+
+        prof["fingerprint"] = fingerprint(cfg, ncpu)  # plan=auto reuses the file only for the same machine and job
     finally:
         torch.set_num_threads(1)
     if out:

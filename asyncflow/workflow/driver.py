@@ -67,7 +67,13 @@ def write_run_trace(spans: dict, path: Path) -> None:
 
 
 def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
-    """Run one job; return its summary (also written to ``<run_dir>/summary.json``)."""
+    """Run one job; return its summary (also written to ``<run_dir>/summary.json``).
+    ``plan: auto`` is resolved first (:func:`asyncflow.planner.auto.resolve`)."""
+    if cfg.plan == "auto":
+        from asyncflow.planner.auto import resolve
+
+        cfg, text = resolve(cfg)
+        print(text, flush=True)
     from asyncflow.launch import get_launcher
     from asyncflow.tasks import build_task, load_model, prepare_model
     from asyncflow.workflow.job import Job
