@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="profile JSON to write (profile) or read (plan; measured first if missing)")
         q.add_argument("--cpus", type=int, default=None, help="CPU budget (default: this machine's cores)")
         q.add_argument("--trace", default=None, help="plan: write a Chrome trace (Perfetto) of the planned run here")
+        q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of the planned run here (needs [plot])")
     return p
 
 
@@ -52,7 +53,7 @@ def _planner(args, cfg) -> int:
     if args.command == "plan":
         from asyncflow.planner.search import plan
 
-        print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace))
+        print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace, gantt=args.gantt))
     return 0
 
 

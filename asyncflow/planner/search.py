@@ -88,7 +88,8 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: 
     return "\n".join(lines)
 
 
-def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None) -> str:
+def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None,
+         gantt: str | None = None) -> str:
     """``asyncflow plan``: search on the profiled costs and format the plan."""
     import json
     import os
@@ -111,6 +112,11 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
 
         write_sim_trace(ranked[0][1], trace)
         text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
+    if gantt:
+        from asyncflow.planner.trace import write_gantt
+
+        write_gantt(ranked[0][1].spans, gantt, f"simulated: {ranked[0][0].describe()}")
+        text += f"\nGantt chart of the planned run: {gantt}"
     return text
 
 

@@ -35,20 +35,20 @@ model, evaluated when the work starts), times ``cost.interference`` (memory band
 shared by two busy processes). Throughput is measured like the real driver: samples of
 steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
 
-The kernel is a few lines of generator processes (``yield seconds`` to work or sleep,
-``yield signal`` to wait for a change) so the whole simulation is plain Python with no
-dependency; a 40-step CPU-scale run takes milliseconds.
+The kernel (:mod:`asyncflow.planner.des`) is a few lines of generator processes, so the
+whole simulation is plain Python with no dependency; a 40-step CPU-scale run takes
+milliseconds.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 
+from asyncflow.planner.des import Env, Signal
 from asyncflow.workflow.placement import GroupPlacer
 
 ROLLOUT_SHARE = 0.5
@@ -139,47 +139,6 @@ class SimResult:
         return {r: 1.0 - b for r, b in self.busy.items()}
 
 
-# ---------------------------------------------------------------------------- kernel
-class Signal:
-    """Processes ``yield`` a signal to sleep until its next ``fire``."""
-
-    def __init__(self, env: "Env"):
-        self.env, self.waiters = env, []
-
-    def fire(self) -> None:
-        waiters, self.waiters = self.waiters, []
-        for g in waiters:
-            self.env.at(self.env.now, lambda g=g: self.env.resume(g))
-
-
-class Env:
-    def __init__(self) -> None:
-        self.now, self._q, self._seq = 0.0, [], 0
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._q, (t, self._seq, fn))
-
-    def process(self, gen: Iterator) -> None:
-        self.at(self.now, lambda: self.resume(gen))
-
-    def resume(self, gen: Iterator) -> None:
-        try:
-            cmd = next(gen)
-        except StopIteration:
-            return
-        if isinstance(cmd, Signal):
-            cmd.waiters.append(gen)
-        else:
-            self.at(self.now + float(cmd), lambda: self.resume(gen))
-
-    def run(self) -> None:
-        while self._q:
-            t, _, fn = heapq.heappop(self._q)
-            self.now = t
-            fn()
-
-
 # ---------------------------------------------------------------------------- the job
 @dataclass
 class _Answer:
@@ -188,7 +147,6 @@ class _Answer:
     length: int
     version: int  # the version that started it
     done: int = 0
-    end: float = 0.0
 
 
 class _Job:
@@ -233,11 +191,9 @@ class _Job:
     def fetch(self, n: int, partition: int = -1) -> list[list[_Answer]]:
         """The next ``n`` prompt groups (``partition`` fixed for sync; -1 = placed at completion)."""
         wl = self.wl
-        if wl.length_seq:
-            seq = wl.length_seq
-            L = [seq[(self._drawn + i) % len(seq)] for i in range(n * wl.group_size)]
-        else:
-            L = wl.sample_lengths(self.rng, n * wl.group_size)
+        seq = wl.length_seq
+        L = [seq[(self._drawn + i) % len(seq)] for i in range(n * wl.group_size)] if seq \
+            else wl.sample_lengths(self.rng, n * wl.group_size)
         self._drawn += n * wl.group_size
         groups = []
         for i in range(n):
@@ -309,11 +265,10 @@ class _Job:
             start = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             if start:
                 rows = [x for g in start for x in g]
-                for g in start:
-                    if only is None:
-                        self.placer.start(g[0].group, version)
-                    for x in g:
-                        x.version = version
+                for x in rows:
+                    x.version = version
+                for g in start if only is None else ():
+                    self.placer.start(g[0].group, version)
                 yield from self.work("rollout", "prefill", cost.prefill_s(len(rows), wl.prompt_len, threads), threads)
                 live += rows
             if not live:
@@ -328,7 +283,6 @@ class _Job:
             for x in live:
                 x.done += step
                 if x.done >= x.length:
-                    x.end = self.env.now
                     self.generated(x, members[x.group])
                 else:
                     keep.append(x)
