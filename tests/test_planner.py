@@ -186,3 +186,26 @@ def test_completion_order_placement_moves_a_long_group_to_a_later_step():
     s = simulate(wl, Allocation("stream", micro_prompts=1, slots=8), ConstantCost(decode=1.0))
     assert s.placement == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
     assert s.step_end == pytest.approx([4.0, 5.0, 6.0])
+
+
+def test_fit_pipeline_splits_the_real_sync_step_into_role_factors_and_overhead():
+    from asyncflow.config import load_config
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.profile import fit_pipeline
+    from asyncflow.planner.search import predict
+
+    run = load_config(None, ["mode=sync", "resources.sync_threads=1", "train.prompts_per_step=4",
+                             "rollout.max_batch=16", "train.steps=6"])
+    prof = {**PROFILE, "pipeline": {"transfer_s": 0.002}}
+    pred = predict(run, ProfiledCost.from_dict(prof), prof, 2, steps=6)
+    per_step = pred.steady_s / 5
+    # measured: a 2x slower rollout, the curves' actor, 10% of the step outside every role
+    roll, actor, reward = 2 * pred.busy["rollout"] * per_step, pred.busy["actor"] * per_step, 0.0
+    step = (roll + actor) / 0.9
+    busy = {"rollout": roll / step, "actor": actor / step, "reward": reward}
+    fit = fit_pipeline(run, prof, busy, step, 2)
+    assert fit["role_factor"]["rollout"] == pytest.approx(2.0) and fit["role_factor"]["actor"] == pytest.approx(1.0)
+    assert fit["step_overhead_s"] == pytest.approx(0.1 * step)
+    c = ProfiledCost.from_dict({**PROFILE, "pipeline": fit})
+    assert c.decode_s(10, 20, 1) == pytest.approx(2 * (0.002 + 3e-4 + 2e-5))  # one thread: corrected
+    assert c.decode_s(10, 20, 2) == pytest.approx(0.0015 + 2e-4 + 2e-5)  # two threads: as profiled

@@ -151,15 +151,12 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
 
 
 def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
-    """A short real ``sync`` run on the job's launcher: the per-step overhead the curves miss.
-
-    One thread (a one-thread step does not collapse when another process takes a core, as
-    a multi-threaded one can) and the fastest step (other load only ever adds time)."""
+    """A short real ``sync`` run on the job's launcher, on one thread (a one-thread step does
+    not collapse when another process takes a core, as a multi-threaded one can); returns
+    what :func:`fit_pipeline` makes of it, plus the weight store's publish -> fetch latency."""
     import tempfile
 
     from asyncflow.launch import get_launcher
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
     from asyncflow.workflow.driver import train
 
     data = cfg.model_dump()
@@ -179,13 +176,35 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
         s = train(run, launcher=launcher, evaluate=False)
     finally:
         launcher.shutdown()
-    step_s = float(np.min(step_seconds(s["run_dir"])))
-    cost = ProfiledCost.from_dict({**prof, "pipeline": {"transfer_s": transfer}})
-    pred = predict(run, cost, prof, ncpu, steps=steps)  # allocation_for: sync on 1 thread, as run
-    overhead = max(0.0, step_s - run.batch_size / pred.samples_per_s)
-    return {"step_overhead_s": overhead, "transfer_s": transfer, "launcher": cfg.launcher,
-            "sync_step_s_measured": step_s, "sync_step_s_curves": run.batch_size / pred.samples_per_s,
+    fit = fit_pipeline(run, {**prof, "pipeline": {"transfer_s": transfer}}, s["busy"],
+                       float(np.median(step_seconds(s["run_dir"]))), ncpu)
+    return {**fit, "transfer_s": transfer, "launcher": cfg.launcher,
             "sync_steady_samples_per_s": s["steady_samples_per_s"], "steps": steps}
+
+
+def fit_pipeline(run: RunConfig, prof: dict, busy: dict, step_s: float, ncpu: int) -> dict:
+    """Decompose the measured step of the real one-thread ``sync`` run ``run``.
+
+    ``busy``: the run's steady busy fractions per role (the roles' own timers), ``step_s``:
+    its median step. Each role's busy seconds per step, divided by what the calibrated
+    curves predict for the same step, is the role's **pipeline factor** (it corrects the
+    one-thread curves to what the roles do inside the real launcher, the setting stream
+    and async run in); the rest of the step, ``step_s x (1 - sum of busy)``, is the
+    **per-step overhead** (driver round trip, data-plane calls between processes). Both
+    are measured, so neither absorbs the other's error (the overhead used to be the
+    step minus the curves' prediction, clamped at 0: when the curves over-predicted, the
+    overhead was lost; when they under-predicted, their error was paid again by stream
+    and async as overhead)."""
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.search import predict
+
+    pred = predict(run, ProfiledCost.from_dict(prof), prof, ncpu, steps=run.train.steps)
+    per_step = pred.steady_s / (run.train.steps - 1)
+    factors = {r: busy.get(r, 0.0) * step_s / (pred.busy[r] * per_step)
+               for r in ("rollout", "actor") if pred.busy[r] > 0 and busy.get(r, 0.0) > 0}
+    overhead = max(0.0, step_s * (1 - sum(busy.get(r, 0.0) for r in ("rollout", "reward", "actor"))))
+    return {"step_overhead_s": overhead, "role_factor": factors, "sync_step_s_measured": step_s,
+            "sync_step_s_curves": per_step}
 
 
 def step_seconds(run_dir: str) -> list[float]:
