@@ -9,6 +9,7 @@ For each torch thread count (1, 2, 4, ... up to the cores), on the job's own mod
   GRPO loss), and the optimizer step;
 * once: weight export and load (the swap), reward seconds per sample, the natural
   answer-length distribution of the policy, the mean prompt length;
+* interference: one-thread training alone vs beside a decoding process (both one thread);
 * calibration: each role alone through the real role code (:func:`asyncflow.bench.solo.
   measure_roles`, in-process data plane) for a few steps, divided by what the curves
   predict for the same work: the factor covers data-plane calls and bookkeeping.
@@ -128,6 +129,70 @@ def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
     for c in done:
         counts[len(c.response_ids)] = counts.get(len(c.response_ids), 0) + 1
     return {L: n / len(done) for L, n in sorted(counts.items())}
+
+
+def _busy_rollout(model_dir: str, prompt_ids: list[list[int]], rows: int, seconds: float, ready) -> None:
+    """Child process of :func:`_interference`: decode like rollout for ``seconds``."""
+    import torch
+
+    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
+    from asyncflow.tasks import load_model
+
+    torch.set_num_threads(1)
+    model, tok = load_model(model_dir)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10**6)
+    ready.set()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
+        batch.add([Request(key=i, prompt_ids=prompt_ids[i % len(prompt_ids)], max_new_tokens=16, min_new_tokens=16)
+                   for i in range(rows)])
+        for _ in range(14):
+            batch.step()
+
+
+def _interference(model, tok, model_dir: str, prompt_ids: list[list[int]], cfg: RunConfig, reps: int = 9) -> float:
+    """Slow-down of one-thread training while a rollout process decodes beside it (both on
+    one torch thread, as stream/async run them): the median micro-batch time with the
+    other process running over the median alone, measured back to back, the smaller of two
+    rounds (>= 1). It covers
+    what the simulator's core count does not: shared caches and memory bandwidth, and the
+    cores other jobs of a shared machine take while both roles want one."""
+    import multiprocessing as mp
+
+    import torch
+
+    from asyncflow.algorithms.grpo import GRPOLoss
+    from asyncflow.engines.training import TrainEngine
+
+    torch.set_num_threads(1)
+    engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
+    loss = GRPOLoss(batch_size=cfg.batch_size)
+    rows = cfg.train.micro_prompts * cfg.rollout.group_size
+    prompts, resp = [prompt_ids[i % len(prompt_ids)] for i in range(rows)], [[5] * 4 for _ in range(rows)]
+    extras = {"logprobs": [np.zeros(4, np.float32)] * rows, "advantages": np.ones(rows, np.float32)}
+
+    def times() -> float:
+        return float(np.median([_min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 1)
+                                for _ in range(reps)]))
+
+    times()  # warm-up
+    ratios = []
+    for _ in range(2):  # the smaller of two rounds: other load only ever adds to one of them
+        alone = times()
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        child = ctx.Process(target=_busy_rollout, args=(model_dir, prompt_ids[:64], min(cfg.rollout.max_batch, 64),
+                                                         60.0, ready), daemon=True)
+        child.start()
+        try:
+            ready.wait(60)
+            time.sleep(0.5)  # the child's first decode rounds
+            ratios.append(times() / alone)
+        finally:
+            child.terminate()
+            child.join(5)
+    return max(1.0, min(ratios))
 
 
 def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads: int, steps: int) -> dict:
@@ -266,6 +331,8 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
             task.reward(p.prompt, p.answer, p.answer)
             tok.decode(prompts[0], skip_special_tokens=True)
         prof["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
+        print("[profile] interference: training beside a decoding process ...", flush=True)
+        prof["interference"] = _interference(model, tok, model_dir, prompts, cfg)
         if calibrate:
             for t in sorted({1, ncpu}):
                 print(f"[profile] calibration: roles alone through the role code on {t} thread(s) ...", flush=True)

@@ -31,8 +31,8 @@ stated here, not measured per role).
 
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
-model, evaluated when the work starts), times ``cost.interference`` (memory bandwidth
-shared by two busy processes). Throughput is measured like the real driver: samples of
+model, evaluated when the work starts), times ``cost.interference`` (shared caches and
+memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is measured like the real driver: samples of
 steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
 
 The kernel (:mod:`asyncflow.planner.des`) is a few lines of generator processes, so the
