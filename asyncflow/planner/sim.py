@@ -31,7 +31,7 @@ stated here, not measured per role).
 
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
-model, evaluated when the work starts), times ``cost.interference`` (shared caches and
+model, re-evaluated every ``QUANTUM_S`` of work), times ``cost.interference`` (shared caches and
 memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is measured like the real driver: samples of
 steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
 
@@ -52,6 +52,7 @@ from asyncflow.planner.des import Env, Signal
 from asyncflow.workflow.placement import GroupPlacer
 
 ROLLOUT_SHARE = 0.5
+QUANTUM_S = 0.01  # shared cores: work is re-stretched every this many seconds of work (~ one decode round here)
 
 
 class CostModel(Protocol):
@@ -174,19 +175,24 @@ class _Job:
 
     # ---------------------------------------------------------------- helpers
     def work(self, role: str, what: str, seconds: float, threads: int) -> Iterator:
-        """Busy ``seconds`` (stretched by core sharing), recorded as a span."""
+        """Busy ``seconds`` of work (stretched by core sharing), recorded as one span. With
+        shared cores it advances in quanta of ``QUANTUM_S`` of work, each stretched by the
+        roles busy when it starts: a long span beside another role's short bursts is slowed
+        for the part they overlap (judged once at its start, a span that began while the
+        other role was idle escaped all sharing, which favoured big micro-batches)."""
         if seconds <= 0:
             return
-        others = sum(self.busy_threads.values())
-        if self.cores:
-            factor = max(1.0, (others + threads) / self.cores)
-            if others:
-                factor *= self.cost.interference
-            seconds *= factor
+        start, left = self.env.now, seconds
         self.busy_threads[role] = threads
-        self.spans.append((role, what, self.env.now, seconds))
-        yield seconds
+        while left > 1e-12:
+            piece = min(left, QUANTUM_S) if self.cores else left
+            left -= piece
+            if self.cores:
+                others = sum(t for r, t in self.busy_threads.items() if r != role)
+                piece *= max(1.0, (others + threads) / self.cores) * (self.cost.interference if others else 1.0)
+            yield piece
         self.busy_threads.pop(role, None)
+        self.spans.append((role, what, start, self.env.now - start))
 
     def fetch(self, n: int, partition: int = -1) -> list[list[_Answer]]:
         """The next ``n`` prompt groups (``partition`` fixed for sync; -1 = placed at completion)."""
