@@ -103,7 +103,11 @@ def test_search_ranks_every_mode_and_says_when_sync_wins():
     cfg = load_config(None, ["train.prompts_per_step=4", "rollout.max_batch=16"])
     ranked = search(cfg, ProfiledCost.from_dict(PROFILE), PROFILE, cpus=2, steps=6)
     assert {a.mode for a, _ in ranked} == {"sync", "stream", "async"}
-    assert all(r1.samples_per_s >= r2.samples_per_s for (_, r1), (_, r2) in zip(ranked, ranked[1:]))
+    rest = ranked[1:]
+    assert all(r1.samples_per_s >= r2.samples_per_s for (_, r1), (_, r2) in zip(rest, rest[1:]))
+    best = max(r.samples_per_s for _, r in ranked)
+    assert ranked[0][1].samples_per_s >= 0.97 * best  # the plan: the simplest within 3% of the best
+    assert all(a.micro_prompts * 8 <= 32 for a, _ in ranked)  # PROFILE's curves: 8 and 32 rows
     text = format_plan(ranked, 2)
     assert "plan:" in text and "idle" in text
     sync_first = [(a, r) for a, r in ranked if a.mode == "sync"] + [(a, r) for a, r in ranked if a.mode != "sync"]
@@ -209,3 +213,32 @@ def test_fit_pipeline_splits_the_real_sync_step_into_role_factors_and_overhead()
     c = ProfiledCost.from_dict({**PROFILE, "pipeline": fit})
     assert c.decode_s(10, 20, 1) == pytest.approx(2 * (0.002 + 3e-4 + 2e-5))  # one thread: corrected
     assert c.decode_s(10, 20, 2) == pytest.approx(0.0015 + 2e-4 + 2e-5)  # two threads: as profiled
+
+
+def test_search_prefers_the_simplest_plan_within_three_percent_and_stays_in_profiled_rows():
+    from asyncflow.planner.search import candidates, profiled_rows
+
+    from asyncflow.config import load_config
+    cfg = load_config(None, ["train.prompts_per_step=16"])
+    assert profiled_rows(PROFILE) == 32
+    assert profiled_rows({"curves": {"1": {"train_rows": [8, 32, 128]}, "2": {"train_rows": [8, 64]}}}) == 64
+    assert {a.micro_prompts for a in candidates(cfg, 2, max_rows=32)} == {1, 2, 4}
+    assert {a.micro_prompts for a in candidates(cfg, 2)} == {1, 2, 4, 8, 16}
+
+
+def test_plan_ties_within_three_percent_go_to_the_freshest(monkeypatch):
+    import asyncflow.planner.search as search_mod
+    from asyncflow.config import load_config
+    from asyncflow.planner.sim import SimResult
+
+    speed = {1: 100.0, 2: 102.0, 3: 110.0}  # staleness -> simulated samples/s
+
+    def fake(cfg, cost, prof, cpus, steps=None, alloc=None):
+        s = speed[alloc.staleness] if alloc.mode == "async" else 50.0
+        return SimResult(s, [], {"rollout": 0, "reward": 0, "actor": 0}, [], 0, 1.0)
+
+    monkeypatch.setattr(search_mod, "predict", fake)
+    cfg = load_config(None, ["train.prompts_per_step=4"])
+    assert search_mod.search(cfg, None, PROFILE, cpus=1, modes=("async",))[0][0].staleness == 3  # 110 > 1.03 x 102
+    speed[3] = 104.0
+    assert search_mod.search(cfg, None, PROFILE, cpus=1, modes=("async",))[0][0].staleness == 2  # 102 within 3%

@@ -99,7 +99,8 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
     engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
     loss = GRPOLoss(batch_size=cfg.batch_size)
     tr_X, tr_y = [], []
-    for rows in (8, 32):
+    train_rows = sorted({8, 32, cfg.batch_size})  # up to the whole batch: the search never extrapolates
+    for rows in train_rows:
         for L in ((4, 24) if quick else (4, 24, 48)):
             prompts = [prompt_ids[i % len(prompt_ids)] for i in range(rows)]
             resp = [[5] * L for _ in range(rows)]
@@ -109,7 +110,7 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
             tr_y.append(s)
     step = _min_time(engine.optimizer_step, 3)
     return {"decode": _fit(dec_X, dec_y), "prefill": _fit(pre_X, pre_y), "train": _fit(tr_X, tr_y), "step_s": step,
-            "points": {"decode": len(dec_y), "train": len(tr_y)}}
+            "train_rows": train_rows, "points": {"decode": len(dec_y), "train": len(tr_y)}}
 
 
 def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:

@@ -7,10 +7,16 @@ Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
   (``resources.threads_per_role``; more threads than cores are allowed and pay for it in
   the simulator's core sharing), staleness ``k`` in 1 .. 3 for async;
 
-each with every micro-batch size that divides ``prompts_per_step``. Every candidate is
+each with every micro-batch size that divides ``prompts_per_step`` and whose rows are within
+the rows the training curve was profiled at (:func:`profiled_rows`: a linear fit's
+intercept, extrapolated to 4x the measured rows, made a whole-batch micro-batch look
+~20% faster than four, and it measured 3-16% slower). Every candidate is
 simulated on the profiled costs with the roles sharing ``cpus`` cores; the plan is the
-highest simulated samples/s (ties go to the simpler mode: sync, then stream, then the
-smaller staleness, since fresher samples are never worse for learning).
+highest simulated samples/s, where candidates within ``TIE`` (3%) of the best count as
+equal (below the simulator's error on this machine) and the simplest of them wins: sync,
+then stream, then the smaller staleness (fresher samples are never worse for learning),
+fewer threads, the larger micro-batch. The list returned is that plan first, then the
+rest best first.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from asyncflow.config import RunConfig
 from asyncflow.planner.sim import Allocation, SimResult, simulate
 
 MODES = ("sync", "stream", "async")
+TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equal
 
 
 def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
@@ -36,9 +43,16 @@ def predict(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int | None = Non
     return simulate(wl, alloc or allocation_for(cfg, cpus), cost, cores=cpus)
 
 
-def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3) -> list[Allocation]:
-    P, slots = cfg.train.prompts_per_step, cfg.rollout.max_batch
-    micros = [m for m in range(1, P + 1) if P % m == 0]
+def profiled_rows(prof: dict) -> int:
+    """The largest training micro-batch (rows) every thread count's curve was measured at
+    (profiles that do not say were measured at 8 and 32 rows)."""
+    return min(max(c.get("train_rows", [8, 32])) for c in prof["curves"].values())
+
+
+def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
+               max_rows: int | None = None) -> list[Allocation]:
+    P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
+    micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
     out = []
     for m in micros:
         if "sync" in modes:
@@ -54,9 +68,13 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3) -
 def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES) -> list[tuple[Allocation, SimResult]]:
     """Every candidate with its simulated result, best first."""
     rank = {m: i for i, m in enumerate(MODES)}
-    res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in candidates(cfg, cpus, modes)]
-    return sorted(res, key=lambda ar: (-round(ar[1].samples_per_s, 6), rank[ar[0].mode], ar[0].staleness,
-                                       ar[0].rollout_res, -ar[0].micro_prompts))
+    cands = candidates(cfg, cpus, modes, max_rows=profiled_rows(prof))
+    res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in cands]
+    simple = lambda ar: (rank[ar[0].mode], ar[0].staleness, ar[0].rollout_res, -ar[0].micro_prompts)  # noqa: E731
+    res.sort(key=lambda ar: (-round(ar[1].samples_per_s, 6), *simple(ar)))
+    near = [ar for ar in res if ar[1].samples_per_s >= (1 - TIE) * res[0][1].samples_per_s]
+    pick = min(near, key=simple)  # within the model's error of the best: the simplest, freshest
+    return [pick] + [ar for ar in res if ar is not pick]
 
 
 def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: tuple[Allocation, SimResult] | None = None) -> str:
