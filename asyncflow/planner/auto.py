@@ -78,7 +78,7 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     if cfg.plan != "auto":
         return cfg, ""
     from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import allocation_for, format_plan, predict, search
+    from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search
 
     cpus = cpus or os.cpu_count() or 1
     path = Path(profile) if profile else profile_path(cfg)
@@ -94,4 +94,7 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     ranked = search(cfg, cost, prof, cpus)
     given = allocation_for(cfg, cpus)
     text = format_plan(ranked, cpus, (given, predict(cfg, cost, prof, cpus, 12, given)))
+    noisy = noisy_calibration(prof)
+    if noisy:
+        text += "\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + ")"
     return apply_plan(cfg, ranked[0][0]), text
