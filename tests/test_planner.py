@@ -153,6 +153,10 @@ def test_real_run_writes_a_trace_with_one_track_per_role(tmp_path):
     tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"rollout", "reward", "actor"} <= tracks
     assert min(e["ts"] for e in events if e["ph"] == "X") >= 0
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib"):  # the [plot] extra: the same timeline as a PNG beside it
+        assert (Path(s["run_dir"]) / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_whatif_at_small_scale_runs_and_async_beats_one_task_at_a_time():
