@@ -4,8 +4,10 @@ Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
 
 * ``sync``: one colocated worker on ``t`` threads, ``t`` in 1 .. cpus;
 * ``stream`` / ``async``: one process per role with ``t`` threads each
-  (``resources.threads_per_role``; more threads than cores are allowed and pay for it in
-  the simulator's core sharing), staleness ``k`` in 1 .. 3 for async;
+  (``resources.threads_per_role``), ``2t <= cpus``: rollout and actor together never ask
+  for more threads than cores (oversubscribed OpenMP teams spin-wait for each other far
+  worse than the simulator's proportional sharing: 2 threads per role on 2 cores was
+  predicted 1081 samples/s and measured 275), staleness ``k`` in 1 .. 3 for async;
 
 each with every micro-batch size that divides ``prompts_per_step`` and whose rows are within
 the rows the training curve was profiled at (:func:`profiled_rows`: a linear fit's
@@ -57,7 +59,7 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
     for m in micros:
         if "sync" in modes:
             out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, cpus + 1)]
-        for t in range(1, cpus + 1):
+        for t in range(1, max(1, cpus // 2) + 1):  # two role processes: never more threads than cores
             if "stream" in modes:
                 out.append(Allocation("stream", t, t, m, 0, slots))
             if "async" in modes:
