@@ -59,7 +59,9 @@ def main(argv=None) -> int:
         from asyncflow.planner.auto import apply_plan
         from asyncflow.planner.search import search
 
-        best = search(runs[0][1], cost, prof, cpus)[0][0]
+        from asyncflow.planner.search import team_limit
+
+        best = search(runs[0][1], cost, prof, cpus, max_threads=team_limit(cpus))[0][0]
         print(f"[accuracy] plan=auto chooses: {best.describe()}", flush=True)
         runs.append(("plan=auto", apply_plan(runs[0][1], best)))
     for mode, cfg in runs:

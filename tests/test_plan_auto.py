@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import yaml
 
 from asyncflow.config import RunConfig, load_config
@@ -13,6 +14,12 @@ from asyncflow.planner.sim import Allocation
 from test_planner import PROFILE  # tests/ is on sys.path (rootdir-less test modules)
 
 SMALL = ["train.prompts_per_step=4", "rollout.max_batch=16"]
+
+
+@pytest.fixture(autouse=True)
+def quiet_machine(monkeypatch):
+    """The plan limits thread teams by the load average: make it a quiet machine."""
+    monkeypatch.setattr("os.getloadavg", lambda: (0.0, 0.0, 0.0))
 
 
 def _cached(tmp_path, cfg):

@@ -246,3 +246,16 @@ def test_plan_ties_within_three_percent_go_to_the_freshest(monkeypatch):
     assert search_mod.search(cfg, None, PROFILE, cpus=1, modes=("async",))[0][0].staleness == 3  # 110 > 1.03 x 102
     speed[3] = 104.0
     assert search_mod.search(cfg, None, PROFILE, cpus=1, modes=("async",))[0][0].staleness == 2  # 102 within 3%
+
+
+def test_thread_teams_are_limited_by_other_load_and_roles_never_oversubscribe(monkeypatch):
+    from asyncflow.config import load_config
+    from asyncflow.planner.search import candidates, team_limit
+
+    monkeypatch.setattr("os.getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert team_limit(2) == 2
+    monkeypatch.setattr("os.getloadavg", lambda: (1.6, 0.0, 0.0))
+    assert team_limit(2) == 1 and team_limit(8) == 6
+    cfg = load_config(None, ["train.prompts_per_step=4"])
+    threads = {(a.mode, a.rollout_res) for a in candidates(cfg, 4, max_threads=3)}
+    assert threads == {("sync", 1), ("sync", 2), ("sync", 3), ("stream", 1), ("stream", 2), ("async", 1), ("async", 2)}

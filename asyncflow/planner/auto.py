@@ -8,7 +8,7 @@
    change the cost curves or the answer lengths); otherwise the machine is profiled again
    (``asyncflow.planner.profile.run_profile``, ~20-60 s) and the file replaced;
 2. :func:`asyncflow.planner.search.search` simulates every candidate on ``os.cpu_count()``
-   cores; the best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
+   cores, thread teams no larger than the cores other jobs leave free (``team_limit``); the best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
    and ``resources.sync_threads`` (sync) or ``resources.threads_per_role`` (stream/async);
 3. the resolved config has ``plan: off`` (so its ``config.yaml`` reruns exactly the plan);
    the plan text (what ``asyncflow plan`` prints) is returned beside it.
@@ -78,7 +78,7 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     if cfg.plan != "auto":
         return cfg, ""
     from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search
+    from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search, team_limit
 
     cpus = cpus or os.cpu_count() or 1
     path = Path(profile) if profile else profile_path(cfg)
@@ -91,9 +91,12 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     else:
         log(f"[plan=auto] reusing the profile {path} (measured {prof.get('created', '?')})")
     cost = ProfiledCost.from_dict(prof)
-    ranked = search(cfg, cost, prof, cpus)
+    teams = team_limit(cpus)
+    ranked = search(cfg, cost, prof, cpus, max_threads=teams)
     given = allocation_for(cfg, cpus)
     text = format_plan(ranked, cpus, (given, predict(cfg, cost, prof, cpus, 12, given)))
+    if teams < cpus:
+        text += f"\nthread teams limited to {teams}: other jobs load this machine (1-minute load average)"
     noisy = noisy_calibration(prof)
     if noisy:
         text += "\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + ")"

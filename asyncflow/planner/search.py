@@ -23,6 +23,8 @@ rest best first.
 
 from __future__ import annotations
 
+import os
+
 from asyncflow.config import RunConfig
 from asyncflow.planner.sim import Allocation, SimResult, simulate
 
@@ -51,15 +53,27 @@ def profiled_rows(prof: dict) -> int:
     return min(max(c.get("train_rows", [8, 32])) for c in prof["curves"].values())
 
 
+def team_limit(cpus: int) -> int:
+    """Largest torch thread team to plan for: the cores other jobs leave free (1-minute load
+    average) when that is fewer than ``cpus``. A team of ``t`` threads waits for its slowest
+    thread, so one busy neighbour collapses it: sync on 2 threads of 2 shared cores measured
+    793, 27, 20 and 86 samples/s in four runs this day, the one-thread roles 308-616."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return cpus
+    return max(1, min(cpus, int(cpus - load + 0.5)))
+
+
 def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
-               max_rows: int | None = None) -> list[Allocation]:
+               max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
     P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
     micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
     out = []
     for m in micros:
         if "sync" in modes:
-            out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, cpus + 1)]
-        for t in range(1, max(1, cpus // 2) + 1):  # two role processes: never more threads than cores
+            out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, (max_threads or cpus) + 1)]
+        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):  # two role processes: never more threads than cores
             if "stream" in modes:
                 out.append(Allocation("stream", t, t, m, 0, slots))
             if "async" in modes:
@@ -67,10 +81,12 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
     return out
 
 
-def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES) -> list[tuple[Allocation, SimResult]]:
-    """Every candidate with its simulated result, best first."""
+def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES,
+           max_threads: int | None = None) -> list[tuple[Allocation, SimResult]]:
+    """Every candidate with its simulated result, the plan first (``max_threads``: largest
+    thread team, e.g. :func:`team_limit`; None = ``cpus``)."""
     rank = {m: i for i, m in enumerate(MODES)}
-    cands = candidates(cfg, cpus, modes, max_rows=profiled_rows(prof))
+    cands = candidates(cfg, cpus, modes, max_rows=profiled_rows(prof), max_threads=max_threads)
     res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in cands]
     simple = lambda ar: (rank[ar[0].mode], ar[0].staleness, ar[0].rollout_res, -ar[0].micro_prompts)  # noqa: E731
     res.sort(key=lambda ar: (-round(ar[1].samples_per_s, 6), *simple(ar)))
@@ -119,10 +135,13 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
     cpus = cpus or os.cpu_count() or 1
     prof = json.loads(open(profile).read())
     cost = ProfiledCost.from_dict(prof)
-    ranked = search(cfg, cost, prof, cpus)
+    teams = team_limit(cpus) if cpus == (os.cpu_count() or 1) else cpus  # another budget: assume it is free
+    ranked = search(cfg, cost, prof, cpus, max_threads=teams)
     current_alloc = allocation_for(cfg, cpus)
     current = (current_alloc, predict(cfg, cost, prof, cpus, 12, current_alloc))
     text = format_plan(ranked, cpus, current)
+    if teams < cpus:
+        text += f"\nthread teams limited to {teams}: other jobs load this machine (1-minute load average)"
     noisy = noisy_calibration(prof)
     if noisy:
         text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
