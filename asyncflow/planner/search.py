@@ -8,6 +8,8 @@ Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
   for more threads than cores (oversubscribed OpenMP teams spin-wait for each other far
   worse than the simulator's proportional sharing: 2 threads per role on 2 cores was
   predicted 1081 samples/s and measured 275), staleness ``k`` in 1 .. 3 for async;
+* on this machine (``asyncflow plan``, ``plan=auto``) no team larger than
+  :func:`team_limit`, the cores other jobs leave free;
 
 each with every micro-batch size that divides ``prompts_per_step`` and whose rows are within
 the rows the training curve was profiled at (:func:`profiled_rows`: a linear fit's
