@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a training job (default: built-in GRPO example, async mode, local Ray)")
     t.add_argument("config", nargs="?", help="YAML config file (optional)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 mode=sync")
-    t.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and exit (plan=auto: the plan too, profiling first if needed)")
     b = sub.add_parser("bench", help="compare sync, stream and async on the same resources")
     b.add_argument("config", nargs="?", help="YAML config file (optional)")
     b.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
@@ -40,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="profile JSON to write (profile) or read (plan; measured first if missing)")
         q.add_argument("--cpus", type=int, default=None, help="CPU budget (default: this machine's cores)")
         q.add_argument("--trace", default=None, help="plan: write a Chrome trace (Perfetto) of the planned run here")
+        q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of the planned run here (needs [plot])")
     return p
 
 
@@ -51,7 +53,7 @@ def _planner(args, cfg) -> int:
     if args.command == "plan":
         from asyncflow.planner.search import plan
 
-        print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace))
+        print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace, gantt=args.gantt))
     return 0
 
 
@@ -70,6 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         config, overrides = _split(args.config, args.overrides)
         cfg = load_config(config, overrides)
         if args.command == "train":
+            if cfg.plan == "auto":
+                from asyncflow.planner.auto import resolve
+
+                cfg, text = resolve(cfg, log=lambda m: print(m, file=sys.stderr))
+                print("# plan=auto\n" + "\n".join(f"# {line}".rstrip() for line in text.splitlines()), flush=True)
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0

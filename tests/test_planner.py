@@ -103,7 +103,11 @@ def test_search_ranks_every_mode_and_says_when_sync_wins():
     cfg = load_config(None, ["train.prompts_per_step=4", "rollout.max_batch=16"])
     ranked = search(cfg, ProfiledCost.from_dict(PROFILE), PROFILE, cpus=2, steps=6)
     assert {a.mode for a, _ in ranked} == {"sync", "stream", "async"}
-    assert all(r1.samples_per_s >= r2.samples_per_s for (_, r1), (_, r2) in zip(ranked, ranked[1:]))
+    rest = ranked[1:]
+    assert all(r1.samples_per_s >= r2.samples_per_s for (_, r1), (_, r2) in zip(rest, rest[1:]))
+    best = max(r.samples_per_s for _, r in ranked)
+    assert ranked[0][1].samples_per_s >= 0.97 * best  # the plan: the simplest within 3% of the best
+    assert all(a.micro_prompts * 8 <= 32 for a, _ in ranked)  # PROFILE's curves: 8 and 32 rows
     text = format_plan(ranked, 2)
     assert "plan:" in text and "idle" in text
     sync_first = [(a, r) for a, r in ranked if a.mode == "sync"] + [(a, r) for a, r in ranked if a.mode != "sync"]
@@ -149,6 +153,10 @@ def test_real_run_writes_a_trace_with_one_track_per_role(tmp_path):
     tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     assert {"rollout", "reward", "actor"} <= tracks
     assert min(e["ts"] for e in events if e["ph"] == "X") >= 0
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib"):  # the [plot] extra: the same timeline as a PNG beside it
+        assert (Path(s["run_dir"]) / "gantt.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_whatif_at_small_scale_runs_and_async_beats_one_task_at_a_time():
@@ -166,3 +174,88 @@ def test_profile_fit_never_returns_a_negative_cost_term():
     assert _fit([[1, 1], [1, 2], [1, 3]], [2, 4, 6]) == pytest.approx([0, 2], abs=1e-9)
     noisy = _fit([[1, 10], [1, 20], [1, 30]], [0.5, 0.2, 0.6])  # a load spike on the first point
     assert min(noisy) >= 0
+
+
+def test_completion_order_placement_moves_a_long_group_to_a_later_step():
+    # 2 prompts x 1 answer per step, staleness 1, decode 1 s per round, everything else free.
+    # Groups in start order have lengths 4, 1, 1, 1, 1, 1 (group 0 is the long tail).
+    # t=0: v0 admits (0+1+1)*2 = 4 groups; fetch g0, g1; round 1 ends at t=1: g1 -> step 0.
+    # t=1: fetch g2, g3; round 2 ends at t=2: g2 -> step 0 (now full), g3 -> step 1.
+    #      the trainer trains step 0 at t=2 and publishes v1 (no wait for g0).
+    # t=2: rollout still on v0 (publish lands after its round), admits 0 more; round 3 ends at t=3.
+    # t=3: swap to v1, admits (1+1+1)*2 - 4 = 2: g4, g5 start at v1; round 4 ends at t=4:
+    #      g0 -> step 1 (deadline 0+1), g4, g5 -> step 2. Steps 1 and 2 both train at t=4.
+    wl = Workload(prompts_per_step=2, group_size=1, prompt_len=1, steps=3, length_seq=[4, 1, 1, 1, 1, 1])
+    r = simulate(wl, Allocation("async", micro_prompts=1, staleness=1, slots=8), ConstantCost(decode=1.0))
+    assert r.placement == {0: 1, 1: 0, 2: 0, 3: 1, 4: 2, 5: 2}
+    assert r.step_end == pytest.approx([2.0, 4.0, 4.0])
+    assert r.max_staleness == 1
+    # staleness 0 (stream): every group lands in its prompt's step, so step 0 waits for g0
+    s = simulate(wl, Allocation("stream", micro_prompts=1, slots=8), ConstantCost(decode=1.0))
+    assert s.placement == {0: 0, 1: 0, 2: 1, 3: 1, 4: 2, 5: 2}
+    assert s.step_end == pytest.approx([4.0, 5.0, 6.0])
+
+
+def test_fit_pipeline_splits_the_real_sync_step_into_role_factors_and_overhead():
+    from asyncflow.config import load_config
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.profile import fit_pipeline
+    from asyncflow.planner.search import predict
+
+    run = load_config(None, ["mode=sync", "resources.sync_threads=1", "train.prompts_per_step=4",
+                             "rollout.max_batch=16", "train.steps=6"])
+    prof = {**PROFILE, "pipeline": {"transfer_s": 0.002}}
+    pred = predict(run, ProfiledCost.from_dict(prof), prof, 2, steps=6)
+    per_step = pred.steady_s / 5
+    # measured: a 2x slower rollout, the curves' actor, 10% of the step outside every role
+    roll, actor, reward = 2 * pred.busy["rollout"] * per_step, pred.busy["actor"] * per_step, 0.0
+    step = (roll + actor) / 0.9
+    busy = {"rollout": roll / step, "actor": actor / step, "reward": reward}
+    fit = fit_pipeline(run, prof, busy, step, 2)
+    assert fit["role_factor"]["rollout"] == pytest.approx(2.0) and fit["role_factor"]["actor"] == pytest.approx(1.0)
+    assert fit["step_overhead_s"] == pytest.approx(0.1 * step)
+    c = ProfiledCost.from_dict({**PROFILE, "pipeline": fit})
+    assert c.decode_s(10, 20, 1) == pytest.approx(2 * (0.002 + 3e-4 + 2e-5))  # one thread: corrected
+    assert c.decode_s(10, 20, 2) == pytest.approx(0.0015 + 2e-4 + 2e-5)  # two threads: as profiled
+
+
+def test_search_prefers_the_simplest_plan_within_three_percent_and_stays_in_profiled_rows():
+    from asyncflow.planner.search import candidates, profiled_rows
+
+    from asyncflow.config import load_config
+    cfg = load_config(None, ["train.prompts_per_step=16"])
+    assert profiled_rows(PROFILE) == 32
+    assert profiled_rows({"curves": {"1": {"train_rows": [8, 32, 128]}, "2": {"train_rows": [8, 64]}}}) == 64
+    assert {a.micro_prompts for a in candidates(cfg, 2, max_rows=32)} == {1, 2, 4}
+    assert {a.micro_prompts for a in candidates(cfg, 2)} == {1, 2, 4, 8, 16}
+
+
+def test_plan_ties_within_three_percent_go_to_the_freshest(monkeypatch):
+    import asyncflow.planner.search as search_mod
+    from asyncflow.config import load_config
+    from asyncflow.planner.sim import SimResult
+
+    speed = {1: 100.0, 2: 102.0, 3: 110.0}  # staleness -> simulated samples/s
+
+    def fake(cfg, cost, prof, cpus, steps=None, alloc=None):
+        s = speed[alloc.staleness] if alloc.mode == "async" else 50.0
+        return SimResult(s, [], {"rollout": 0, "reward": 0, "actor": 0}, [], 0, 1.0)
+
+    monkeypatch.setattr(search_mod, "predict", fake)
+    cfg = load_config(None, ["train.prompts_per_step=4"])
+    assert search_mod.search(cfg, None, PROFILE, cpus=1, modes=("async",))[0][0].staleness == 3  # 110 > 1.03 x 102
+    speed[3] = 104.0
+    assert search_mod.search(cfg, None, PROFILE, cpus=1, modes=("async",))[0][0].staleness == 2  # 102 within 3%
+
+
+def test_thread_teams_are_limited_by_other_load_and_roles_never_oversubscribe(monkeypatch):
+    from asyncflow.config import load_config
+    from asyncflow.planner.search import candidates, team_limit
+
+    monkeypatch.setattr("os.getloadavg", lambda: (0.2, 0.0, 0.0))
+    assert team_limit(2) == 2
+    monkeypatch.setattr("os.getloadavg", lambda: (1.6, 0.0, 0.0))
+    assert team_limit(2) == 1 and team_limit(8) == 6
+    cfg = load_config(None, ["train.prompts_per_step=4"])
+    threads = {(a.mode, a.rollout_res) for a in candidates(cfg, 4, max_threads=3)}
+    assert threads == {("sync", 1), ("sync", 2), ("sync", 3), ("stream", 1), ("stream", 2), ("async", 1), ("async", 2)}

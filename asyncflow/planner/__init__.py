@@ -1,5 +1,6 @@
 """Execution-time planner: simulate the dataflow, calibrate it, search the allocation.
 
+* :mod:`~asyncflow.planner.des`: the discrete-event kernel (generator processes);
 * :mod:`~asyncflow.planner.sim`: discrete-event simulation of sync / stream / async
   (continuous batching, long-tailed lengths, reward latency, micro-batched actor,
   staleness admission control, delayed weight swap, shared cores);
@@ -7,6 +8,8 @@
   (``asyncflow profile`` writes them) and analytic accelerator models (assumptions);
 * :mod:`~asyncflow.planner.profile`: the short measured run behind the profiled curves;
 * :mod:`~asyncflow.planner.search`: allocation search behind ``asyncflow plan``;
+* :mod:`~asyncflow.planner.auto`: `plan=auto` (profile or reuse, search, apply);
+* :mod:`~asyncflow.planner.trace`: Chrome traces and PNG Gantt charts;
 * :mod:`~asyncflow.planner.whatif`: the table at the published scale (docs/planner.md).
 
 Nothing here imports torch except :mod:`~asyncflow.planner.profile`.

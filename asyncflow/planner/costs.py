@@ -7,9 +7,12 @@ count, linear fits of
 * prefill seconds ``a + b*rows*prompt_len``,
 * training seconds per micro-batch ``a + b*rows*padded_len`` (forward + backward),
 * optimizer step, weight export, weight load (the swap), reward seconds per sample,
-* ``pipeline``: a short real ``sync`` run on the job's launcher gives the per-step
-  overhead the curves miss (driver round trip, data-plane calls across processes,
-  prompt feeding); the weight store's publish -> fetch latency gives ``transfer_s``,
+* ``pipeline``: a short real one-thread ``sync`` run on the job's launcher, decomposed
+  with the roles' own busy timers (``profile.fit_pipeline``): per-role factors that
+  correct the one-thread curves to what the roles do in the real launcher
+  (``role_factor``, applied on one thread), and the per-step overhead the curves miss
+  (driver round trip, data-plane calls across processes, prompt feeding: the step's
+  time outside every role); the weight store's publish -> fetch latency gives ``transfer_s``,
 
 and per-role calibration factors (role alone through the real role code over an
 in-process data plane, divided by the curves' prediction: what the curves miss is data-
@@ -60,7 +63,10 @@ class ProfiledCost:
         return self._pick(self.curves, res)
 
     def _cal(self, role: str, res: int) -> float:
-        return self._pick(self.calibration, res).get(role, 1.0) if self.calibration else 1.0
+        f = self._pick(self.calibration, res).get(role, 1.0) if self.calibration else 1.0
+        if res <= 1:  # the real one-thread sync run's correction (profile.fit_pipeline)
+            f *= self.pipeline.get("role_factor", {}).get(role, 1.0)
+        return f
 
     def decode_s(self, n, ctx, res):
         a, b, c = self._c(res)["decode"]

@@ -9,6 +9,7 @@ For each torch thread count (1, 2, 4, ... up to the cores), on the job's own mod
   GRPO loss), and the optimizer step;
 * once: weight export and load (the swap), reward seconds per sample, the natural
   answer-length distribution of the policy, the mean prompt length;
+* interference: one-thread training alone vs beside a decoding process (both one thread);
 * calibration: each role alone through the real role code (:func:`asyncflow.bench.solo.
   measure_roles`, in-process data plane) for a few steps, divided by what the curves
   predict for the same work: the factor covers data-plane calls and bookkeeping.
@@ -98,7 +99,8 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
     engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
     loss = GRPOLoss(batch_size=cfg.batch_size)
     tr_X, tr_y = [], []
-    for rows in (8, 32):
+    train_rows = sorted({8, 32, cfg.batch_size})  # up to the whole batch: the search never extrapolates
+    for rows in train_rows:
         for L in ((4, 24) if quick else (4, 24, 48)):
             prompts = [prompt_ids[i % len(prompt_ids)] for i in range(rows)]
             resp = [[5] * L for _ in range(rows)]
@@ -108,7 +110,7 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
             tr_y.append(s)
     step = _min_time(engine.optimizer_step, 3)
     return {"decode": _fit(dec_X, dec_y), "prefill": _fit(pre_X, pre_y), "train": _fit(tr_X, tr_y), "step_s": step,
-            "points": {"decode": len(dec_y), "train": len(tr_y)}}
+            "train_rows": train_rows, "points": {"decode": len(dec_y), "train": len(tr_y)}}
 
 
 def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
@@ -128,6 +130,70 @@ def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
     for c in done:
         counts[len(c.response_ids)] = counts.get(len(c.response_ids), 0) + 1
     return {L: n / len(done) for L, n in sorted(counts.items())}
+
+
+def _busy_rollout(model_dir: str, prompt_ids: list[list[int]], rows: int, seconds: float, ready) -> None:
+    """Child process of :func:`_interference`: decode like rollout for ``seconds``."""
+    import torch
+
+    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
+    from asyncflow.tasks import load_model
+
+    torch.set_num_threads(1)
+    model, tok = load_model(model_dir)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=10**6)
+    ready.set()
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
+        batch.add([Request(key=i, prompt_ids=prompt_ids[i % len(prompt_ids)], max_new_tokens=16, min_new_tokens=16)
+                   for i in range(rows)])
+        for _ in range(14):
+            batch.step()
+
+
+def _interference(model, tok, model_dir: str, prompt_ids: list[list[int]], cfg: RunConfig, reps: int = 9) -> float:
+    """Slow-down of one-thread training while a rollout process decodes beside it (both on
+    one torch thread, as stream/async run them): the median micro-batch time with the
+    other process running over the median alone, measured back to back, the smaller of two
+    rounds (>= 1). It covers
+    what the simulator's core count does not: shared caches and memory bandwidth, and the
+    cores other jobs of a shared machine take while both roles want one."""
+    import multiprocessing as mp
+
+    import torch
+
+    from asyncflow.algorithms.grpo import GRPOLoss
+    from asyncflow.engines.training import TrainEngine
+
+    torch.set_num_threads(1)
+    engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
+    loss = GRPOLoss(batch_size=cfg.batch_size)
+    rows = cfg.train.micro_prompts * cfg.rollout.group_size
+    prompts, resp = [prompt_ids[i % len(prompt_ids)] for i in range(rows)], [[5] * 4 for _ in range(rows)]
+    extras = {"logprobs": [np.zeros(4, np.float32)] * rows, "advantages": np.ones(rows, np.float32)}
+
+    def times() -> float:
+        return float(np.median([_min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 1)
+                                for _ in range(reps)]))
+
+    times()  # warm-up
+    ratios = []
+    for _ in range(2):  # the smaller of two rounds: other load only ever adds to one of them
+        alone = times()
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        child = ctx.Process(target=_busy_rollout, args=(model_dir, prompt_ids[:64], min(cfg.rollout.max_batch, 64),
+                                                         60.0, ready), daemon=True)
+        child.start()
+        try:
+            ready.wait(60)
+            time.sleep(0.5)  # the child's first decode rounds
+            ratios.append(times() / alone)
+        finally:
+            child.terminate()
+            child.join(5)
+    return max(1.0, min(ratios))
 
 
 def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads: int, steps: int) -> dict:
@@ -151,19 +217,16 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
 
 
 def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
-    """A short real ``sync`` run on the job's launcher: the per-step overhead the curves miss.
-
-    One thread (a one-thread step does not collapse when another process takes a core, as
-    a multi-threaded one can) and the fastest step (other load only ever adds time)."""
+    """A short real ``sync`` run on the job's launcher, on one thread (a one-thread step does
+    not collapse when another process takes a core, as a multi-threaded one can); returns
+    what :func:`fit_pipeline` makes of it, plus the weight store's publish -> fetch latency."""
     import tempfile
 
     from asyncflow.launch import get_launcher
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
     from asyncflow.workflow.driver import train
 
     data = cfg.model_dump()
-    data.update(mode="sync", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
+    data.update(mode="sync", plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
     data["train"].update(steps=steps, eval_every=0)
     data["resources"].update(sync_threads=1)
     run = RunConfig.model_validate(data)
@@ -179,13 +242,35 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
         s = train(run, launcher=launcher, evaluate=False)
     finally:
         launcher.shutdown()
-    step_s = float(np.min(step_seconds(s["run_dir"])))
-    cost = ProfiledCost.from_dict({**prof, "pipeline": {"transfer_s": transfer}})
-    pred = predict(run, cost, prof, ncpu, steps=steps)  # allocation_for: sync on 1 thread, as run
-    overhead = max(0.0, step_s - run.batch_size / pred.samples_per_s)
-    return {"step_overhead_s": overhead, "transfer_s": transfer, "launcher": cfg.launcher,
-            "sync_step_s_measured": step_s, "sync_step_s_curves": run.batch_size / pred.samples_per_s,
+    fit = fit_pipeline(run, {**prof, "pipeline": {"transfer_s": transfer}}, s["busy"],
+                       float(np.median(step_seconds(s["run_dir"]))), ncpu)
+    return {**fit, "transfer_s": transfer, "launcher": cfg.launcher,
             "sync_steady_samples_per_s": s["steady_samples_per_s"], "steps": steps}
+
+
+def fit_pipeline(run: RunConfig, prof: dict, busy: dict, step_s: float, ncpu: int) -> dict:
+    """Decompose the measured step of the real one-thread ``sync`` run ``run``.
+
+    ``busy``: the run's steady busy fractions per role (the roles' own timers), ``step_s``:
+    its median step. Each role's busy seconds per step, divided by what the calibrated
+    curves predict for the same step, is the role's **pipeline factor** (it corrects the
+    one-thread curves to what the roles do inside the real launcher, the setting stream
+    and async run in); the rest of the step, ``step_s x (1 - sum of busy)``, is the
+    **per-step overhead** (driver round trip, data-plane calls between processes). Both
+    are measured, so neither absorbs the other's error (the overhead used to be the
+    step minus the curves' prediction, clamped at 0: when the curves over-predicted, the
+    overhead was lost; when they under-predicted, their error was paid again by stream
+    and async as overhead)."""
+    from asyncflow.planner.costs import ProfiledCost
+    from asyncflow.planner.search import predict
+
+    pred = predict(run, ProfiledCost.from_dict(prof), prof, ncpu, steps=run.train.steps)
+    per_step = pred.steady_s / (run.train.steps - 1)
+    factors = {r: busy.get(r, 0.0) * step_s / (pred.busy[r] * per_step)
+               for r in ("rollout", "actor") if pred.busy[r] > 0 and busy.get(r, 0.0) > 0}
+    overhead = max(0.0, step_s * (1 - sum(busy.get(r, 0.0) for r in ("rollout", "reward", "actor"))))
+    return {"step_overhead_s": overhead, "role_factor": factors, "sync_step_s_measured": step_s,
+            "sync_step_s_curves": per_step}
 
 
 def step_seconds(run_dir: str) -> list[float]:
@@ -247,6 +332,8 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
             task.reward(p.prompt, p.answer, p.answer)
             tok.decode(prompts[0], skip_special_tokens=True)
         prof["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
+        print("[profile] interference: training beside a decoding process ...", flush=True)
+        prof["interference"] = _interference(model, tok, model_dir, prompts, cfg)
         if calibrate:
             for t in sorted({1, ncpu}):
                 print(f"[profile] calibration: roles alone through the role code on {t} thread(s) ...", flush=True)
@@ -256,6 +343,9 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
             print(f"[profile] pipeline: a short sync run on the {cfg.launcher} launcher ...", flush=True)
             prof["pipeline"] = _pipeline(cfg, prof, ncpu)
         prof["seconds"] = time.perf_counter() - t_start
+        from asyncflow.planner.auto import fingerprint
+
+        prof["fingerprint"] = fingerprint(cfg, ncpu)  # plan=auto reuses the file only for the same machine and job
     finally:
         torch.set_num_threads(1)
     if out:

@@ -4,21 +4,37 @@ Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
 
 * ``sync``: one colocated worker on ``t`` threads, ``t`` in 1 .. cpus;
 * ``stream`` / ``async``: one process per role with ``t`` threads each
-  (``resources.threads_per_role``; more threads than cores are allowed and pay for it in
-  the simulator's core sharing), staleness ``k`` in 1 .. 3 for async;
+  (``resources.threads_per_role``), ``2t <= cpus``: rollout and actor together never ask
+  for more threads than cores (oversubscribed OpenMP teams spin-wait for each other far
+  worse than the simulator's proportional sharing: 2 threads per role on 2 cores was
+  predicted 1081 samples/s and measured 275), staleness ``k`` in 1 .. 3 for async;
+* on this machine (``asyncflow plan``, ``plan=auto``) no team larger than
+  :func:`team_limit`, the cores other jobs leave free;
 
-each with every micro-batch size that divides ``prompts_per_step``. Every candidate is
+each with every micro-batch size that divides ``prompts_per_step`` and whose rows are within
+the rows the training curve was profiled at (:func:`profiled_rows`: a linear fit's
+intercept, extrapolated to 4x the measured rows, made a whole-batch micro-batch look
+~20% faster than four, and it measured 3-16% slower), and no larger than the config's
+own micro-batch: even with the curve measured up to the whole batch, micro-batches of 16
+prompts were predicted 4% faster than 4 and measured 30% slower (439 vs 632 samples/s,
+actor-bound in both): the simulator does not yet know why, so it does not go there. Every candidate is
 simulated on the profiled costs with the roles sharing ``cpus`` cores; the plan is the
-highest simulated samples/s (ties go to the simpler mode: sync, then stream, then the
-smaller staleness, since fresher samples are never worse for learning).
+highest simulated samples/s, where candidates within ``TIE`` (3%) of the best count as
+equal (below the simulator's error on this machine) and the simplest of them wins: sync,
+then stream, then the smaller staleness (fresher samples are never worse for learning),
+fewer threads, the larger micro-batch. The list returned is that plan first, then the
+rest best first.
 """
 
 from __future__ import annotations
+
+import os
 
 from asyncflow.config import RunConfig
 from asyncflow.planner.sim import Allocation, SimResult, simulate
 
 MODES = ("sync", "stream", "async")
+TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equal
 
 
 def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
@@ -36,14 +52,33 @@ def predict(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int | None = Non
     return simulate(wl, alloc or allocation_for(cfg, cpus), cost, cores=cpus)
 
 
-def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3) -> list[Allocation]:
-    P, slots = cfg.train.prompts_per_step, cfg.rollout.max_batch
-    micros = [m for m in range(1, P + 1) if P % m == 0]
+def profiled_rows(prof: dict) -> int:
+    """The largest training micro-batch (rows) every thread count's curve was measured at
+    (profiles that do not say were measured at 8 and 32 rows)."""
+    return min(max(c.get("train_rows", [8, 32])) for c in prof["curves"].values())
+
+
+def team_limit(cpus: int) -> int:
+    """Largest torch thread team to plan for: the cores other jobs leave free (1-minute load
+    average) when that is fewer than ``cpus``. A team of ``t`` threads waits for its slowest
+    thread, so one busy neighbour collapses it: sync on 2 threads of 2 shared cores measured
+    793, 27, 20 and 86 samples/s in four runs this day, the one-thread roles 308-616."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return cpus
+    return max(1, min(cpus, int(cpus - load + 0.5)))
+
+
+def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
+               max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
+    P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
+    micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
     out = []
     for m in micros:
         if "sync" in modes:
-            out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, cpus + 1)]
-        for t in range(1, cpus + 1):
+            out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, (max_threads or cpus) + 1)]
+        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):  # two role processes: never more threads than cores
             if "stream" in modes:
                 out.append(Allocation("stream", t, t, m, 0, slots))
             if "async" in modes:
@@ -51,12 +86,19 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3) -
     return out
 
 
-def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES) -> list[tuple[Allocation, SimResult]]:
-    """Every candidate with its simulated result, best first."""
+def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES,
+           max_threads: int | None = None) -> list[tuple[Allocation, SimResult]]:
+    """Every candidate with its simulated result, the plan first (``max_threads``: largest
+    thread team, e.g. :func:`team_limit`; None = ``cpus``)."""
     rank = {m: i for i, m in enumerate(MODES)}
-    res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in candidates(cfg, cpus, modes)]
-    return sorted(res, key=lambda ar: (-round(ar[1].samples_per_s, 6), rank[ar[0].mode], ar[0].staleness,
-                                       ar[0].rollout_res, -ar[0].micro_prompts))
+    rows = min(profiled_rows(prof), cfg.train.micro_prompts * cfg.rollout.group_size)  # see the module doc
+    cands = candidates(cfg, cpus, modes, max_rows=rows, max_threads=max_threads)
+    res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in cands]
+    simple = lambda ar: (rank[ar[0].mode], ar[0].staleness, ar[0].rollout_res, -ar[0].micro_prompts)  # noqa: E731
+    res.sort(key=lambda ar: (-round(ar[1].samples_per_s, 6), *simple(ar)))
+    near = [ar for ar in res if ar[1].samples_per_s >= (1 - TIE) * res[0][1].samples_per_s]
+    pick = min(near, key=simple)  # within the model's error of the best: the simplest, freshest
+    return [pick] + [ar for ar in res if ar is not pick]
 
 
 def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: tuple[Allocation, SimResult] | None = None) -> str:
@@ -88,7 +130,8 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: 
     return "\n".join(lines)
 
 
-def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None) -> str:
+def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None,
+         gantt: str | None = None) -> str:
     """``asyncflow plan``: search on the profiled costs and format the plan."""
     import json
     import os
@@ -98,10 +141,13 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
     cpus = cpus or os.cpu_count() or 1
     prof = json.loads(open(profile).read())
     cost = ProfiledCost.from_dict(prof)
-    ranked = search(cfg, cost, prof, cpus)
+    teams = team_limit(cpus) if cpus == (os.cpu_count() or 1) else cpus  # another budget: assume it is free
+    ranked = search(cfg, cost, prof, cpus, max_threads=teams)
     current_alloc = allocation_for(cfg, cpus)
     current = (current_alloc, predict(cfg, cost, prof, cpus, 12, current_alloc))
     text = format_plan(ranked, cpus, current)
+    if teams < cpus:
+        text += f"\nthread teams limited to {teams}: other jobs load this machine (1-minute load average)"
     noisy = noisy_calibration(prof)
     if noisy:
         text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
@@ -111,6 +157,11 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
 
         write_sim_trace(ranked[0][1], trace)
         text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
+    if gantt:
+        from asyncflow.planner.trace import write_gantt
+
+        write_gantt(ranked[0][1].spans, gantt, f"simulated: {ranked[0][0].describe()}")
+        text += f"\nGantt chart of the planned run: {gantt}"
     return text
 
 

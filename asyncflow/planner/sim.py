@@ -2,10 +2,15 @@
 
 The simulated job mirrors the real roles (``asyncflow/workflow``):
 
-* **rollout**: one worker with ``slots`` continuous-batching slots. Prompts are admitted a
-  whole group at a time into free slots, only from a partition ``b`` with
-  ``b <= version + staleness`` (admission control); every decode round costs
-  ``cost.decode_s(live rows, mean context)``; finished answers stream to reward at once.
+* **rollout**: one worker with ``slots`` continuous-batching slots. Prompts are fetched a
+  step's worth at a time and admitted a whole group at a time into free slots, while
+  fewer than ``(version + staleness + 1) * prompts_per_step`` groups have started
+  (admission control); every decode round costs ``cost.decode_s(live rows, mean context)``.
+  When a group's last answer finishes it is **placed in completion order** by the real
+  :class:`~asyncflow.workflow.placement.GroupPlacer` (the lowest training step that is not
+  full and not later than its start version + staleness, with the same
+  earliest-deadline-first check), and its answers stream to reward at once. ``sync`` does
+  not place: every group of step ``v`` starts and lands in ``v``.
   A newer published version is swapped in at the next decode boundary
   (``cost.swap_s``: load + rebuild the KV cache of the live rows: the delayed update);
 * **reward**: a FIFO consumer, ``cost.reward_s`` per sample on its own CPU, plus an
@@ -26,26 +31,28 @@ stated here, not measured per role).
 
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
-model, evaluated when the work starts), times ``cost.interference`` (memory bandwidth
-shared by two busy processes). Throughput is measured like the real driver: samples of
+model, re-evaluated every ``QUANTUM_S`` of work), times ``cost.interference`` (shared caches and
+memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is measured like the real driver: samples of
 steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
 
-The kernel is a few lines of generator processes (``yield seconds`` to work or sleep,
-``yield signal`` to wait for a change) so the whole simulation is plain Python with no
-dependency; a 40-step CPU-scale run takes milliseconds.
+The kernel (:mod:`asyncflow.planner.des`) is a few lines of generator processes, so the
+whole simulation is plain Python with no dependency; a 40-step CPU-scale run takes
+milliseconds.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 
+from asyncflow.planner.des import Env, Signal
+from asyncflow.workflow.placement import GroupPlacer
 
 ROLLOUT_SHARE = 0.5
+QUANTUM_S = 0.01  # shared cores: work is re-stretched every this many seconds of work (~ one decode round here)
 
 
 class CostModel(Protocol):
@@ -79,6 +86,7 @@ class Workload:
     token_chunk: int = 1  # tokens per simulated decode round (coarser = faster, for big runs)
     packed: bool = False  # trainer packs sequences (cost ~ mean length) instead of padding to the longest
     seed: int = 0
+    length_seq: list[int] | None = None  # answer lengths in start order, cycled (tests, replays); None = draw
 
     @property
     def batch(self) -> int:
@@ -125,62 +133,21 @@ class SimResult:
     spans: list[tuple[str, str, float, float]]  # (role, what, start, seconds)
     max_staleness: int
     steady_s: float
+    placement: dict[int, int] = field(default_factory=dict)  # group (in start order) -> training step
 
     @property
     def idle(self) -> dict[str, float]:
         return {r: 1.0 - b for r, b in self.busy.items()}
 
 
-# ---------------------------------------------------------------------------- kernel
-class Signal:
-    """Processes ``yield`` a signal to sleep until its next ``fire``."""
-
-    def __init__(self, env: "Env"):
-        self.env, self.waiters = env, []
-
-    def fire(self) -> None:
-        waiters, self.waiters = self.waiters, []
-        for g in waiters:
-            self.env.at(self.env.now, lambda g=g: self.env.resume(g))
-
-
-class Env:
-    def __init__(self) -> None:
-        self.now, self._q, self._seq = 0.0, [], 0
-
-    def at(self, t: float, fn: Callable[[], None]) -> None:
-        self._seq += 1
-        heapq.heappush(self._q, (t, self._seq, fn))
-
-    def process(self, gen: Iterator) -> None:
-        self.at(self.now, lambda: self.resume(gen))
-
-    def resume(self, gen: Iterator) -> None:
-        try:
-            cmd = next(gen)
-        except StopIteration:
-            return
-        if isinstance(cmd, Signal):
-            cmd.waiters.append(gen)
-        else:
-            self.at(self.now + float(cmd), lambda: self.resume(gen))
-
-    def run(self) -> None:
-        while self._q:
-            t, _, fn = heapq.heappop(self._q)
-            self.now = t
-            fn()
-
-
 # ---------------------------------------------------------------------------- the job
 @dataclass
 class _Answer:
-    partition: int
-    group: int
+    partition: int  # training step (-1 until its group is placed)
+    group: int  # global group id, in fetch order
     length: int
-    version: int
+    version: int  # the version that started it
     done: int = 0
-    end: float = 0.0
 
 
 class _Job:
@@ -193,38 +160,67 @@ class _Job:
         self.busy_threads: dict[str, int] = {}
         self.version = 0  # trainer's published version
         self.staged_at: dict[int, float] = {}
-        self.rewarded: dict[int, list[_Answer]] = defaultdict(list)
+        self.rewarded: dict[tuple[int, int], list[_Answer]] = defaultdict(list)
         self.group_left: dict[tuple[int, int], int] = {}
         self.ready_groups: dict[int, deque] = defaultdict(deque)
         self.step_end: list[float] = []
         self.reward_free = 0.0
         self.reward_servers = [0.0] * max(1, wl.reward_concurrency)
         self.max_staleness = 0
+        self.placer = GroupPlacer(wl.prompts_per_step, alloc.k)
+        self.fetched = 0  # groups fetched so far (gid of the next)
+        self.unfinished: dict[int, int] = {}  # gid -> answers still generating
+        self.placement: dict[int, int] = {}
+        self._drawn = 0
 
     # ---------------------------------------------------------------- helpers
     def work(self, role: str, what: str, seconds: float, threads: int) -> Iterator:
-        """Busy ``seconds`` (stretched by core sharing), recorded as a span."""
+        """Busy ``seconds`` of work (stretched by core sharing), recorded as one span. With
+        shared cores it advances in quanta of ``QUANTUM_S`` of work, each stretched by the
+        roles busy when it starts: a long span beside another role's short bursts is slowed
+        for the part they overlap (judged once at its start, a span that began while the
+        other role was idle escaped all sharing, which favoured big micro-batches)."""
         if seconds <= 0:
             return
-        others = sum(self.busy_threads.values())
-        if self.cores:
-            factor = max(1.0, (others + threads) / self.cores)
-            if others:
-                factor *= self.cost.interference
-            seconds *= factor
+        start, left = self.env.now, seconds
         self.busy_threads[role] = threads
-        self.spans.append((role, what, self.env.now, seconds))
-        yield seconds
+        while left > 1e-12:
+            piece = min(left, QUANTUM_S) if self.cores else left
+            left -= piece
+            if self.cores:
+                others = sum(t for r, t in self.busy_threads.items() if r != role)
+                piece *= max(1.0, (others + threads) / self.cores) * (self.cost.interference if others else 1.0)
+            yield piece
         self.busy_threads.pop(role, None)
+        self.spans.append((role, what, start, self.env.now - start))
 
-    def answers(self, partition: int, version: int) -> list[list[_Answer]]:
+    def fetch(self, n: int, partition: int = -1) -> list[list[_Answer]]:
+        """The next ``n`` prompt groups (``partition`` fixed for sync; -1 = placed at completion)."""
         wl = self.wl
-        L = wl.sample_lengths(self.rng, wl.batch)
+        seq = wl.length_seq
+        L = [seq[(self._drawn + i) % len(seq)] for i in range(n * wl.group_size)] if seq \
+            else wl.sample_lengths(self.rng, n * wl.group_size)
+        self._drawn += n * wl.group_size
         groups = []
-        for g in range(wl.prompts_per_step):
-            self.group_left[(partition, g)] = wl.group_size
-            groups.append([_Answer(partition, g, int(L[g * wl.group_size + i]), version) for i in range(wl.group_size)])
+        for i in range(n):
+            gid = self.fetched + i
+            self.unfinished[gid] = wl.group_size
+            groups.append([_Answer(partition, gid, int(L[i * wl.group_size + j]), -1) for j in range(wl.group_size)])
+        self.fetched += n
         return groups
+
+    def generated(self, ans: _Answer, group: list[_Answer]) -> None:
+        """An answer finished generating; when its group is complete, place it and score it."""
+        self.unfinished[ans.group] -= 1
+        if self.unfinished[ans.group]:
+            return
+        del self.unfinished[ans.group]
+        step = ans.partition if ans.partition >= 0 else self.placer.complete(ans.group)
+        self.placement[ans.group] = step
+        self.group_left[(step, ans.group)] = len(group)
+        for x in group:
+            x.partition = step
+            self.finished(x)
 
     def finished(self, ans: _Answer) -> None:
         """An answer left rollout: score it (FIFO on the reward CPU, then remote latency)."""
@@ -240,10 +236,10 @@ class _Job:
 
     def scored(self, ans: _Answer) -> None:
         key = (ans.partition, ans.group)
-        self.rewarded[ans.partition].append(ans)
+        self.rewarded[key].append(ans)
         self.group_left[key] -= 1
         if self.group_left[key] == 0:
-            self.ready_groups[ans.partition].append([a for a in self.rewarded[ans.partition] if a.group == ans.group])
+            self.ready_groups[ans.partition].append(self.rewarded.pop(key))
             self.changed.fire()
 
     # ---------------------------------------------------------------- rollout
@@ -252,29 +248,37 @@ class _Job:
         wl, a, cost = self.wl, self.a, self.cost
         live: list[_Answer] = []
         waiting: deque = deque()
-        partition, version = (only, only) if only is not None else (0, 0)
+        members: dict[int, list[_Answer]] = {}
+        version = only if only is not None else 0
+        total = wl.prompts_per_step * (1 if only is not None else wl.steps)
+        fetched, taken = 0, 0  # groups fetched by this call; of the current prompt partition
         chunk = max(1, wl.token_chunk)
         while True:
             if only is None and self.version > version:
                 ctx = wl.prompt_len + (np.mean([x.done for x in live]) if live else 0.0)
                 yield from self.work("rollout", f"swap v{self.version}", cost.swap_s(len(live), ctx, threads), threads)
                 version = self.version
-            last = only if only is not None else wl.steps - 1
-            if not waiting and partition <= min(last, version + a.k):
-                waiting.extend(self.answers(partition, version))
-                partition += 1
-                if only is None:  # its share of the per-step data-plane overhead, in its own process
+            n = min(total - fetched, wl.prompts_per_step - taken,
+                    self.placer.admits(version) if only is None else wl.prompts_per_step)
+            if not waiting and n > 0:  # one fetch: up to the rest of the current prompt partition
+                if only is None and taken == 0:  # its share of the per-step data-plane overhead, in its own process
                     yield self.cost.step_overhead_s() * ROLLOUT_SHARE
+                groups = self.fetch(n, only if only is not None else -1)
+                members.update((g[0].group, g) for g in groups)
+                waiting.extend(groups)
+                fetched, taken = fetched + n, (taken + n) % wl.prompts_per_step
             free = (a.slots - len(live)) // wl.group_size
             start = [waiting.popleft() for _ in range(min(free, len(waiting)))]
             if start:
                 rows = [x for g in start for x in g]
                 for x in rows:
                     x.version = version
+                for g in start if only is None else ():
+                    self.placer.start(g[0].group, version)
                 yield from self.work("rollout", "prefill", cost.prefill_s(len(rows), wl.prompt_len, threads), threads)
                 live += rows
             if not live:
-                if only is not None or partition > wl.steps - 1:
+                if fetched >= total and not waiting:
                     return
                 yield self.changed  # idle at the staleness bound until new weights arrive
                 continue
@@ -285,8 +289,7 @@ class _Job:
             for x in live:
                 x.done += step
                 if x.done >= x.length:
-                    x.end = self.env.now
-                    self.finished(x)
+                    self.generated(x, members[x.group])
                 else:
                     keep.append(x)
             live = keep
@@ -350,7 +353,7 @@ class _Job:
         span = max(t1 - t0, 1e-12)
         roles = ["rollout", "reward", "actor"]
         return SimResult(n / span, ends, {r: min(1.0, busy[r] / span) for r in roles}, self.spans,
-                         self.max_staleness, span)
+                         self.max_staleness, span, dict(self.placement))
 
 
 def simulate(wl: Workload, alloc: Allocation, cost: CostModel, cores: float | None = None) -> SimResult:

@@ -65,15 +65,28 @@ def make_run_dir(cfg: RunConfig) -> Path:
 
 
 def write_run_trace(spans: dict, path: Path) -> None:
-    """Chrome trace (Perfetto) of the roles' computing spans, one track per role."""
+    """Chrome trace (Perfetto) of the roles' computing spans, one track per role; and
+    ``gantt.png`` beside it when matplotlib is installed."""
     from asyncflow.planner.trace import write_trace
 
     t0 = min((s for v in spans.values() for s, _ in v), default=0.0)
     write_trace([(role, role, s - t0, d) for role, v in spans.items() for s, d in v], path, "asyncflow run")
+    try:  # the same timeline as a PNG, when the [plot] extra is installed
+        from asyncflow.planner.trace import PlotUnavailable, write_gantt
+
+        write_gantt(path, path.with_name("gantt.png"))
+    except PlotUnavailable:
+        pass
 
 
 def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
-    """Run one job; return its summary (also written to ``<run_dir>/summary.json``)."""
+    """Run one job; return its summary (also written to ``<run_dir>/summary.json``).
+    ``plan: auto`` is resolved first (:func:`asyncflow.planner.auto.resolve`)."""
+    if cfg.plan == "auto":
+        from asyncflow.planner.auto import resolve
+
+        cfg, text = resolve(cfg)
+        print(text, flush=True)
     from asyncflow.launch import get_launcher
     from asyncflow.tasks import build_task, load_model, prepare_model
     from asyncflow.workflow.job import Job
