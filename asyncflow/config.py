@@ -117,12 +117,20 @@ class RewardConfig(_Section):
     key: str | None = Field(None, description="fn returns a dict: the named score used as the reward (None = sum of all).")
     timeout_s: float | None = Field(10.0, gt=0, description="fn: seconds per call before it scores on_error (None = no limit).")
     on_error: float = Field(0.0, description="fn: score of a call that raises, times out or returns a non-number (counted).")
+    batched: bool = Field(False, description="fn takes lists (prompts, responses, samples) -> list of scores, called once "
+                                             "per micro-batch (timeout_s per call; a wrong-length list scores on_error).")
 
     @model_validator(mode="after")
     def _fn_path(self) -> "RewardConfig":
         if self.fn is not None and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
             raise ValueError(f"fn = '{self.fn}' is not an import path: write 'package.module:function' "
                              f"(e.g. asyncflow.tasks.rewards:math_answer)")
+        if self.batched and self.fn is None:
+            raise ValueError("batched = true needs fn: name your batched function with "
+                             "reward.fn=package.module:function")
+        if self.batched and self.latency_ms is not None:
+            raise ValueError("batched = true with latency_ms: the emulated remote latency applies to "
+                             "per-sample functions only; drop one of them")
         return self
 
 

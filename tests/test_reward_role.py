@@ -104,3 +104,78 @@ def test_trickling_remote_results_are_written_once_per_window():
         assert rewards(dp, 64) == [1.0] * 64
     finally:
         role.close()
+
+
+# --------------------------------------------------------------------------- async and batched reward functions
+
+
+async def slow_exact(prompt, response, sample):
+    import asyncio
+
+    await asyncio.sleep(30 if response == "9" else 0.05)  # "9" hangs
+    return {"correct": 1.0 if response == sample["answer"] else 0.0, "format": 0.5}
+
+
+def test_async_reward_calls_overlap_and_a_hang_is_cut_by_the_timeout():
+    """32 async calls of 50 ms with 32 in flight take ~0.1 s, not 32 x 50 ms = 1.6 s; a call
+    that hangs scores on_error at timeout_s and is counted; key picks the named score."""
+    from asyncflow.tasks.rewards import RewardFunction
+
+    dp = DataPlane(SCHEMA)
+    put_samples(dp, [("2", "2")] * 16 + [("2", "3")] * 15 + [("2", "9")])
+    rf = RewardFunction(slow_exact, timeout_s=0.3, on_error=-1.0, key="correct")
+    role = RewardRole(dp, rf, decode, micro=32, concurrency=32)
+    try:
+        t = time.perf_counter()
+        run_until(role, 32)
+        assert time.perf_counter() - t < 0.8  # bounded by the 0.3 s timeout, far below 1.6 s serial
+        assert rewards(dp, 32) == [1.0] * 16 + [0.0] * 15 + [-1.0]
+        s = role.stats()
+        assert (s["reward_calls"], s["reward_timeout"], s["score_format"]) == (32, 1, 0.5)
+        assert s["errors"] == 0 and s["inflight"] == 0
+    finally:
+        role.close()
+        rf.close()
+
+
+def test_bare_coroutine_function_runs_on_the_loop():
+    async def exact_async(prompt, response, answer):
+        return 1.0 if response == answer else 0.0
+
+    dp = DataPlane(SCHEMA)
+    put_samples(dp, [("2", "2"), ("2", "3")])
+    role = RewardRole(dp, exact_async, decode, micro=8, concurrency=8)
+    try:
+        run_until(role, 2)
+        assert rewards(dp, 2) == [1.0, 0.0]
+    finally:
+        role.close()
+
+
+def test_batched_reward_gets_the_whole_micro_batch_in_one_call():
+    from asyncflow.tasks.rewards import RewardFunction
+
+    calls = []
+
+    def batched(prompts, responses, samples):
+        calls.append(list(responses))
+        if "4" in responses:
+            return [1.0]  # wrong length: the whole batch scores on_error
+        return [{"correct": float(r == s["answer"]), "format": 1.0} for r, s in zip(responses, samples)]
+
+    dp = DataPlane(SCHEMA)
+    rf = RewardFunction(batched, on_error=-1.0, key="correct", batched=True)
+    role = RewardRole(dp, rf, decode, micro=8, concurrency=2)  # concurrency bounds in-flight calls only
+    try:
+        put_samples(dp, [("2", r) for r in "23232323"])
+        run_until(role, 8)
+        put_samples(dp, [("2", r) for r in "245"])
+        run_until(role, 11)
+        assert calls == [list("23232323"), list("245")]
+        assert rewards(dp, 11) == [1.0, 0.0] * 4 + [-1.0] * 3
+        s = role.stats()
+        assert (s["reward_calls"], s["reward_batches"], s["reward_wrong_length"]) == (11, 2, 3)
+        assert s["score_format"] == 1.0
+    finally:
+        role.close()
+        rf.close()

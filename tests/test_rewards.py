@@ -150,3 +150,75 @@ def test_reward_fn_in_a_run_never_crashes_and_is_counted(tmp_path):
 
 def always_raises(prompt, response, sample):
     raise ValueError("broken verifier")
+
+
+# --------------------------------------------------------------------------- async and batched shapes
+
+
+async def async_flaky(prompt, response, sample):
+    import asyncio
+
+    if response == "hang":
+        await asyncio.sleep(30)
+    if response == "raise":
+        raise RuntimeError("verifier crashed")
+    if response == "named":
+        return {"correct": 1.0, "format": 0.25}
+    return 1.0 if response == sample["answer"] else 0.0
+
+
+def test_async_fn_called_synchronously_has_timeout_and_counters():
+    """The inline path (dynamic sampling's score_ids) calls an async function on its own loop."""
+    rf = RewardFunction(async_flaky, timeout_s=0.2, on_error=-1.0, key="correct")
+    assert rf.is_async and not rf.batched
+    assert rf("p", "7", "7") == 1.0 and rf("p", "8", "7") == 0.0 and rf("p", "named", "7") == 1.0
+    t = time.perf_counter()
+    assert rf("p", "hang", "7") == -1.0 and rf("p", "raise", "7") == -1.0
+    assert time.perf_counter() - t < 1.0  # the hanging coroutine was cut at 0.2 s
+    s = rf.stats()
+    assert (s["reward_calls"], s["reward_timeout"], s["reward_exception"]) == (5, 1, 1)
+    assert s["score_format"] == 0.25
+    rf.close()
+
+
+def test_batched_fn_one_call_per_batch_and_error_policy():
+    seen = []
+
+    def batched(prompts, responses, samples):
+        seen.append(len(prompts))
+        if "raise" in responses:
+            raise ValueError("batch verifier crashed")
+        if "short" in responses:
+            return [1.0] * (len(responses) - 1)
+        return np.array([{"2": 1.0, "3": 0.0}.get(r, np.nan) for r in responses])  # an array is fine too
+
+    rf = RewardFunction(batched, timeout_s=1.0, on_error=-1.0, batched=True)
+    assert rf.score_batch(["p"] * 3, ["2", "3", "x"], [{}] * 3) == [1.0, 0.0, -1.0]  # nan: only its sample
+    assert rf.score_batch(["p"] * 4, ["2", "short", "2", "3"], [{}] * 4) == [-1.0] * 4
+    assert rf.score_batch(["p"] * 2, ["raise", "2"], [{}] * 2) == [-1.0] * 2
+    assert rf("p", "2", "2") == 1.0  # a per-sample call is a batch of one
+    assert seen == [3, 4, 2, 1]
+    s = rf.stats()
+    assert (s["reward_calls"], s["reward_batches"]) == (10, 4)
+    assert (s["reward_non_number"], s["reward_wrong_length"], s["reward_exception"]) == (1, 4, 2)
+    rf.close()
+
+
+def test_batched_fn_timeout_marks_the_whole_batch():
+    def slow(prompts, responses, samples):
+        time.sleep(0.5)
+        return [1.0] * len(prompts)
+
+    rf = RewardFunction(slow, timeout_s=0.1, on_error=-2.0, batched=True)
+    assert rf.score_batch(["p"] * 3, ["a", "b", "c"], [{}] * 3) == [-2.0] * 3
+    assert rf.stats()["reward_timeout"] == 3
+    rf.close()
+
+
+def test_batched_config_checks():
+    cfg = load_config(None, ["reward.fn=test_rewards:flaky", "reward.batched=true"])
+    assert cfg.reward.batched
+    with pytest.raises(ConfigError, match=r"reward: batched = true needs fn.*reward.fn="):
+        load_config(None, ["reward.batched=true"])
+    with pytest.raises(ConfigError, match=r"batched = true with latency_ms.*drop one"):
+        load_config(None, ["reward.fn=test_rewards:flaky", "reward.batched=true", "reward.latency_ms=[1,2]"])

@@ -9,10 +9,30 @@ A reward function is a plain Python function named in the config by import path
 
 ``sample`` holds the dataset row's fields (at least ``answer``). A float is the reward. A
 dict holds named scores: the reward is ``reward.key``'s score when set, else the sum; every
-named score is averaged into the run's metrics. The function runs once per answer, in a
-worker thread, with ``reward.timeout_s`` per call; an exception, a timeout, or a result that
-is not a finite number (or a dict of them) scores ``reward.on_error`` and is counted by kind:
-it never stops the run.
+named score is averaged into the run's metrics. Each call gets ``reward.timeout_s``; an
+exception, a timeout, or a result that is not a finite number (or a dict of them) scores
+``reward.on_error`` and is counted by kind: it never stops the run.
+
+Three more shapes, same scores and error policy:
+
+* **async**: ``async def my_reward(prompt, response, sample)`` (detected with
+  :func:`inspect.iscoroutinefunction`). The reward role keeps ``reward.concurrency`` calls
+  in flight on one event-loop thread (:meth:`RewardFunction.ascore`, timeout by
+  :func:`asyncio.wait_for`, which cancels the hung coroutine) and writes each result back
+  as it completes. Never block inside it (use an async client; blocking stalls the loop).
+* **batched**: ``def my_reward(prompts, responses, samples) -> list[float | dict]``,
+  declared with ``reward.batched: true`` in the config (the only switch: a batched
+  function cannot be told apart from a per-sample one by its signature). It is called once
+  per micro-batch the reward role fetches; ``reward.timeout_s`` bounds that one call. An
+  exception, a timeout or a list of the wrong length scores every sample of the batch
+  ``on_error`` and counts each one; a bad single entry counts only its sample.
+* **async batched**: ``async def`` with ``reward.batched: true``.
+
+Invariants: :meth:`RewardFunction.score`, ``__call__`` and :meth:`RewardFunction.score_batch`
+work for every shape (a per-sample call of a batched function is a batch of one; a sync
+call of an async function runs on the function's own loop thread), always return finite
+floats and never raise. ``reward_calls`` counts samples scored, ``reward_batches`` the calls
+of a batched function; ``reward_{exception,timeout,non_number}`` count samples.
 
 Built-ins (use them by path, e.g. ``asyncflow.tasks.rewards:math_answer``):
 
@@ -25,7 +45,9 @@ Built-ins (use them by path, e.g. ``asyncflow.tasks.rewards:math_answer``):
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import inspect
 import math
 import numbers
 import re
@@ -147,35 +169,107 @@ class RewardFunction:
     """A user reward function made safe: timeout, error scoring and counting, named scores.
 
     Call it as the reward role does: ``rf(prompt, response, answer) -> float`` (``answer`` is
-    wrapped as ``sample = {"answer": answer}``), or :meth:`score` with a full sample dict.
-    A timed-out call is abandoned (its thread finishes in the background; Python cannot kill
-    a thread) and scored ``on_error``.
+    wrapped as ``sample = {"answer": answer}``), :meth:`call_batch` with such triples, or
+    :meth:`score` / :meth:`score_batch` / :meth:`ascore` with full sample dicts. Every entry
+    point accepts every shape of function (sync or async, per-sample or ``batched``; see the
+    module doc). A timed-out sync call is abandoned (its thread finishes in the background;
+    Python cannot kill a thread); a timed-out coroutine is cancelled. Both score ``on_error``.
     """
 
     def __init__(self, fn: RewardFn, timeout_s: float | None = 10.0, on_error: float = 0.0,
-                 key: str | None = None, max_workers: int = 4):
+                 key: str | None = None, max_workers: int = 4, batched: bool = False):
         self.fn, self.timeout_s, self.on_error, self.key = fn, timeout_s, float(on_error), key
-        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="reward-fn") if timeout_s else None
+        self.batched = bool(batched)
+        self.is_async = inspect.iscoroutinefunction(fn)
+        use_pool = timeout_s and not self.is_async
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="reward-fn") if use_pool else None
+        self._loop: asyncio.AbstractEventLoop | None = None  # started on the first sync call of an async fn
         self._lock = threading.Lock()
         self.calls = 0
-        self.errors = {"exception": 0, "timeout": 0, "non_number": 0}
+        self.batches = 0
+        self.errors = {"exception": 0, "timeout": 0, "non_number": 0, "wrong_length": 0}
         self._named: dict[str, list[float]] = {}
 
+    # ------------------------------------------------------------------ role-style entry points
     def __call__(self, prompt: str, response: str, answer: str) -> float:
         return self.score(prompt, response, {"answer": answer})
 
+    async def acall(self, prompt: str, response: str, answer: str) -> float:
+        return await self.ascore(prompt, response, {"answer": answer})
+
+    def call_batch(self, texts: list[tuple[str, str, str]]) -> list[float]:
+        """``(prompt, response, answer)`` triples -> one score each (one call when batched)."""
+        return self.score_batch([t[0] for t in texts], [t[1] for t in texts], [{"answer": t[2]} for t in texts])
+
+    # ------------------------------------------------------------------ per sample
     def score(self, prompt: str, response: str, sample: dict) -> float:
-        with self._lock:
-            self.calls += 1
+        if self.batched:
+            return self.score_batch([prompt], [response], [sample])[0]
+        if self.is_async:
+            return self._on_loop(self.ascore(prompt, response, sample))
+        self._count(1)
         try:
-            if self._pool is None:
-                value = self.fn(prompt, response, sample)
-            else:
-                value = self._pool.submit(self.fn, prompt, response, sample).result(timeout=self.timeout_s)
-        except FutureTimeout:
+            value = self._invoke(prompt, response, sample)
+        except (FutureTimeout, asyncio.TimeoutError):
             return self._fail("timeout")
         except Exception:
             return self._fail("exception")
+        return self._one(value)
+
+    async def ascore(self, prompt: str, response: str, sample: dict) -> float:
+        """One call on the caller's running loop: an async function is awaited under
+        ``timeout_s`` (cancelled past it); any other shape runs in a worker thread."""
+        if self.batched or not self.is_async:
+            return await asyncio.get_running_loop().run_in_executor(None, self.score, prompt, response, sample)
+        self._count(1)
+        try:
+            value = await asyncio.wait_for(self.fn(prompt, response, sample), self.timeout_s)
+        except (asyncio.TimeoutError, FutureTimeout):
+            return self._fail("timeout")
+        except Exception:
+            return self._fail("exception")
+        return self._one(value)
+
+    # ------------------------------------------------------------------ batches
+    def score_batch(self, prompts: list[str], responses: list[str], samples: list[dict]) -> list[float]:
+        """One score per sample. A ``batched`` function is called once for the whole list."""
+        if not self.batched:
+            return [self.score(p, r, s) for p, r, s in zip(prompts, responses, samples)]
+        n = len(prompts)
+        self._count(n, batch=True)
+        try:
+            if self.is_async:
+                values = self._on_loop(asyncio.wait_for(self.fn(prompts, responses, samples), self.timeout_s))
+            else:
+                values = self._invoke(prompts, responses, samples)
+        except (FutureTimeout, asyncio.TimeoutError):
+            return [self._fail("timeout", n)] * n
+        except Exception:
+            return [self._fail("exception", n)] * n
+        if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
+            return [self._fail("wrong_length", n)] * n
+        return [self._one(v) for v in list(values)]
+
+    # ------------------------------------------------------------------ helpers
+    def _invoke(self, *args):
+        if self._pool is None:
+            return self.fn(*args)
+        return self._pool.submit(self.fn, *args).result(timeout=self.timeout_s)
+
+    def _on_loop(self, coro):
+        """Run ``coro`` on this function's own event-loop thread and wait for it."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="reward-fn-loop", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _count(self, n: int, batch: bool = False) -> None:
+        with self._lock:
+            self.calls += n
+            self.batches += batch
+
+    def _one(self, value) -> float:
         reward = self._reduce(value)
         return self._fail("non_number") if reward is None else reward
 
@@ -190,22 +284,25 @@ class RewardFunction:
             return scores[self.key] if self.key else float(sum(scores.values()))
         return _finite(value)
 
-    def _fail(self, kind: str) -> float:
+    def _fail(self, kind: str, n: int = 1) -> float:
         with self._lock:
-            self.errors[kind] += 1
+            self.errors[kind] += n
         return self.on_error
 
     def stats(self) -> dict:
-        """Counters and the mean of each named score so far."""
+        """Counters (samples; ``reward_batches``: calls of a batched function) and the mean of each named score."""
         with self._lock:
             out = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
+            if self.batched:
+                out["reward_batches"] = self.batches
             out.update({f"score_{k}": sum(v) / len(v) for k, v in self._named.items() if v})
         return out
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
-
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
 
 def _finite(v) -> float | None:
     """``v`` as a finite float if it is a real number (bool and numpy scalars included), else None."""

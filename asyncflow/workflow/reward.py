@@ -1,16 +1,26 @@
 """Reward role: scores finished answers as they stream in, many calls in flight.
 
 A reward function is ``fn(prompt: str, response: str, answer: str) -> float`` (a configured
-``reward.fn`` is wrapped by :class:`~asyncflow.tasks.rewards.RewardFunction` to that shape). Local
-functions run inline. A remote verifier (emulated: ``latency_ms`` of network time per
-call) keeps up to ``concurrency`` calls in flight on one event-loop thread, so the role
-overlaps the waits of many samples; results are written back as soon as they are known. A function that raises or
-returns a non-number scores 0 and is counted in ``errors`` (never stops the run).
+``reward.fn`` is wrapped by :class:`~asyncflow.tasks.rewards.RewardFunction` to that shape).
+How the role calls it depends on its shape:
+
+* local sync function: inline, one call per sample of the fetched micro-batch;
+* **batched** (``fn.batched``, from ``reward.batched``): inline, ``fn.call_batch(texts)``
+  once per fetched micro-batch (up to ``micro`` samples);
+* **async** (``fn.is_async`` or a bare coroutine function) and the emulated remote verifier
+  (``latency_ms`` of network time per call): up to ``concurrency`` calls in flight on one
+  event-loop thread (:class:`RemoteCalls`), so the role overlaps the waits of many samples;
+  results are written back as they complete (one data-plane put per collection window).
+
+Invariant: every fetched sample gets exactly one reward written back. A function that
+raises or returns a non-number scores 0 and is counted in ``errors`` (never stops the run);
+a ``RewardFunction`` applies its own ``timeout_s`` / ``on_error`` first and counts in its stats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import math
 import queue
 import random
@@ -30,9 +40,10 @@ FIELDS = ["prompt_ids", "response_ids", "answer"]
 
 
 class RemoteCalls:
-    """Emulated calls to a remote service: one event-loop thread holds every call in flight.
+    """Calls in flight on one event-loop thread: emulated remote calls and coroutines.
 
-    ``submit`` schedules ``fn(*args)`` after ``delay_s`` of (emulated) network latency;
+    ``submit`` schedules a sync ``fn(*args)`` after ``delay_s`` of (emulated) network latency;
+    ``submit_async`` runs ``await coro_fn(*args)`` (after ``delay_s``) as a task on the loop;
     ``drain`` returns the finished ``(key, value_or_exception)`` pairs. Hundreds of calls
     in flight cost one thread and almost no CPU, as with a real async HTTP client.
     """
@@ -41,6 +52,7 @@ class RemoteCalls:
         self.loop = asyncio.new_event_loop()
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.inflight = 0
+        self._tasks: set = set()  # strong references: the loop keeps only weak ones
         self._thread = threading.Thread(target=self.loop.run_forever, name="reward-remote", daemon=True)
         self._thread.start()
 
@@ -53,6 +65,26 @@ class RemoteCalls:
     def _schedule(self, calls: list[tuple]) -> None:
         for key, fn, args, delay_s in calls:
             self.loop.call_later(delay_s, self._finish, key, fn, args)
+
+    def submit_async(self, calls: list[tuple]) -> None:
+        """Start ``(key, coro_fn, args, delay_s)`` calls as tasks (one loop wake-up for the batch)."""
+        self.inflight += len(calls)
+        self.loop.call_soon_threadsafe(self._start_tasks, calls)
+
+    def _start_tasks(self, calls: list[tuple]) -> None:
+        for key, coro_fn, args, delay_s in calls:
+            task = self.loop.create_task(self._run(key, coro_fn, args, delay_s))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, key, coro_fn, args, delay_s: float) -> None:
+        try:
+            if delay_s > 0:
+                await asyncio.sleep(delay_s)
+            value = await coro_fn(*args)
+        except Exception as e:  # reported as a reward error, never raised
+            value = e
+        self.done.put((key, value))
 
     def _finish(self, key, fn, args) -> None:
         try:
@@ -91,7 +123,11 @@ class RewardRole(Role):
         self.latency_ms = latency_ms
         self.concurrency = concurrency
         self.rng = random.Random(seed)
-        self.remote = RemoteCalls() if latency_ms else None
+        self.batched = bool(getattr(reward_fn, "batched", False))
+        # async per-sample: a RewardFunction's acall (its timeout and counters), or a bare coroutine fn
+        is_async = getattr(reward_fn, "is_async", False) or inspect.iscoroutinefunction(reward_fn)
+        self.async_fn = getattr(reward_fn, "acall", reward_fn) if is_async and not self.batched else None
+        self.remote = RemoteCalls() if (latency_ms or self.async_fn) and not self.batched else None
         self.errors = 0
 
     def poll(self, timeout: float) -> int:
@@ -110,13 +146,14 @@ class RewardRole(Role):
                               self.decode(data["response_ids"][i].tolist()),
                               decode_text(data["answer"][i])) for i in range(len(meta.rows))]
                     if self.remote is None:
-                        scores = [self._call(t) for t in texts]
+                        scores = self._call_batch(texts) if self.batched else [self._call(t) for t in texts]
                         self._put(meta.partition, meta.rows, scores)
                         self.linger(len(meta.rows), self.micro)
                         return len(meta.rows)
                     fetched = len(meta.rows)
-                    self.remote.submit([((meta.partition, row), self.fn, t, self.rng.uniform(*self.latency_ms) / 1000.0)
-                                        for row, t in zip(meta.rows, texts)])
+                    calls = [((meta.partition, row), self.async_fn or self.fn, t, self._delay())
+                             for row, t in zip(meta.rows, texts)]
+                    (self.remote.submit_async if self.async_fn else self.remote.submit)(calls)
         if not self.remote or not self.remote.inflight:
             return 0
         # Unless a full batch just arrived, collect results for one window before the next
@@ -135,6 +172,18 @@ class RewardRole(Role):
     def score_ids(self, prompt_ids, response_ids, answer) -> float:
         """One local call on token ids (used inline by rollout for dynamic sampling)."""
         return self._call((self.decode(list(prompt_ids)), self.decode(list(response_ids)), decode_text(answer)))
+
+    def _delay(self) -> float:
+        return self.rng.uniform(*self.latency_ms) / 1000.0 if self.latency_ms else 0.0
+
+    def _call_batch(self, texts: list[tuple]) -> list[float]:
+        try:
+            values = list(self.fn.call_batch(texts))
+        except Exception:
+            values = []
+        if len(values) != len(texts):  # a RewardFunction never gets here; a bare object might
+            values = [math.nan] * len(texts)
+        return [self._safe(v) for v in values]
 
     def _call(self, texts: tuple) -> float:
         try:

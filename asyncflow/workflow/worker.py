@@ -237,7 +237,8 @@ class Worker:
             from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 
             r = self.cfg.reward
-            self._reward_fn = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key)
+            self._reward_fn = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key,
+                                             batched=r.batched)
         return self._reward_fn
 
     def save(self, path: str) -> str:
