@@ -54,8 +54,11 @@ class TaskConfig(_Section):
     name: Literal["addition", "countdown", "multistep", "dataset"] = Field(
         "addition", description="Built-in: 'addition' (12+34=), 'countdown' (reach a target with given numbers: "
                                 "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path.")
-    path: str | None = Field(None, description="dataset: local .jsonl or .parquet file of training rows.")
+    path: str | None = Field(None, description="dataset: local .jsonl or .parquet file, or a folder saved by "
+                                               "datasets' save_to_disk, of training rows.")
     heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
+    split: str = Field("train", description="dataset: the split of a DatasetDict folder at path.")
+    heldout_split: str = Field("test", description="dataset: the split of a DatasetDict folder at heldout_path.")
     fields: dict[str, str] = Field(default_factory=dict,
                                    description="dataset: our field -> the file's, e.g. {prompt: question, answer: answer}.")
     on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad row, or skip and count it.")
@@ -240,7 +243,7 @@ class RunConfig(_Section):
     @model_validator(mode="after")
     def _consistent(self) -> "RunConfig":
         if self.task.name == "dataset" and not self.task.path:
-            raise ValueError("task.name=dataset needs task.path (a local .jsonl or .parquet file)")
+            raise ValueError("task.name=dataset needs task.path (a local .jsonl or .parquet file, or a save_to_disk folder)")
         if self.task.name == "dataset" and not self.model.path:
             raise ValueError("task.name=dataset needs model.path (a Hugging Face model folder): the built-in "
                              "tiny model only knows the characters of the addition task")

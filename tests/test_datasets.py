@@ -68,3 +68,95 @@ def test_parquet_rows(tmp_path):
     ds = load_dataset(p, {"prompt": "question"}, on_error="skip")
     assert [s.answer for s in ds.samples] == ["2", "7"] and ds.skipped == 1
     assert ds.errors[0].startswith(f"{p}: row 2: field 'question' (prompt)")
+
+
+# --------------------------------------------------------------------------- Hugging Face save_to_disk folders
+
+
+def save_to_disk(folder, columns: dict, shards: int = 1):
+    """Write ``columns`` as ``datasets.Dataset.save_to_disk`` does, with pyarrow only:
+    ``data-XXXXX-of-YYYYY.arrow`` shards in Arrow IPC stream format, ``dataset_info.json``
+    and ``state.json`` (whose ``_data_files`` list the shards in order)."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.ipc as ipc
+
+    folder.mkdir(parents=True)
+    table = pa.table(columns)
+    per = -(-table.num_rows // shards)
+    files = []
+    for i in range(shards):
+        name = f"data-{i:05d}-of-{shards:05d}.arrow"
+        with pa.OSFile(str(folder / name), "wb") as sink, ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table.slice(i * per, per))
+        files.append({"filename": name})
+    (folder / "dataset_info.json").write_text(json.dumps(
+        {"citation": "", "description": "", "homepage": "", "license": "",
+         "features": {c: {"dtype": "string", "_type": "Value"} for c in columns}}))
+    (folder / "state.json").write_text(json.dumps(
+        {"_data_files": files, "_fingerprint": "0123abcd", "_format_columns": None, "_format_kwargs": {},
+         "_format_type": None, "_output_all_columns": False, "_split": None}))
+    return folder
+
+
+def save_dict_to_disk(folder, splits: dict):
+    """``DatasetDict.save_to_disk``: ``dataset_dict.json`` and one Dataset folder per split."""
+    for name, columns in splits.items():
+        save_to_disk(folder / name, columns)
+    (folder / "dataset_dict.json").write_text(json.dumps({"splits": list(splits)}))
+    return folder
+
+
+def test_save_to_disk_folder_shards_in_order_with_mapping_and_bad_rows(tmp_path):
+    q = ["1+1?", "2+3?", None, "4+4?", "5+0?"]  # row 3 has no prompt
+    folder = save_to_disk(tmp_path / "ds", {"question": q, "meta": [{"gt": str(i)} for i in range(5)],
+                                            "answer": ["2", "5", "x", "8", "5"]}, shards=2)
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "data-00000-of-00002.arrow", "data-00001-of-00002.arrow", "dataset_info.json", "state.json"]
+    ds = load_dataset(folder, {"prompt": "question", "answer": "meta.gt"}, on_error="skip")
+    assert [(s.prompt, s.answer) for s in ds.samples] == [("1+1?", "0"), ("2+3?", "1"), ("4+4?", "3"), ("5+0?", "4")]
+    assert ds.samples[3].row == {"question": "5+0?", "meta": {"gt": "4"}, "answer": "5"}  # row from shard 2
+    assert ds.skipped == 1 and ds.errors[0].startswith(f"{folder}: row 3: field 'question' (prompt)")
+    with pytest.raises(DatasetError, match=rf"^{folder}: row 3: field 'question' \(prompt\).*on_error='skip'"):
+        load_dataset(folder, {"prompt": "question"})
+
+
+def test_dataset_dict_folder_splits(tmp_path):
+    folder = save_dict_to_disk(tmp_path / "dd", {
+        "train": {"prompt": ["a", "b", "c"], "answer": ["1", "2", "3"]},
+        "test": {"prompt": ["z"], "answer": ["9"]}})
+    assert [s.prompt for s in load_dataset(folder).samples] == ["a", "b", "c"]  # default split: train
+    assert load_dataset(folder, split="test").samples == [Sample("z", "9")]
+    assert load_dataset(folder / "test").samples == [Sample("z", "9")]  # a split's folder directly
+    with pytest.raises(DatasetError) as e:
+        load_dataset(folder, split="validation")
+    msg = str(e.value)
+    assert "split 'validation' not found; available: train, test" in msg and "task.split" in msg and "\n" not in msg
+
+
+def test_save_to_disk_folder_errors(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=r"empty': a folder must be saved by datasets' save_to_disk"):
+        load_dataset(tmp_path / "empty")
+    folder = save_to_disk(tmp_path / "ds", {"prompt": ["a"], "answer": ["1"]})
+    shard = folder / "data-00000-of-00001.arrow"
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("prompt", pa.string())])) as w:
+        w.write_table(pa.table({"prompt": ["a"]}))  # IPC *file* format: not what save_to_disk writes
+    with pytest.raises(DatasetError, match=r"data-00000-of-00001.arrow': not an Arrow stream file"):
+        load_dataset(folder)
+    shard.unlink()
+    with pytest.raises(DatasetError, match=r"shard data-00000-of-00001.arrow missing"):
+        load_dataset(folder)
+
+
+def test_dataset_task_reads_train_and_test_splits_of_one_folder(tmp_path):
+    from asyncflow.config import load_config
+    from asyncflow.tasks import build_task
+
+    folder = save_dict_to_disk(tmp_path / "dd", {
+        "train": {"q": ["1+1=", "2+2=", "3+3="], "a": ["2", "4", "6"]},
+        "test": {"q": ["4+4="], "a": ["8"]}})
+    cfg = load_config(None, ["task.name=dataset", f"task.path={folder}", f"task.heldout_path={folder}",
+                             "task.fields={prompt: q, answer: a}", "model.path=/unused"])
+    task = build_task(cfg)
+    assert [s.answer for s in task.train] == ["2", "4", "6"] and [s.answer for s in task.heldout] == ["8"]

@@ -39,8 +39,8 @@ class DatasetTask:
 
         t = cfg.task
         try:
-            train = load_dataset(t.path, t.fields, t.on_bad_row)
-            held = load_dataset(t.heldout_path, t.fields, t.on_bad_row) if t.heldout_path else None
+            train = load_dataset(t.path, t.fields, t.on_bad_row, t.split)
+            held = load_dataset(t.heldout_path, t.fields, t.on_bad_row, t.heldout_split) if t.heldout_path else None
         except DatasetError as e:
             raise ConfigError(str(e)) from None
         self.skipped = train.skipped + (held.skipped if held else 0)

@@ -1,13 +1,23 @@
-"""Local datasets: JSONL (and Parquet when ``pyarrow`` is installed) with a field mapping.
+"""Local datasets: JSONL, Parquet and Hugging Face ``save_to_disk`` folders, with a field mapping.
 
-A dataset is a file of rows; ``fields`` maps our names to the file's, e.g.
+Formats, chosen by the path: ``.jsonl``/``.json``/``.ndjson`` (one object per line),
+``.parquet``, or a folder written by ``datasets.Dataset.save_to_disk`` /
+``DatasetDict.save_to_disk``. The folder is read with pyarrow alone (the ``datasets``
+library is not needed): a ``Dataset`` folder holds ``state.json`` (its ``_data_files``
+list the shards, in order), ``dataset_info.json`` and ``data-XXXXX-of-YYYYY.arrow``
+shards in Arrow IPC *stream* format; a ``DatasetDict`` folder holds ``dataset_dict.json``
+(``{"splits": [...]}``) and one ``Dataset`` folder per split, of which ``split`` picks one
+(a split's subfolder may also be given directly). Parquet and Arrow rows are numbered from
+1 across all shards, in file order.
+
+A dataset is a sequence of rows; ``fields`` maps our names to the file's, e.g.
 ``{"prompt": "question", "answer": "answer"}`` (a dotted name reaches into nested objects:
 ``"answer": "reward_model.ground_truth"``). Every mapped field is required; ``prompt`` must
 be a non-empty string; ``answer`` a string or a number (kept as its text). The whole
 source row travels along as :attr:`Sample.row`, so a reward function sees it as ``sample``.
 
 A bad row (invalid JSON, not an object, a missing or ill-typed field) either raises
-:class:`DatasetError` naming the file, line (Parquet: row) and field (``on_error="raise"``,
+:class:`DatasetError` naming the file, line (Parquet, Arrow: row) and field (``on_error="raise"``,
 the default), or is skipped and counted in :attr:`Dataset.skipped`, with the first few
 messages kept in :attr:`Dataset.errors` (``on_error="skip"``).
 
@@ -50,21 +60,27 @@ class Dataset:
 
 
 def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
-                 on_error: Literal["raise", "skip"] = "raise") -> Dataset:
-    """Read a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file (see module doc)."""
+                 on_error: Literal["raise", "skip"] = "raise", split: str = "train") -> Dataset:
+    """Read a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, or a
+    ``save_to_disk`` folder (``split`` picks a ``DatasetDict``'s split; see module doc)."""
     p = Path(path).expanduser()
     fields = {**{k: k for k in REQUIRED}, **(fields or {})}
     if on_error not in ("raise", "skip"):
         raise DatasetError(f"on_error = {on_error!r}: use 'raise' or 'skip'")
-    if not p.is_file():
-        raise DatasetError(f"dataset '{p}' not found (give a local .jsonl or .parquet file)")
+    if not p.exists():
+        raise DatasetError(f"dataset '{p}' not found (give a local .jsonl or .parquet file, "
+                           f"or a folder saved by datasets' save_to_disk)")
     suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".json", ".ndjson"):
+    if p.is_dir():
+        p, shards = _hf_folder(p, split)
+        rows, where = _arrow_rows(shards), "row"
+    elif suffix in (".jsonl", ".json", ".ndjson"):
         rows, where = _jsonl_rows(p), "line"
     elif suffix == ".parquet":
         rows, where = _parquet_rows(p), "row"
     else:
-        raise DatasetError(f"dataset '{p}': unknown format '{suffix}' (use .jsonl or .parquet)")
+        raise DatasetError(f"dataset '{p}': unknown format '{suffix}' (use .jsonl, .parquet "
+                           f"or a save_to_disk folder)")
     ds = Dataset(str(p), [])
     for n, row in rows:
         try:
@@ -101,6 +117,55 @@ def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
         raise DatasetError(f"dataset '{p}': reading Parquet needs pyarrow (pip install pyarrow)") from None
     for n, row in enumerate(pq.read_table(p).to_pylist(), 1):
         yield n, row
+
+
+def _read_json(p: Path) -> Any:
+    try:
+        return json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise DatasetError(f"dataset '{p}': unreadable JSON ({e}); re-save the dataset with save_to_disk") from None
+
+
+def _hf_folder(p: Path, split: str) -> tuple[Path, list[Path]]:
+    """The ``Dataset`` folder to read (a ``DatasetDict``'s ``split``) and its shards, in order."""
+    if (p / "dataset_dict.json").is_file():
+        splits = _read_json(p / "dataset_dict.json").get("splits") or \
+            sorted(d.name for d in p.iterdir() if (d / "state.json").is_file())
+        if split not in splits:
+            raise DatasetError(f"dataset '{p}': split '{split}' not found; available: {', '.join(splits)} "
+                               f"(set task.split / task.heldout_split to one of them)")
+        p = p / split
+    if not (p / "state.json").is_file():
+        raise DatasetError(f"dataset '{p}': a folder must be saved by datasets' save_to_disk "
+                           f"(no state.json or dataset_dict.json in it)")
+    state = _read_json(p / "state.json")
+    names = [f["filename"] for f in state.get("_data_files", []) if isinstance(f, dict) and "filename" in f]
+    shards = [p / n for n in names] or sorted(p.glob("*.arrow"))
+    missing = [s.name for s in shards if not s.is_file()]
+    if not shards or missing:
+        raise DatasetError(f"dataset '{p}': shard {', '.join(missing) or '*.arrow'} missing "
+                           f"(state.json lists the data files; re-save the dataset with save_to_disk)")
+    return p, shards
+
+
+def _arrow_rows(shards: list[Path]) -> Iterator[tuple[int, Any]]:
+    try:
+        import pyarrow as pa
+        import pyarrow.ipc as ipc
+    except ImportError:
+        raise DatasetError(f"dataset '{shards[0].parent}': reading save_to_disk folders needs pyarrow "
+                           f"(pip install pyarrow)") from None
+    n = 0
+    for shard in shards:
+        try:
+            with pa.memory_map(str(shard)) as source:
+                table = ipc.open_stream(source).read_all()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DatasetError(f"dataset shard '{shard}': not an Arrow stream file ({e}); "
+                               f"re-save the dataset with save_to_disk") from None
+        for row in table.to_pylist():
+            n += 1
+            yield n, row
 
 
 def _get(row: dict, dotted: str):
