@@ -14,13 +14,15 @@
   collect the step first. ``token-mean`` needs the step's token count, known only at the
   end: its loss is a token sum and the gradient is scaled by ``1 / tokens`` before the step;
 * publishes version ``v + 1`` to the weight store without waiting, and clears the
-  partition (frees its rows in the data plane).
+  partition (frees its rows in the data plane). With ``prefetch_next`` the clear and the
+  first fetch of ``v + 1`` run on the prefetch thread as soon as ``v``'s rows are all in
+  hand (measured: the step boundary cost the trainer ~29 ms a step, ~7% of a run).
 """
 
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -54,21 +56,39 @@ class ActorRole(Role):
         self.wait_timeout_s = wait_timeout_s
         self.wait_s = 0.0
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="actor-prefetch")
+        self._next: tuple | None = None  # (step, submit, first fetch, clear of the step before)
         self.max_staleness = 0
         self.staleness_hist: dict[int, int] = {}
         self.dropped_stale = 0
 
-    def train_step(self, v: int) -> dict:
-        """Train version ``v`` on partition ``v`` (blocks until the partition is consumed)."""
+    def _fetcher_for(self, v: int) -> Callable[[int], Future]:
+        """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
         sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
-        seen, metrics, rewards, lengths, pending = 0, [], [], [], []
 
         def fetch(want: int):
             return self.dp.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
                                      min_n=want, block=True, timeout=self.wait_timeout_s)
 
+        return lambda want: self._fetcher.submit(fetch, want)
+
+    def train_step(self, v: int, prefetch_next: bool = False) -> dict:
+        """Train version ``v`` on partition ``v`` (blocks until the partition is consumed).
+
+        ``prefetch_next`` (the caller will call ``train_step(v + 1)`` next): once the last
+        rows of ``v`` are in hand, clear ``v`` and start fetching ``v + 1``'s first
+        micro-batch on the prefetch thread, so the step boundary (return to the driver,
+        its call back, the first fetch) does not leave the trainer idle."""
         micro = self.micro_prompts * self.group_size
-        nxt = self._fetcher.submit(fetch, min(micro, self.batch_size))
+        if self._next is not None:
+            nv, submit, nxt, cleared = self._next
+            self._next = None
+            if nv != v:
+                raise RuntimeError(f"train_step({v}) after prefetching step {nv}: steps must be consecutive")
+            cleared.result()  # the previous step's clear (raises its error, if any)
+        else:
+            submit = self._fetcher_for(v)
+            nxt = submit(min(micro, self.batch_size))
+        seen, metrics, rewards, lengths, pending = 0, [], [], [], []
         while seen < self.batch_size:
             t = time.perf_counter()
             meta, data = nxt.result()
@@ -76,7 +96,11 @@ class ActorRole(Role):
             seen += len(meta.rows) + len(meta.dropped)
             self.dropped_stale += len(meta.dropped)
             if seen < self.batch_size:  # the next micro-batch travels while this one computes
-                nxt = self._fetcher.submit(fetch, min(micro, self.batch_size - seen))
+                nxt = submit(min(micro, self.batch_size - seen))
+            elif prefetch_next:  # the step's rows are all here: clear it, start the next step
+                cleared = self._fetcher.submit(self.dp.clear, v)
+                nsubmit = self._fetcher_for(v + 1)
+                self._next = (v + 1, nsubmit, nsubmit(min(micro, self.batch_size)), cleared)
             if not meta.rows:
                 continue
             if self.algorithm.batch_level:
@@ -95,7 +119,8 @@ class ActorRole(Role):
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
             if self.publish is not None:
                 self.publish(self.engine.version, seal(self.engine.export_weights()))
-        self.dp.clear(v)
+        if not prefetch_next:
+            self.dp.clear(v)
         self.items += seen
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
         out.update(step, reward=float(np.mean(rewards)) if rewards else 0.0,

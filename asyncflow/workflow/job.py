@@ -33,8 +33,10 @@ class Job:
     def step(self, v: int) -> dict:
         """Train version ``v`` (PPO: and collect the critic's step-``v`` metrics); while
         waiting, check that the other workers are alive."""
-        method = "sync_step" if self.cfg.mode == "sync" else "train_step"
-        fut = self.launcher.submit(self.workers[self.trainer], method, v)
+        if self.cfg.mode == "sync":
+            fut = self.launcher.submit(self.workers[self.trainer], "sync_step", v)
+        else:  # the trainer starts fetching step v + 1 as soon as v's rows are in hand
+            fut = self.launcher.submit(self.workers[self.trainer], "train_step", v, v + 1 < self.cfg.train.steps)
         while True:
             try:
                 out = self.launcher.result(fut, timeout=2.0)

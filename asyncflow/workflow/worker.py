@@ -189,8 +189,8 @@ class Worker:
         """
         return self._compute.submit(fn, *args).result()
 
-    def train_step(self, v: int) -> dict:
-        return self._on_compute(self.roles["actor"].train_step, v)
+    def train_step(self, v: int, prefetch_next: bool = False) -> dict:
+        return self._on_compute(self.roles["actor"].train_step, v, prefetch_next)
 
     def critic_metrics(self, v: int, timeout: float = 2.0) -> dict | None:
         """The critic's metrics of step ``v`` once its update is done (None if not within ``timeout``)."""
