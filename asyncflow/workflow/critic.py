@@ -41,7 +41,6 @@ import numpy as np
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.value import explained_variance
 from asyncflow.engines.critic import CriticEngine
-from asyncflow.queue import QueueTimeout
 from asyncflow.workflow.role import Role
 
 FIELDS = ["prompt_ids", "response_ids", "reward"]
@@ -63,13 +62,10 @@ class CriticRole(Role):
 
     def poll(self, timeout: float) -> int:
         v = self.step
-        try:
-            meta, data = self.dp.get_batch("critic", self.fields, n=self.micro, partition=v, min_n=1,
-                                           block=True, timeout=timeout)
-        except QueueTimeout:
+        got = self.fetch(self.dp, "critic", self.fields, self.micro, v, timeout)
+        if got is None:
             return 0
-        if not meta.rows:
-            return 0
+        meta, data = got
         with self.work():
             assert self.engine.version == v * self.epochs, f"critic after {self.engine.version} updates valued step {v}"
             prompts = [p.tolist() for p in data["prompt_ids"]]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from asyncflow.engines.training import TrainEngine
-from asyncflow.queue import QueueTimeout
 from asyncflow.workflow.role import Role
 
 FIELDS = ["prompt_ids", "response_ids"]
@@ -17,13 +16,10 @@ class ReferenceRole(Role):
         self.engine, self.dp, self.micro = engine, dp, micro
 
     def poll(self, timeout: float) -> int:
-        try:
-            meta, data = self.dp.get_batch("reference", FIELDS, n=self.micro, partition=None, min_n=1,
-                                           block=True, timeout=timeout)
-        except QueueTimeout:
+        got = self.fetch(self.dp, "reference", FIELDS, self.micro, None, timeout)
+        if got is None:
             return 0
-        if not meta.rows:
-            return 0
+        meta, data = got
         with self.work():
             ref = self.engine.logprobs([p.tolist() for p in data["prompt_ids"]],
                                        [r.tolist() for r in data["response_ids"]])

@@ -12,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 
-from asyncflow.queue import QueueClosed
+from asyncflow.queue import QueueClosed, QueueTimeout
 
 
 MAX_SPANS = 200_000
@@ -45,6 +45,15 @@ class Role:
         with a trickle would otherwise make one data-plane call per row."""
         if got < want:
             time.sleep(self.linger_s)
+
+    def fetch(self, dp, task: str, fields: list[str], n: int, partition=None, timeout: float = 0.05):
+        """Up to ``n`` ready rows of ``task`` (at least one, waiting up to ``timeout``):
+        ``(meta, data)``, or ``None`` when nothing came."""
+        try:
+            meta, data = dp.get_batch(task, fields, n=n, partition=partition, min_n=1, block=True, timeout=timeout)
+        except QueueTimeout:
+            return None
+        return (meta, data) if meta.rows else None
 
     def poll(self, timeout: float) -> int:  # pragma: no cover - interface
         raise NotImplementedError
