@@ -25,6 +25,7 @@ Invariants
 
 from __future__ import annotations
 
+import importlib
 import itertools
 from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
@@ -165,11 +166,18 @@ class StepEngine:
     def __init__(self, backend: Backend, eos_id: int, max_batch: int):
         self.backend, self.eos_id, self.max_batch = backend, eos_id, max_batch
         self.version = 0
+        self.load_path: Any = None
         self.busy_slots = 0
         self.total_slots = 0
 
     def new_batch(self, sampling: SamplingParams) -> StepBatch:
         return StepBatch(self.backend, sampling, self.eos_id, self.version)
+
+    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
+        """Our weight store's buffers into the engine (HF names, see :func:`named_tensors`);
+        ``load_path`` keeps what the backend's loader reports (the path taken, or buckets)."""
+        self.load_path = self.backend.load(named_tensors(tensors))
+        self.version = version
 
     def generate(self, requests: Iterable[Request], sampling: SamplingParams, on_done=None) -> list[Completion]:
         """All ``requests`` (the engine schedules them), results in completion order."""
@@ -181,6 +189,15 @@ class StepEngine:
             for c in done if on_done else ():
                 on_done(c)
         return results
+
+
+def import_engine(module: str, label: str) -> Any:
+    """The optional engine library ``module``, or an ImportError naming the extra to install."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"rollout.engine={module} needs {label}: pip install 'asyncflow[{module}]' "
+                          f"(a CUDA machine)") from e
 
 
 def sampled_logprobs(token_ids: Sequence[int], per_position: Sequence[Any] | None) -> list[float]:

@@ -24,7 +24,7 @@ import queue
 import threading
 from typing import Any, Mapping, Sequence
 
-from asyncflow.engines.adapters import StepEngine, Update, chunked, named_tensors
+from asyncflow.engines.adapters import StepEngine, Update, chunked, import_engine
 from asyncflow.engines.types import SamplingParams
 
 
@@ -92,14 +92,7 @@ class SGLangEngine(StepEngine):
 
     def __init__(self, model_path: str, eos_id: int, max_batch: int = 64, dtype: str = "bfloat16",
                  seed: int = 0, mem_fraction_static: float = 0.5, **engine_kwargs: Any):
-        try:
-            import sglang
-        except ImportError as e:
-            raise ImportError("rollout.engine=sglang needs SGLang: pip install 'asyncflow[sglang]' (a CUDA machine)") from e
+        sglang = import_engine("sglang", "SGLang")
         engine = sglang.Engine(model_path=model_path, dtype=dtype, random_seed=seed, max_running_requests=max_batch,
                                mem_fraction_static=mem_fraction_static, **engine_kwargs)
         super().__init__(SGLangBackend(engine), eos_id, max_batch)
-
-    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
-        self.backend.load(named_tensors(tensors))
-        self.version = version

@@ -22,9 +22,9 @@ so the rollout role keeps its continuous batching, streaming and partial-rollout
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-from asyncflow.engines.adapters import StepEngine, Update, named_tensors, sampled_logprobs
+from asyncflow.engines.adapters import StepEngine, Update, import_engine, sampled_logprobs
 from asyncflow.engines.types import SamplingParams
 
 
@@ -81,16 +81,8 @@ class VLLMEngine(StepEngine):
 
     def __init__(self, model_path: str, eos_id: int, max_batch: int = 64, dtype: str = "bfloat16",
                  seed: int = 0, gpu_memory_utilization: float = 0.5, **llm_kwargs: Any):
-        try:
-            import vllm
-        except ImportError as e:
-            raise ImportError("rollout.engine=vllm needs vLLM: pip install 'asyncflow[vllm]' (a CUDA machine)") from e
+        vllm = import_engine("vllm", "vLLM")
         llm = vllm.LLM(model=model_path, dtype=dtype, seed=seed, max_num_seqs=max_batch,
                        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
                        **llm_kwargs)
         super().__init__(VLLMBackend(llm, vllm, seed), eos_id, max_batch)
-        self.load_path = None
-
-    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
-        self.load_path = self.backend.load(named_tensors(tensors))
-        self.version = version

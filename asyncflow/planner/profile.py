@@ -200,7 +200,7 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
     """Each role alone through the real role code vs the curves' prediction of the same work."""
     from asyncflow.bench.solo import measure_roles
     from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.sim import Allocation, Workload, simulate
+    from asyncflow.planner.sim import Allocation, simulate
 
     # min of two runs: on a shared machine other load only ever adds time
     runs = [measure_roles(cfg, model_dir, steps, threads, continuous=True) for _ in range(2)]
