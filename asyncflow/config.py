@@ -122,6 +122,11 @@ class RewardConfig(_Section):
     on_error: float = Field(0.0, description="fn: score of a call that raises, times out or returns a non-number (counted).")
     batched: bool = Field(False, description="fn takes lists (prompts, responses, samples) -> list of scores, called once "
                                              "per micro-batch (timeout_s per call; a wrong-length list scores on_error).")
+    placement: Literal["rollout", "separate"] = Field(
+        "rollout", description="Where rewards are computed: 'rollout' = inside the rollout process, each answer group "
+                               "as it finishes (remote/async calls in flight there; no reward process, no data-plane "
+                               "round trip); 'separate' = a reward worker of its own that streams rows from the data "
+                               "plane (for a heavy local reward that should not take rollout's CPU).")
 
     @model_validator(mode="after")
     def _fn_path(self) -> "RewardConfig":
@@ -259,9 +264,9 @@ class RunConfig(_Section):
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < rollout.max_new_tokens "
                              f"({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
-        if self.algorithm.dynamic_sampling and self.reward.latency_ms is not None:
+        if self.algorithm.dynamic_sampling and self.reward.placement != "rollout":
             raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group is kept or dropped when it "
-                             "finishes), so it cannot emulate a remote reward: unset reward.latency_ms")
+                             "finishes): set reward.placement=rollout")
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")

@@ -43,10 +43,12 @@ class SpyLauncher(DelayLauncher):
         return self.dp
 
 
-@pytest.mark.parametrize("mode,k", [("sync", 0), ("async", 1), ("async", 2)])
-def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, mode, k):
+@pytest.mark.parametrize("mode,k,latency", [("sync", 0, None), ("async", 1, None), ("async", 2, None),
+                                              ("async", 1, "[5, 30]")])
+def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, mode, k, latency):
+    """The last case scores through emulated remote calls in flight inside rollout."""
     steps, prompts, group = 5, 4, 4
-    cfg = load_config(None, [
+    cfg = load_config(None, [f"reward.latency_ms={latency or 'null'}",
         "launcher=local", "warmstart.enabled=false", "progress=false", f"train.prompts_per_step={prompts}",
         "train.micro_prompts=1", f"rollout.group_size={group}", "rollout.max_batch=8", f"run_dir={tmp_path}",
         f"mode={mode}", f"staleness={k}", f"train.steps={steps}", "algorithm.dynamic_sampling=true",
@@ -76,6 +78,6 @@ def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, mode, k):
     assert all(m["samples"] == prompts * group for m in rows)
 
 
-def test_dynamic_sampling_refuses_an_emulated_remote_reward():
-    with pytest.raises(ConfigError, match="reward.latency_ms"):
-        load_config(None, ["algorithm.dynamic_sampling=true", "reward.latency_ms=[10, 20]"])
+def test_dynamic_sampling_needs_rewards_in_rollout():
+    with pytest.raises(ConfigError, match="reward.placement=rollout"):
+        load_config(None, ["algorithm.dynamic_sampling=true", "reward.placement=separate"])

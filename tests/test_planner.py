@@ -147,7 +147,7 @@ def test_real_run_writes_a_trace_with_one_track_per_role(tmp_path):
 
     cfg = load_config(None, ["mode=stream", "launcher=local", "warmstart.enabled=false", "train.steps=2",
                              "train.prompts_per_step=4", "train.micro_prompts=2", "train.eval_every=0",
-                             "progress=false", f"run_dir={tmp_path}"])
+                             "progress=false", f"run_dir={tmp_path}", "reward.placement=separate"])
     s = train(cfg, evaluate=False)
     events = json.loads((Path(s["run_dir"]) / "trace.json").read_text())["traceEvents"]
     tracks = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}

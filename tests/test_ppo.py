@@ -111,7 +111,9 @@ def test_ppo_config_fields_and_errors():
     from asyncflow.workflow.worker import plan_workers
 
     specs = plan_workers(load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0.01"]), ncpu=2)
-    assert {s.name for s in specs} == {"rollout", "reward", "reference", "critic", "actor"}
+    assert {s.name for s in specs} == {"rollout", "reference", "critic", "actor"}  # rewards inside rollout
+    separate = plan_workers(load_config(None, ["algorithm.name=ppo", "reward.placement=separate"]), ncpu=2)
+    assert {s.name for s in separate} == {"rollout", "reward", "critic", "actor"}
     assert sum(s.cpus for s in specs) <= 2  # fractional shares never oversubscribe
     sync = plan_workers(load_config(None, ["algorithm.name=ppo", "mode=sync"]), ncpu=2)
     assert len(sync) == 1 and "critic" in sync[0].roles

@@ -179,3 +179,57 @@ def test_batched_reward_gets_the_whole_micro_batch_in_one_call():
     finally:
         role.close()
         rf.close()
+
+
+# ---------------------------------------------------------------- GroupScorer (rewards in rollout)
+def drain_groups(scorer, n, timeout=5.0):
+    """Every (key, rewards) back from ``scorer`` until ``n`` groups came, in arrival order."""
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < n:
+        assert time.monotonic() < deadline, f"only {len(out)} of {n} groups back"
+        out += scorer.ready(0.01)
+    return out
+
+
+def group(*pairs):
+    return [(encode("1+1="), encode(resp), encode_text(ans)) for ans, resp in pairs]
+
+
+@pytest.mark.parametrize("latency", [None, (5.0, 30.0)])
+def test_group_scorer_returns_each_group_once_with_its_rewards(latency):
+    from asyncflow.workflow.reward import GroupScorer
+
+    role = RewardRole(DataPlane(SCHEMA), exact, decode, concurrency=3, latency_ms=latency)
+    scorer = GroupScorer(role)
+    try:
+        scorer.submit("g0", group(("2", "2"), ("2", "3")))
+        scorer.submit("g1", group(("11", "11"), ("11", "1"), ("11", "11")))
+        scorer.submit("g2", group(("7", "")))  # an empty answer scores 0
+        assert scorer.waiting == 3
+        back = dict(drain_groups(scorer, 3))
+        assert back == {"g0": [1.0, 0.0], "g1": [1.0, 0.0, 1.0], "g2": [0.0]}
+        assert scorer.waiting == 0 and scorer.ready(0) == []  # nothing comes back twice
+        assert role.remote is None or role.remote.inflight == 0
+    finally:
+        scorer.close()
+
+
+def test_group_scorer_keeps_concurrency_and_counts_errors():
+    from asyncflow.workflow.reward import GroupScorer
+
+    def broken(prompt, response, answer):
+        if response == "boom":
+            raise ValueError("verifier down")
+        return 1.0
+
+    role = RewardRole(DataPlane(SCHEMA), broken, lambda ids: "boom" if ids[0] == 0 else "ok",
+                      concurrency=2, latency_ms=(20.0, 20.0))
+    scorer = GroupScorer(role)
+    try:
+        items = [(np.asarray([1]), np.asarray([i % 2]), encode_text("a")) for i in range(4)]
+        scorer.submit("g", items)
+        assert role.remote.inflight == 2 and len(scorer.backlog) == 2  # the rest wait their turn
+        assert drain_groups(scorer, 1) == [("g", [0.0, 1.0, 0.0, 1.0])]  # failures score 0
+        assert role.errors == 2
+    finally:
+        scorer.close()

@@ -6,7 +6,8 @@ mode's measured throughput by a bound built from solo runs of the same role code
 role running, weights never swapped):
 
 * ``sync``: the phases run one after another, each on all cores, so the bound is
-  ``N / (t_rollout + t_reward + t_reference + t_actor)`` with every role on
+  ``N / (t_rollout + t_reward + t_reference + t_actor)`` (no ``t_reward`` when rollout
+  computes the rewards: its own time includes them) with every role on
   ``sync_threads`` threads, rollout filling one step's batch at a time and reward scoring
   that batch before the next step starts (the tail of each step's batch, and each step's
   slowest reward call, are inherent to the mode).
@@ -38,7 +39,10 @@ class _Solo:
 
         solo = cfg.model_copy(update={"mode": "sync"}, deep=True)  # shared model, no weight transfer
         solo.train.steps = 10**6  # the feeder never runs out
-        self.roles = ["rollout", "reward"] + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor"]
+        from asyncflow.workflow.worker import rewards_in_rollout
+
+        reward = [] if rewards_in_rollout(cfg) else ["reward"]  # else rollout scores (its time includes it)
+        self.roles = ["rollout"] + reward + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor"]
         self.dp = DataPlane(SCHEMA)
         self.w = Worker(solo, self.roles, model_dir, self.dp, None, threads)
         self.feeder = PromptFeeder(solo, self.w.tokenizer, build_task(solo), self.dp)

@@ -118,7 +118,7 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
     actor = totals["stats"].get("actor", {})
     rollout = totals["stats"].get("rollout", {})
     dyn = {}
-    if "groups_scored" in rollout:  # dynamic sampling
+    if "groups_dropped" in rollout:  # dynamic sampling
         n, d = rollout["groups_scored"], rollout["groups_dropped"]
         dyn = {"dynamic_sampling": {"groups_scored": n, "groups_dropped": d, "drop_rate": d / n if n else 0.0}}
     samples, tokens, wall, s_wall = totals["samples"], totals["tokens"], totals["wall_s"], totals["steady_wall_s"]
@@ -133,8 +133,8 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
         # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
-        "reward_fn": {k: v for k, v in totals["stats"].get("reward", {}).items()
-                      if k.startswith(("reward_", "score_"))},
+        "reward_fn": {k: v for k, v in (totals["stats"].get("reward") or rollout).items()
+                      if k.startswith(("reward_", "score_")) and k != "reward_errors"},
         "run_dir": str(run_dir), "checkpoint": ckpt, **dyn,
     }
 

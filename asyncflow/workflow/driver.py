@@ -103,14 +103,23 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
         progress.start(acc0)
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling)
+        steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
+
+        def submit(v: int):  # feed prompts for every admissible step, then queue step v on the trainer
+            if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
+                feeder.fill(v + cfg.effective_staleness + 2)
+            return job.submit(v) if v < steps else None
+
+        fut = submit(0)
         with (run_dir / "metrics.jsonl").open("w") as log:
-            for v in range(cfg.train.steps):
-                if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
-                    feeder.fill(v + cfg.effective_staleness + 2)  # prompts for every admissible step
-                m = meter.step(job.step(v))
-                if evaluate and cfg.train.eval_every and m["step"] % cfg.train.eval_every == 0 \
-                        and m["step"] < cfg.train.steps:
+            for v in range(steps):
+                eval_now = every and (v + 1) % every == 0 and v + 1 < steps
+                # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
+                nxt = submit(v + 1) if not eval_now else None
+                m = meter.step(job.result(fut, v))
+                if eval_now:
                     m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
+                fut = submit(v + 1) if eval_now else nxt
                 log.write(json.dumps(m) + "\n")
                 log.flush()
                 progress.update(m)

@@ -2,7 +2,8 @@
 
 The launcher supplies *where* things run (``data_plane``, ``weight_store``, ``spawn``,
 ``submit``/``result``/``call``); the job decides *what* runs (``plan_workers``) and offers
-the driver four verbs: ``start``, ``step``, ``evaluate``, ``stats``.
+the driver its verbs: ``start``, ``submit``/``result`` (or ``step``, both at once),
+``evaluate``, ``stats``.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ class Job:
                 if name != self.trainer:
                     self.launcher.call(w, "start")
 
-    def step(self, v: int) -> dict:
-        """Train version ``v`` (PPO: and collect the critic's step-``v`` metrics); while
-        waiting, check that the other workers are alive."""
+    def submit(self, v: int):
+        """Queue training of version ``v`` on the trainer (it runs after any step queued
+        before it: the trainer's one compute thread takes calls in order); a future."""
         if self.cfg.mode == "sync":
-            fut = self.launcher.submit(self.workers[self.trainer], "sync_step", v)
-        else:  # the trainer starts fetching step v + 1 as soon as v's rows are in hand
-            fut = self.launcher.submit(self.workers[self.trainer], "train_step", v, v + 1 < self.cfg.train.steps)
+            return self.launcher.submit(self.workers[self.trainer], "sync_step", v)
+        # the trainer starts fetching step v + 1 as soon as v's rows are in hand
+        return self.launcher.submit(self.workers[self.trainer], "train_step", v, v + 1 < self.cfg.train.steps)
+
+    def result(self, fut, v: int) -> dict:
+        """Step ``v``'s metrics (PPO: with the critic's); while waiting, check that the other
+        workers are alive."""
         while True:
             try:
                 out = self.launcher.result(fut, timeout=2.0)
@@ -48,6 +53,9 @@ class Job:
                 self._health()
             out.update(m)
         return out
+
+    def step(self, v: int) -> dict:
+        return self.result(self.submit(v), v)
 
     def _health(self) -> None:
         for name, w in self.workers.items():

@@ -12,6 +12,12 @@ How the role calls it depends on its shape:
   event-loop thread (:class:`RemoteCalls`), so the role overlaps the waits of many samples;
   results are written back as they complete (one data-plane put per collection window).
 
+With ``reward.placement=rollout`` (the default) no reward role runs: rollout scores each
+answer group as it finishes through a :class:`GroupScorer` (same calls, same error
+handling, the same ``RemoteCalls`` for async and remote functions), and the rewards travel
+in rollout's own put. That saves a process and a data-plane round trip per sample, whose
+CPU on a small machine is taken from the trainer.
+
 Invariant: every fetched sample gets exactly one reward written back. A function that
 raises or returns a non-number scores 0 and is counted in ``errors`` (never stops the run);
 a ``RewardFunction`` applies its own ``timeout_s`` / ``on_error`` first and counts in its stats.
@@ -26,7 +32,7 @@ import queue
 import random
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Callable
 
 import numpy as np
@@ -220,3 +226,74 @@ class RewardRole(Role):
         if hasattr(self.fn, "stats"):  # a configured reward.fn: its error counters and named scores
             s.update(self.fn.stats())
         return s
+
+
+class GroupScorer:
+    """Scores whole answer groups where they finish (inside rollout), with a reward role's
+    function, error handling and remote calls; the role itself never polls the data plane.
+
+    ``submit(key, items)`` takes one group's ``(prompt_ids, response_ids, answer)`` triples;
+    ``ready(wait_s)`` returns the groups whose every reward is in, as ``(key, rewards)``.
+    A local function is called at once (batched: one call per group); async and emulated
+    remote calls go in flight, at most ``concurrency`` at a time (the rest wait here, in
+    order). Invariant: every submitted group comes back exactly once, with one finite reward
+    per answer (failures score 0 and count in ``errors``).
+    """
+
+    def __init__(self, role: RewardRole):
+        self.role = role
+        self.pending: dict = {}  # key -> [rewards so far (None = not back), answers still out]
+        self.backlog: deque = deque()  # remote calls waiting for room under concurrency
+        self.done: list[tuple] = []
+
+    @property
+    def errors(self) -> int:
+        return self.role.errors
+
+    @property
+    def waiting(self) -> int:
+        """Groups submitted but not returned by :meth:`ready` yet."""
+        return len(self.pending) + len(self.done)
+
+    def score_ids(self, prompt_ids, response_ids, answer) -> float:
+        return self.role.score_ids(prompt_ids, response_ids, answer)
+
+    def submit(self, key, items: list[tuple]) -> None:
+        r = self.role
+        texts = [(r.decode(list(p)), r.decode(list(resp)), decode_text(a)) for p, resp, a in items]
+        if r.remote is None:
+            self.done.append((key, r._call_batch(texts) if r.batched else [r._call(t) for t in texts]))
+            return
+        self.pending[key] = [[None] * len(texts), len(texts)]
+        fn = r.async_fn or r.fn
+        self.backlog.extend(((key, i), fn, t, r._delay()) for i, t in enumerate(texts))
+        self._send()
+
+    def _send(self) -> None:
+        r = self.role
+        n = min(len(self.backlog), r.concurrency - r.remote.inflight)
+        if n > 0:
+            (r.remote.submit_async if r.async_fn else r.remote.submit)([self.backlog.popleft() for _ in range(n)])
+
+    def ready(self, wait_s: float = 0.0) -> list[tuple]:
+        """Groups whose rewards are all in; waits up to ``wait_s`` when none is yet."""
+        r = self.role
+        if self.pending and r.remote is not None:
+            for (key, i), value in r.remote.drain(0.0 if self.done else wait_s):
+                slot = self.pending[key]
+                slot[0][i] = r._safe(value)
+                slot[1] -= 1
+                if slot[1] == 0:
+                    self.done.append((key, slot[0]))
+                    del self.pending[key]
+            self._send()
+        out, self.done = self.done, []
+        return out
+
+    def stats(self) -> dict:
+        """A configured reward.fn's counters (calls, errors by kind, named score means)."""
+        fn = self.role.fn
+        return fn.stats() if hasattr(fn, "stats") else {}
+
+    def close(self) -> None:
+        self.role.close()

@@ -23,12 +23,17 @@ version it restarted at); the placer guarantees that a
 group started at ``w`` lands in a step ``<= w + staleness``, which the trainer trains at
 that version: the bound holds per sample, by construction, and nothing is thrown away.
 
-**Dynamic sampling** (DAPO; ``scorer`` given): a finished group is scored here, before
-placement, because whether it is kept decides whether it takes a training slot. A group
-whose (shaped) rewards are all equal has no advantage signal: it is dropped
-(:meth:`GroupPlacer.drop` returns its admission, so another prompt starts in its place)
-and never reaches the data plane; a kept group is placed as above and its rewards travel
-with it (no reward role runs). Steps therefore fill only with groups that carry signal, the
+**Rewards in rollout** (``scorer`` given: ``reward.placement=rollout``, the default): a
+finished group is handed to the :class:`~asyncflow.workflow.reward.GroupScorer` and placed
+once its rewards are in (a local reward at once; remote or async calls stay in flight
+while decoding goes on, and are collected at every decode boundary); the rewards travel
+in the group's put, so no reward role runs. Until then the group still counts as running
+in the placer, so admission and deadlines are unchanged.
+
+**Dynamic sampling** (DAPO; ``drop_flat``): whether a scored group is kept decides whether
+it takes a training slot. A group whose (shaped) rewards are all equal has no advantage
+signal: it is dropped (:meth:`GroupPlacer.drop` returns its admission, so another prompt
+starts in its place) and never reaches the data plane; a kept group is placed as above. Steps therefore fill only with groups that carry signal, the
 staleness bound holds as before (drops only free slots), and nothing is trained twice.
 Prompts run out faster than one partition per step, so rollout feeds its own prompt
 partitions (``feed``) just before reading each one.
@@ -56,7 +61,7 @@ class RolloutRole(Role):
     def __init__(self, engine, dp, sampling: SamplingParams, group_size: int,
                  prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
                  recompute_on_swap: bool = True, on_swap: str = "continue",
-                 scorer=None, shape=None, feed=None):
+                 scorer=None, shape=None, feed=None, drop_flat: bool = False):
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
         super().__init__()
@@ -79,9 +84,10 @@ class RolloutRole(Role):
         self._outbox_since: float | None = None
         self.batch_rows = prompts_per_step * group_size
         self.flush_s = 0.02
-        # dynamic sampling: scorer.score_ids(prompt_ids, response_ids, answer) -> raw reward;
-        # shape(rewards, lengths) -> the rewards the trainer will see (e.g. overlong penalty)
-        self.scorer, self.shape, self.feed = scorer, shape, feed
+        # scorer: a GroupScorer (rewards computed here). Dynamic sampling (drop_flat): shape(rewards,
+        # lengths) -> the rewards the trainer will see (e.g. overlong penalty) decides keep or drop
+        self.scorer, self.shape, self.feed, self.drop_flat = scorer, shape, feed, drop_flat
+        self.scoring: dict[int, list[Completion]] = {}  # group id -> finished answers awaiting rewards
         self.rewards: dict[int, list[float]] = defaultdict(list)  # partition -> rewards of outbox rows
         self.groups_scored = self.groups_dropped = 0
 
@@ -119,8 +125,8 @@ class RolloutRole(Role):
                     self.batch.recompute_cache()
         self._refill(timeout)
         if not len(self.batch):
-            self._emit([], force=True)
-            if not self.admissible() and self.weights is not None:
+            self._emit([], force=True, wait_s=min(timeout, 0.02) if self.scoring else 0.0)
+            if not self.scoring and not self.admissible() and self.weights is not None:
                 self.weights.wait_staged(timeout)  # idle at the staleness bound
             return 0
         with self.work():
@@ -156,7 +162,7 @@ class RolloutRole(Role):
             if free_groups <= 0:
                 return
         if not self.waiting and self.admissible():
-            self._fetch(block=len(self.batch) == 0, timeout=timeout)
+            self._fetch(block=len(self.batch) == 0 and not self.scoring, timeout=timeout)
         start = [self.waiting.popleft() for _ in range(min(free_groups, len(self.waiting)))]
         if start:
             for group in start:
@@ -189,27 +195,26 @@ class RolloutRole(Role):
         if self.taken >= self.prompts_per_step:
             self.partition, self.taken = self.partition + 1, 0
 
-    def _emit(self, done: list[Completion], force: bool = False) -> None:
-        """Collect finished answers; place each completed group in a step; send when a step
-        is complete, the oldest placed group has waited ``flush_s``, or ``force`` (batching
-        bounds the data-plane calls to a few per step without holding a group back long)."""
+    def _emit(self, done: list[Completion], force: bool = False, wait_s: float = 0.0) -> None:
+        """Collect finished answers; score and place each completed group in a step; send when
+        a step is complete, the oldest placed group has waited ``flush_s``, or ``force``
+        (batching bounds the data-plane calls to a few per step without holding a group back long)."""
         now = time.perf_counter()
         for c in done:
             group = self.finished[c.key[0]]
             group.append(c)
-            if len(group) == self.group_size:  # the whole group is done: place it
-                del self.finished[c.key[0]]
-                self.groups.pop(c.key[0], None)
-                raw, shaped = self._score(group) if self.scorer is not None else (None, None)
-                if shaped is not None and max(shaped) - min(shaped) <= 1e-9:
-                    self.placer.drop(c.key[0])  # no signal: never trained, admission given back
-                    self.groups_dropped += 1
-                    continue
-                part = self.placer.complete(c.key[0])
-                self.outbox[part].extend(group)
-                if raw is not None:
-                    self.rewards[part].extend(raw)
-                self._outbox_since = self._outbox_since or now
+            if len(group) == self.group_size:  # the whole group is done: score it, then place it
+                gid = c.key[0]
+                del self.finished[gid]
+                self.groups.pop(gid, None)
+                if self.scorer is None:
+                    self._place(gid, group, None)
+                else:
+                    self.scoring[gid] = group
+                    self.scorer.submit(gid, [(c.prompt_ids, c.response_ids, c.key[1]) for c in group])
+        if self.scoring:
+            for gid, raw in self.scorer.ready(wait_s):
+                self._place(gid, self.scoring.pop(gid), raw)
         waiting = sum(len(cs) for cs in self.outbox.values())
         if not waiting:
             return
@@ -217,14 +222,22 @@ class RolloutRole(Role):
         if force or complete or now - self._outbox_since >= self.flush_s:
             self._flush()
 
-    def _score(self, group: list[Completion]) -> tuple[list[float], list[float]]:
-        """Raw rewards of a finished group (what the data plane stores) and the shaped ones
-        the trainer will compute advantages from (what decides keep or drop)."""
-        raw = np.asarray([self.scorer.score_ids(c.prompt_ids, c.response_ids, c.key[1]) for c in group],
-                         dtype=np.float32)
-        self.groups_scored += 1
-        shaped = self.shape(raw, [len(c.response_ids) for c in group]) if self.shape is not None else raw
-        return raw.tolist(), np.asarray(shaped, dtype=np.float64).tolist()
+    def _place(self, gid: int, group: list[Completion], raw: list[float] | None) -> None:
+        """Put a finished (and scored) group in its step's outbox, or drop it (dynamic sampling)."""
+        if raw is not None:
+            self.groups_scored += 1
+        if self.drop_flat:
+            shaped = self.shape(np.asarray(raw, dtype=np.float32), [len(c.response_ids) for c in group]) \
+                if self.shape is not None else raw
+            if max(shaped) - min(shaped) <= 1e-9:
+                self.placer.drop(gid)  # no signal: never trained, admission given back
+                self.groups_dropped += 1
+                return
+        part = self.placer.complete(gid)
+        self.outbox[part].extend(group)
+        if raw is not None:
+            self.rewards[part].extend(raw)
+        self._outbox_since = self._outbox_since or time.perf_counter()
 
     def _flush(self) -> None:
         for part, cs in self.outbox.items():
@@ -256,6 +269,7 @@ class RolloutRole(Role):
                  weights_rejected=self.weights.rejected if self.weights else 0,
                  discarded=self.discarded)
         if self.scorer is not None:
-            s.update(groups_scored=self.groups_scored, groups_dropped=self.groups_dropped,
-                     reward_errors=self.scorer.errors)
+            s.update(groups_scored=self.groups_scored, reward_errors=self.scorer.errors, **self.scorer.stats())
+        if self.drop_flat:
+            s.update(groups_dropped=self.groups_dropped)
         return s

@@ -13,7 +13,8 @@ Placement (``plan_workers``):
 
 The compute roles (rollout, actor, and reference / critic when the algorithm needs them)
 share the CPUs: each requests ``min(1, ncpu / n_compute)``, so the requests never add up
-to more than ``ncpu``; the reward worker (I/O) requests none. PPO's critic
+to more than ``ncpu``; rewards are computed inside rollout (``reward.placement=rollout``,
+the default), or by a reward worker of their own that requests no CPU (``separate``). PPO's critic
 (:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy as backbone.
 """
 
@@ -36,10 +37,15 @@ class WorkerSpec:
     cpus: float  # resource request for the launcher (may be fractional)
 
 
+def rewards_in_rollout(cfg: RunConfig) -> bool:
+    """Rollout scores its own groups (``reward.placement=rollout``; dynamic sampling needs it)."""
+    return cfg.reward.placement == "rollout" or cfg.algorithm.dynamic_sampling
+
+
 def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
     ncpu = ncpu or os.cpu_count() or 1
     extra = (["reference"] if cfg.algorithm.kl_coef > 0 else []) + (["critic"] if cfg.algorithm.name == "ppo" else [])
-    reward = [] if cfg.algorithm.dynamic_sampling else ["reward"]  # dynamic sampling scores inside rollout
+    reward = [] if rewards_in_rollout(cfg) else ["reward"]
     if cfg.mode == "sync":
         roles = ["rollout"] + reward + extra + ["actor"]
         return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
@@ -109,7 +115,7 @@ class Worker:
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
             self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
                                                 self._subscriber, r.recompute_on_swap, r.on_swap,
-                                                **(self._dynamic_sampling() if a.dynamic_sampling else {}))
+                                                **(self._scoring() if rewards_in_rollout(cfg) else {}))
         if "reward" in roles:
             from asyncflow.workflow.reward import RewardRole
 
@@ -154,19 +160,26 @@ class Worker:
 
         return SGLangEngine(model_dir, eos, r.max_batch, dtype, self.cfg.seed)
 
-    def _dynamic_sampling(self) -> dict:
-        """Rollout's extras for DAPO dynamic sampling: a reward scorer (a RewardRole that is
-        never run as a role: its scoring and error counting only), the algorithm's reward
-        shaping, and a prompt feeder (drops consume prompts faster than one partition a step)."""
-        from asyncflow.algorithms.algorithm import Algorithm
-        from asyncflow.workflow.driver import PromptFeeder
-        from asyncflow.workflow.reward import RewardRole
+    def _scoring(self) -> dict:
+        """Rollout's extras when it computes rewards: a :class:`GroupScorer` (over a RewardRole
+        that is never run as a role: its calls, remote calls and error counting only); with
+        DAPO dynamic sampling also the algorithm's reward shaping, the keep-or-drop rule and a
+        prompt feeder (drops consume prompts faster than one partition a step)."""
+        from asyncflow.workflow.reward import GroupScorer, RewardRole
 
         tok, cfg = self.tokenizer, self.cfg
         decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
-        algorithm = Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
-        return {"scorer": RewardRole(self.dp, self.reward_fn(), decode), "shape": algorithm.shaped_rewards,
-                "feed": PromptFeeder(cfg, tok, self.task, self.dp, unlimited=True).fill}
+        role = RewardRole(self.dp, self.reward_fn(), decode, concurrency=cfg.reward.concurrency,
+                          latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+        extras = {"scorer": GroupScorer(role)}
+        if cfg.algorithm.dynamic_sampling:
+            from asyncflow.algorithms.algorithm import Algorithm
+            from asyncflow.workflow.driver import PromptFeeder
+
+            algorithm = Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+            extras.update(shape=algorithm.shaped_rewards, drop_flat=True,
+                          feed=PromptFeeder(cfg, tok, self.task, self.dp, unlimited=True).fill)
+        return extras
 
     # ------------------------------------------------------------------ stream / async
     def start(self) -> None:
@@ -272,3 +285,6 @@ class Worker:
         self._compute.shutdown(wait=False)
         if "reward" in self.roles:
             self.roles["reward"].close()
+        scorer = getattr(self.roles.get("rollout"), "scorer", None)
+        if scorer is not None:
+            scorer.close()

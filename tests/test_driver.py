@@ -1,0 +1,51 @@
+"""The driver loop queues step v + 1 on the trainer before step v returns (no idle trainer at
+the step boundary), except where a held-out evaluation must run between the two steps."""
+
+from __future__ import annotations
+
+from asyncflow.config import load_config
+from asyncflow.launch.local import LocalLauncher
+from asyncflow.workflow.driver import train
+
+
+class OrderLauncher(LocalLauncher):
+    """Records the trainer's calls in the order the driver makes them."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple] = []
+
+    def submit(self, handle, method, *args):
+        self.events.append(("submit", method, args[0]))
+        fut = super().submit(handle, method, *args)
+        fut.step = args[0]
+        return fut
+
+    def result(self, fut, timeout):
+        out = super().result(fut, timeout)
+        self.events.append(("result", fut.step))
+        return out
+
+    def call(self, handle, method, *args):
+        if method == "evaluate":
+            self.events.append(("evaluate",))
+        return super().call(handle, method, *args)
+
+
+def test_next_step_is_queued_early_except_before_an_evaluation(tmp_path):
+    cfg = load_config(None, ["launcher=local", "warmstart.enabled=false", "progress=false", "train.steps=5",
+                             "train.eval_every=2", "train.prompts_per_step=2", "train.micro_prompts=1",
+                             "rollout.group_size=2", "rollout.max_batch=4", "task.eval_n=4", f"run_dir={tmp_path}"])
+    launcher = OrderLauncher()
+    summary = train(cfg, launcher=launcher, run_dir=tmp_path)
+    ev = [e for e in launcher.events if e[0] != "submit" or e[1] == "train_step"]
+    assert ev == [
+        ("evaluate",),  # before training
+        ("submit", "train_step", 0), ("submit", "train_step", 1), ("result", 0),
+        ("result", 1), ("evaluate",),  # after step 2 of 5: step index 2 is not queued before it
+        ("submit", "train_step", 2), ("submit", "train_step", 3), ("result", 2),
+        ("result", 3), ("evaluate",),  # after step 4
+        ("submit", "train_step", 4), ("result", 4),
+        ("evaluate",),  # the final held-out accuracy
+    ]
+    assert summary["steps"] == 5
