@@ -204,6 +204,13 @@ class TrainConfig(_Section):
         None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
                                 "rows x longest row <= budget (None = one pass per streamed micro-batch).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
+    dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer (stream/async): each trains a "
+                                               "token-balanced share of every micro-batch; gradients are summed, so "
+                                               "a step equals the 1-rank step on the same rows. Ray: one process per "
+                                               "rank (gloo); local launcher: one thread per rank.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
+                           "(FSDP2 sharding; TrainEngine(fsdp=True), not wired into jobs yet).")
 
 
 class ResourcesConfig(_Section):
@@ -262,10 +269,25 @@ class RunConfig(_Section):
         if self.algorithm.dynamic_sampling and self.reward.latency_ms is not None:
             raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group is kept or dropped when it "
                              "finishes), so it cannot emulate a remote reward: unset reward.latency_ms")
+        if self.train.dp > 1:
+            self._check_dp()
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")
         return self
+
+    def _check_dp(self) -> None:
+        t = self.train
+        if t.strategy == "fsdp":
+            raise ValueError("train.strategy=fsdp is not wired into jobs yet (evaluation, checkpoints and weight "
+                             "publishing would need the sharded parameters gathered): set train.strategy=ddp")
+        if self.mode == "sync":
+            raise ValueError(f"train.dp={t.dp} needs mode=stream or async (sync runs every role in one colocated "
+                             f"worker): set mode=async or train.dp=1")
+        rows = t.micro_prompts * self.rollout.group_size
+        if t.dp > rows:
+            raise ValueError(f"train.dp ({t.dp}) is more than the rows of a micro-batch (train.micro_prompts x "
+                             f"rollout.group_size = {rows}): some ranks would never train; lower train.dp")
 
     @property
     def effective_staleness(self) -> int:
