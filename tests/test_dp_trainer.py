@@ -176,3 +176,34 @@ def test_async_job_with_two_trainer_ranks_trains_every_sample_once(tmp_path, mon
         assert per_rank[0] == per_rank[1] == batch // 2, per_rank  # micro-batches of 8 rows split 4 + 4
     assert len(trained) == steps * batch
     assert set(summary["busy"]) >= {"actor", "actor.1", "rollout"}
+
+
+def _torch_rank(rank: int, address: str, out: str) -> None:
+    from asyncflow.engines.collective import TorchGroup
+
+    torch.set_num_threads(1)
+    g = TorchGroup(address, rank, 2, timeout_s=60)
+    t = [torch.tensor([1.0, 10.0]) * (rank + 1)]
+    g.all_reduce_sum(t)
+    got = g.broadcast({"rows": [rank, 7]})
+    g.barrier()
+    np.save(f"{out}.{rank}.npy", np.array([*t[0].tolist(), *got["rows"]]))
+    g.abort()
+
+
+def test_torch_group_of_two_processes(tmp_path):
+    """The Ray launcher's group: gloo at a tcp:// rendezvous with a free port."""
+    import multiprocessing as mp
+
+    from asyncflow.engines.collective import free_address
+
+    out, address = str(tmp_path / "got"), free_address()
+    ctx = mp.get_context("fork")  # (spawn re-imports torch in each child: ~20 s on a loaded machine)
+    procs = [ctx.Process(target=_torch_rank, args=(r, address, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    for rank in range(2):  # (1 + 2) x [1, 10], then rank 0's object
+        assert np.load(f"{out}.{rank}.npy").tolist() == [3.0, 30.0, 0.0, 7.0]
