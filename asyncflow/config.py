@@ -210,7 +210,7 @@ class TrainConfig(_Section):
                                                "rank (gloo); local launcher: one thread per rank.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
-                           "(FSDP2 sharding; TrainEngine(fsdp=True), not wired into jobs yet).")
+                           "(FSDP2 sharding of parameters, gradients and AdamW states; needs launcher=ray).")
 
 
 class ResourcesConfig(_Section):
@@ -278,9 +278,15 @@ class RunConfig(_Section):
 
     def _check_dp(self) -> None:
         t = self.train
-        if t.strategy == "fsdp":
-            raise ValueError("train.strategy=fsdp is not wired into jobs yet (evaluation, checkpoints and weight "
-                             "publishing would need the sharded parameters gathered): set train.strategy=ddp")
+        if t.strategy == "fsdp" and self.launcher == "local":
+            raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed), but "
+                             "launcher=local runs them as threads: set launcher=ray, or train.strategy=ddp")
+        if t.strategy == "fsdp" and t.max_tokens_per_micro is not None:
+            raise ValueError("train.strategy=fsdp runs one pass per micro-batch on every rank (FSDP collectives), "
+                             "so it cannot split by token budget: unset train.max_tokens_per_micro or use ddp")
+        if t.strategy == "fsdp" and t.dp > self.rollout.group_size:
+            raise ValueError(f"train.strategy=fsdp needs train.dp ({t.dp}) <= rollout.group_size "
+                             f"({self.rollout.group_size}) so that every rank gets rows of every micro-batch")
         if self.mode == "sync":
             raise ValueError(f"train.dp={t.dp} needs mode=stream or async (sync runs every role in one colocated "
                              f"worker): set mode=async or train.dp=1")

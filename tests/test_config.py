@@ -100,7 +100,8 @@ def test_cross_field_validation_model_heads():
     [(["rollout.max_batch=4"], ["rollout.max_batch", "rollout.group_size"]),
      (["train.micro_prompts=5", "train.prompts_per_step=4"], ["train.micro_prompts", "train.prompts_per_step"]),
      # data-parallel trainer: each error names the field and the fix
-     (["train.dp=2", "train.strategy=fsdp"], ["train.strategy=fsdp", "set train.strategy=ddp"]),
+     (["train.dp=2", "train.strategy=fsdp", "launcher=local"], ["train.strategy=fsdp", "set launcher=ray"]),
+     (["train.dp=2", "train.strategy=fsdp", "train.max_tokens_per_micro=64"], ["unset train.max_tokens_per_micro"]),
      (["train.dp=2", "mode=sync"], ["train.dp=2", "mode=async or train.dp=1"]),
      (["train.dp=9", "train.micro_prompts=1", "rollout.group_size=8"], ["train.dp (9)", "= 8", "lower train.dp"])],
 )
@@ -117,7 +118,7 @@ def test_data_parallel_trainer_fields_and_cpu_shares():
 
     cfg = load_config(None, ["train.dp=2"])
     assert (cfg.train.dp, cfg.train.strategy) == (2, "ddp")
-    assert load_config(None, ["train.strategy=fsdp"]).train.strategy == "fsdp"  # harmless with dp=1
+    assert load_config(None, ["train.dp=2", "train.strategy=fsdp"]).train.strategy == "fsdp"  # (launcher=ray)
     with pytest.warns(UserWarning, match="oversubscribe"):  # rollout + 2 ranks on 2 CPUs
         specs = plan_workers(cfg, ncpu=2)
     ranks = [(s.name, s.rank) for s in specs if s.roles == ["actor"]]

@@ -50,11 +50,11 @@ def fill(dp: DataPlane, step: int) -> None:
                                  "tokens": [len(p) + len(r) for p, r in zip(prompts, responses)]})
 
 
-def actor(dp: DataPlane, algorithm: Algorithm, group=None) -> ActorRole:
+def actor(dp: DataPlane, algorithm: Algorithm, group=None, fsdp: bool = False) -> ActorRole:
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)
-    engine = TrainEngine(model, tok.pad_token_id, lr=1e-2, collective=group)
+    engine = TrainEngine(model, tok.pad_token_id, lr=1e-2, collective=group, fsdp=fsdp)
     return ActorRole(engine, dp, PROMPTS * GROUP, GROUP, MICRO, staleness=0, algorithm=algorithm, group=group,
                      wait_timeout_s=30)
 
@@ -191,19 +191,61 @@ def _torch_rank(rank: int, address: str, out: str) -> None:
     g.abort()
 
 
-def test_torch_group_of_two_processes(tmp_path):
-    """The Ray launcher's group: gloo at a tcp:// rendezvous with a free port."""
+def _forked(target, *args) -> None:
+    """Run ``target(rank, address, *args)`` in 2 forked processes (spawn would re-import
+    torch in each child: ~20 s on a loaded machine) joined at a fresh tcp:// address."""
     import multiprocessing as mp
 
     from asyncflow.engines.collective import free_address
 
-    out, address = str(tmp_path / "got"), free_address()
-    ctx = mp.get_context("fork")  # (spawn re-imports torch in each child: ~20 s on a loaded machine)
-    procs = [ctx.Process(target=_torch_rank, args=(r, address, out)) for r in range(2)]
+    address, ctx = free_address(), mp.get_context("fork")
+    procs = [ctx.Process(target=target, args=(r, address, *args)) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
-        p.join(60)
+        p.join(120)
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+def test_torch_group_of_two_processes(tmp_path):
+    """The Ray launcher's group: gloo at a tcp:// rendezvous with a free port."""
+    out = str(tmp_path / "got")
+    _forked(_torch_rank, out)
     for rank in range(2):  # (1 + 2) x [1, 10], then rank 0's object
         assert np.load(f"{out}.{rank}.npy").tolist() == [3.0, 30.0, 0.0, 7.0]
+
+
+ALGO = Algorithm.from_config(AlgorithmConfig(name="grpo", loss_agg="token-mean"), 8)
+
+
+def _actor_rank(rank: int, address: str, out: str, fsdp: bool) -> None:
+    """One trainer rank in its own process, with its own data plane holding the same rows
+    (same puts, same row ids), so rank 0's broadcast metas name the same rows everywhere."""
+    from asyncflow.engines.collective import TorchGroup
+
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    group = TorchGroup(address, rank, 2, timeout_s=60)
+    dp = DataPlane(SCHEMA)
+    for v in range(2):
+        fill(dp, v)
+    role = actor(dp, ALGO, group, fsdp=fsdp)
+    if fsdp:  # really sharded: each rank holds only part of the parameters
+        assert all(p.to_local().numel() < p.numel() for p in role.engine.model.parameters() if p.numel() > 1)
+    for v in range(2):
+        role.train_step(v, prefetch_next=v == 0)
+    np.savez(f"{out}.{rank}.npz", **role.engine.export_weights())  # (FSDP: an all-gather, every rank)
+    group.abort()
+
+
+@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp"])
+def test_process_ranks_take_the_same_step_as_one(tmp_path, fsdp):
+    """The Ray launcher's trainer (ranks as processes, torch.distributed), DDP and FSDP2."""
+    out = str(tmp_path / "w")
+    _forked(_actor_rank, out, fsdp)
+    single = run(1, ALGO)[0]
+    for rank in range(2):
+        got = np.load(f"{out}.{rank}.npz")
+        assert set(got.files) == set(single)
+        for n, w in single.items():
+            np.testing.assert_allclose(got[n], w, atol=1e-5, err_msg=f"rank {rank} {n}")

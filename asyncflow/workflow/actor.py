@@ -33,7 +33,10 @@ rank reaches once it has read them. Rank 0 alone publishes weights; the stalenes
 histogram, rewards and sample counts are over all rows on every rank (rank 0 reports
 them); loss metrics (``pg_loss``, ``clip_frac``...) are over the reporting rank's rows.
 Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
-compute thread, each in the same order on every rank.
+compute thread, each in the same order on every rank. FSDP (the engine's ``fsdp``)
+gathers and scatters inside every forward/backward and export: each rank runs one pass
+per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
+no rank empty; no token-budget chunks) and joins rank 0's export each step.
 """
 
 from __future__ import annotations
@@ -168,6 +171,8 @@ class ActorRole(Role):
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
             if self.publish is not None:
                 self.publish(self.engine.version, seal(self.engine.export_weights()))
+            elif getattr(self.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
+                self.engine.export_weights()
         if not prefetch_next:
             self._fetcher.submit(self._clear, v).result()
         self.items += seen

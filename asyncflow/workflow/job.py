@@ -9,7 +9,9 @@ A data-parallel trainer (``train.dp = N``) is N actor workers, ranks ``0 .. N-1`
 joins them once (``launcher.dp_rendezvous`` on rank 0, then ``join_dp`` on every rank,
 concurrently), and ``step(v)`` calls ``train_step(v)`` on every rank at once and returns
 rank 0's metrics. Rank 0 is *the* trainer for everything else (it evaluates, saves the
-checkpoint and publishes weights): the driver's per-step protocol does not change.
+checkpoint and publishes weights): the driver's per-step protocol does not change. With
+``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
+every rank gather the whole weights into rank 0's full copy (``gather_full``).
 """
 
 from __future__ import annotations
@@ -78,10 +80,17 @@ class Job:
                 self.launcher.call(w, "health")
 
     def evaluate(self, n: int | None = None) -> float:
+        self._gather()
         return self.launcher.call(self.workers[self.trainer], "evaluate", n)
 
     def save(self, path: str) -> str:
+        self._gather()
         return self.launcher.call(self.workers[self.trainer], "save", path)
+
+    def _gather(self) -> None:
+        """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
+        if len(self.ranks) > 1 and self.cfg.train.strategy == "fsdp":
+            self._all([self.launcher.submit(self.workers[n], "gather_full") for n in self.ranks])
 
     def stats(self) -> dict:
         out: dict = {}

@@ -23,6 +23,7 @@ more compute roles than CPUs is warned about, not refused); the job joins them
 from __future__ import annotations
 
 import os
+import copy
 import threading
 import time
 import warnings
@@ -96,7 +97,7 @@ class Worker:
         tok = self.tokenizer
         r, t, a = cfg.rollout, cfg.train, cfg.algorithm
         k = cfg.effective_staleness
-        self.rank, self.weights, self.group = rank, weights, None
+        self.rank, self.weights, self.group, self._full = rank, weights, None, None
         if "actor" in roles and cfg.train.dp == 1:
             self._build_actor()  # with train.dp > 1: built by join_dp, once the ranks are joined
         if "rollout" in roles:
@@ -152,10 +153,18 @@ class Worker:
         from asyncflow.workflow.actor import ActorRole
 
         cfg, r, t, a = self.cfg, self.cfg.rollout, self.cfg.train, self.cfg.algorithm
+        fsdp = t.dp > 1 and t.strategy == "fsdp"
+        if fsdp:
+            from asyncflow.engines.collective import TorchGroup
+
+            if not isinstance(self.group, TorchGroup):
+                raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed): "
+                                 "set launcher=ray, or train.strategy=ddp")
+            self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
         engine = TrainEngine(self.model, self.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg),
                              max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype,
-                             collective=self.group)
+                             collective=self.group, fsdp=fsdp)
         publish = self.weights.publish if (self.weights is not None and cfg.mode != "sync" and self.rank == 0) \
             else None
         self.roles["actor"] = ActorRole(engine, self.dp, cfg.batch_size, r.group_size, t.micro_prompts,
@@ -187,6 +196,22 @@ class Worker:
             self._build_actor()
 
         self._on_compute(build)
+
+    def _whole(self):
+        """The model with whole weights: the trainer's own, or (FSDP) the gathered copy."""
+        return self._full if self._full is not None else self.model
+
+    def gather_full(self) -> None:
+        """``train.strategy=fsdp``: every rank calls this at once; rank 0's ``_full`` copy then
+        holds the whole current weights (what ``evaluate`` and ``save`` use)."""
+        from asyncflow.engines.inference import load_named_weights
+
+        def gather() -> None:
+            weights = self.roles["actor"].engine.export_weights()  # an all-gather: every rank joins
+            if self.rank == 0:
+                load_named_weights(self._full, weights)
+
+        self._on_compute(gather)
 
     def _inference_engine(self, model_dir: str):
         """rollout.engine=vllm|sglang: the adapter, loading the same model folder on the GPU."""
@@ -272,7 +297,7 @@ class Worker:
         score = getattr(self.task, "eval_score", None) if not self.cfg.reward.fn else None
         if score is None:
             score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
-        return self._on_compute(evaluate, self.model, self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
+        return self._on_compute(evaluate, self._whole(), self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
                                 score, self.cfg.task.chat_template)
 
     def reward_fn(self):
@@ -289,7 +314,7 @@ class Worker:
 
     def save(self, path: str) -> str:
         def save() -> str:
-            self.model.save_pretrained(path)
+            self._whole().save_pretrained(path)
             self.tokenizer.save_pretrained(path)
             return path
 
