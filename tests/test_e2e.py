@@ -75,6 +75,7 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
 
 
 @pytest.mark.ray
+@pytest.mark.filterwarnings("ignore:train.dp=2.*oversubscribe")  # expected on 2 CPUs
 def test_async_on_ray_with_the_zeromq_data_plane_and_two_trainer_ranks(tmp_path):
     """One Ray job for two features (Ray start-up is most of its time): the distributed
     ZeroMQ data plane, and train.dp=2 (two actor processes joined by gloo; rank 0 chooses

@@ -31,7 +31,7 @@ sums gradients over ranks before clipping: one dp step = the single-process step
 same rows. The step's rows are freed (``clear``) by rank 0 after a barrier that every
 rank reaches once it has read them. Rank 0 alone publishes weights; the staleness check,
 histogram, rewards and sample counts are over all rows on every rank (rank 0 reports
-them); loss metrics (``pg_loss``, ``clip_frac``...) are over the reporting rank's rows.
+them); loss metrics (``loss``, ``clip_frac``...) are over the reporting rank's rows.
 Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
 compute thread, each in the same order on every rank. FSDP (the engine's ``fsdp``)
 gathers and scatters inside every forward/backward and export: each rank runs one pass
