@@ -209,6 +209,13 @@ class TrainConfig(_Section):
         None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
                                 "rows x longest row <= budget (None = one pass per streamed micro-batch).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
+    dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer (stream/async): each trains a "
+                                               "token-balanced share of every micro-batch; gradients are summed, so "
+                                               "a step equals the 1-rank step on the same rows. Ray: one process per "
+                                               "rank (gloo); local launcher: one thread per rank.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
+                           "(FSDP2 sharding of parameters, gradients and AdamW states; needs launcher=ray).")
 
 
 class ResourcesConfig(_Section):
@@ -267,10 +274,31 @@ class RunConfig(_Section):
         if self.algorithm.dynamic_sampling and self.reward.placement != "rollout":
             raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group is kept or dropped when it "
                              "finishes): set reward.placement=rollout")
+        if self.train.dp > 1:
+            self._check_dp()
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")
         return self
+
+    def _check_dp(self) -> None:
+        t = self.train
+        if t.strategy == "fsdp" and self.launcher == "local":
+            raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed), but "
+                             "launcher=local runs them as threads: set launcher=ray, or train.strategy=ddp")
+        if t.strategy == "fsdp" and t.max_tokens_per_micro is not None:
+            raise ValueError("train.strategy=fsdp runs one pass per micro-batch on every rank (FSDP collectives), "
+                             "so it cannot split by token budget: unset train.max_tokens_per_micro or use ddp")
+        if t.strategy == "fsdp" and t.dp > self.rollout.group_size:
+            raise ValueError(f"train.strategy=fsdp needs train.dp ({t.dp}) <= rollout.group_size "
+                             f"({self.rollout.group_size}) so that every rank gets rows of every micro-batch")
+        if self.mode == "sync":
+            raise ValueError(f"train.dp={t.dp} needs mode=stream or async (sync runs every role in one colocated "
+                             f"worker): set mode=async or train.dp=1")
+        rows = t.micro_prompts * self.rollout.group_size
+        if t.dp > rows:
+            raise ValueError(f"train.dp ({t.dp}) is more than the rows of a micro-batch (train.micro_prompts x "
+                             f"rollout.group_size = {rows}): some ranks would never train; lower train.dp")
 
     @property
     def effective_staleness(self) -> int:

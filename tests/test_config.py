@@ -98,7 +98,12 @@ def test_cross_field_validation_model_heads():
 @pytest.mark.parametrize(
     "overrides, names",
     [(["rollout.max_batch=4"], ["rollout.max_batch", "rollout.group_size"]),
-     (["train.micro_prompts=5", "train.prompts_per_step=4"], ["train.micro_prompts", "train.prompts_per_step"])],
+     (["train.micro_prompts=5", "train.prompts_per_step=4"], ["train.micro_prompts", "train.prompts_per_step"]),
+     # data-parallel trainer: each error names the field and the fix
+     (["train.dp=2", "train.strategy=fsdp", "launcher=local"], ["train.strategy=fsdp", "set launcher=ray"]),
+     (["train.dp=2", "train.strategy=fsdp", "train.max_tokens_per_micro=64"], ["unset train.max_tokens_per_micro"]),
+     (["train.dp=2", "mode=sync"], ["train.dp=2", "mode=async or train.dp=1"]),
+     (["train.dp=9", "train.micro_prompts=1", "rollout.group_size=8"], ["train.dp (9)", "= 8", "lower train.dp"])],
 )
 def test_cross_field_validation_run(overrides, names):
     with pytest.raises(ConfigError) as e:
@@ -106,6 +111,26 @@ def test_cross_field_validation_run(overrides, names):
     _one_line(str(e.value))
     assert all(n in str(e.value) for n in names)
     assert "Value error" not in str(e.value)
+
+
+def test_data_parallel_trainer_fields_and_cpu_shares():
+    from asyncflow.workflow.worker import plan_workers
+
+    cfg = load_config(None, ["train.dp=2"])
+    assert (cfg.train.dp, cfg.train.strategy) == (2, "ddp")
+    assert load_config(None, ["train.dp=2", "train.strategy=fsdp"]).train.strategy == "fsdp"  # (launcher=ray)
+    with pytest.warns(UserWarning, match="oversubscribe"):  # rollout + 2 ranks on 2 CPUs
+        specs = plan_workers(cfg, ncpu=2)
+    ranks = [(s.name, s.rank) for s in specs if s.roles == ["actor"]]
+    assert ranks == [("actor", 0), ("actor.1", 1)]
+    # 3 compute workers share 2 CPUs: 2/3 each, 2 in all (rewards are computed inside rollout)
+    assert [round(s.cpus, 4) for s in specs] == [0.6667, 0.6667, 0.6667]
+    specs = plan_workers(cfg, ncpu=4)  # enough CPUs: a whole one each, no warning
+    assert [s.cpus for s in specs] == [1.0, 1.0, 1.0]
+    with pytest.warns(UserWarning, match="oversubscribe"):  # a reward worker of its own asks for no CPU
+        specs = plan_workers(load_config(None, ["train.dp=2", "reward.placement=separate"]), ncpu=2)
+    assert [(s.name, round(s.cpus, 4)) for s in specs] == [("rollout", 0.6667), ("reward", 0.0),
+                                                          ("actor", 0.6667), ("actor.1", 0.6667)]
 
 
 def test_yaml_file_and_overrides(tmp_path):

@@ -209,7 +209,9 @@ class TrainEngine:
     each rank runs ``forward_backward`` on its own share of the step and
     ``optimizer_step`` sums the gradients over ranks before clipping, so every rank takes
     the same step as one process on the whole batch would (losses are normalised by the
-    step's global batch, hence a sum, not a mean, across ranks).
+    step's global batch, hence a sum, not a mean, across ranks). ``collective`` (an
+    :mod:`asyncflow.engines.collective` group: processes or threads) replaces the default
+    ``torch.distributed`` group for that sum.
 
     FSDP (``fsdp=True``, torch.distributed initialised): every decoder layer and then the
     root are wrapped with ``fully_shard`` (FSDP2) over all ranks, so each rank keeps 1/N of
@@ -222,10 +224,10 @@ class TrainEngine:
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
-                 dtype: str = "float32", fsdp: bool = False):
+                 dtype: str = "float32", fsdp: bool = False, collective=None):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
-        self.fsdp = fsdp
+        self.fsdp, self.collective = fsdp, collective
         if fsdp:
             shard(self.model)
         self.dtype = dtype
@@ -286,7 +288,9 @@ class TrainEngine:
                 p.grad = torch.zeros_like(p)  # every rank must join every all-reduce
             if grad_scale != 1.0:
                 p.grad.mul_(grad_scale)
-        if not self.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized():
+        if self.collective is not None and not self.fsdp:
+            self.collective.all_reduce_sum([p.grad for p in params])
+        elif not self.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized():
             for p in params:
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)

@@ -2,8 +2,9 @@
 
 A launcher offers ``cpus``, ``data_plane(schema)``, ``weight_store()``,
 ``spawn(spec, cls, *args)``, ``submit(handle, method, *args)``, ``result(fut, timeout)``
-(raises ``TimeoutError``), ``call(handle, method, *args)``, ``release(obj)`` (free a worker or a service) and
-``shutdown()``.
+(raises ``TimeoutError``), ``call(handle, method, *args)``, ``release(obj)`` (free a worker or a service),
+``dp_rendezvous(rank0, world)`` (what a data-parallel trainer's ranks join: threads or
+processes) and ``shutdown()``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,9 @@
 """In-process launcher: every worker is an object in this process, background roles are
-threads. For tests and debugging (set breakpoints anywhere); the GIL limits overlap."""
+threads. For tests and debugging (set breakpoints anywhere); the GIL limits overlap.
+
+A data-parallel trainer's ranks are threads too: they share a
+:class:`~asyncflow.engines.collective.ThreadRendezvous` (gradient sums in rank order, no
+``torch.distributed``; ``train.strategy=fsdp`` needs processes, i.e. ``launcher=ray``)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,8 @@ from asyncflow.queue import DataPlane
 class LocalLauncher:
     def __init__(self) -> None:
         self.cpus = os.cpu_count() or 1
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="local-launcher")
+        # room for every trainer rank's call at once (they wait for each other in collectives)
+        self._pool = ThreadPoolExecutor(66, thread_name_prefix="local-launcher")
 
     def data_plane(self, schema, kind: str = "ray", storage_units: int = 2):
         """The in-process data plane (``kind`` only matters to the Ray launcher)."""
@@ -22,6 +27,12 @@ class LocalLauncher:
 
     def weight_store(self):
         return WeightStore()
+
+    def dp_rendezvous(self, rank0, world: int):
+        """What ``world`` trainer ranks (threads here) share to form their group."""
+        from asyncflow.engines.collective import ThreadRendezvous
+
+        return ThreadRendezvous(world)
 
     def spawn(self, spec, cls, *args):
         return cls(*args)

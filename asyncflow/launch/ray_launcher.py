@@ -5,6 +5,8 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 * Resource requests are fractional CPUs that never add up to more than exist (a 2-core
   machine runs rollout and trainer with 1 CPU each; the reward worker, the data plane and
   the weight store ask for 0).
+* A data-parallel trainer's ranks are actor processes joined by ``torch.distributed``
+  (gloo) at a rendezvous address with a free port chosen by rank 0 (``dp_rendezvous``).
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
 * ``resources.data_plane=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
@@ -163,6 +165,11 @@ class RayLauncher:
 
     def weight_store(self):
         return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16).remote())
+
+    def dp_rendezvous(self, rank0, world: int) -> str:
+        """A ``tcp://`` address with a free port on rank 0's machine, where ``world`` trainer
+        ranks (actor processes) join one gloo group (``torch.distributed``)."""
+        return self.call(rank0, "dp_address")
 
     def spawn(self, spec, cls, *args):
         return ray.remote(cls).options(num_cpus=spec.cpus, max_concurrency=4, name=None).remote(*args)

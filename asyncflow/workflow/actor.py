@@ -17,6 +17,26 @@
   partition (frees its rows in the data plane). With ``prefetch_next`` the clear and the
   first fetch of ``v + 1`` run on the prefetch thread as soon as ``v``'s rows are all in
   hand (measured: the step boundary cost the trainer ~29 ms a step, ~7% of a run).
+
+Data parallel (``group``, an :mod:`asyncflow.engines.collective` group of ``world``
+ranks, one ``ActorRole`` each; ``train.dp``): rank 0 alone asks the data plane for each
+micro-batch, with ``TokenBalancedSampler(world, <the sampler above>)``, and broadcasts
+the answer (rows and dropped rows) to every rank. Every rank reads the micro-batch's
+columns and computes the same advantages over it (a balanced split may cut a GRPO
+group), then trains only its own contiguous chunk of the rows (``chunk_sizes``: rank
+``i`` gets chunk ``i``), so each row is trained exactly once per step. Losses are
+normalised by the global step (sequences: ``batch_size``; ``token-mean``: the tokens of
+every rank's rows, which each rank counts from the whole micro-batches), and the engine
+sums gradients over ranks before clipping: one dp step = the single-process step on the
+same rows. The step's rows are freed (``clear``) by rank 0 after a barrier that every
+rank reaches once it has read them. Rank 0 alone publishes weights; the staleness check,
+histogram, rewards and sample counts are over all rows on every rank (rank 0 reports
+them); loss metrics (``loss``, ``clip_frac``...) are over the reporting rank's rows.
+Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
+compute thread, each in the same order on every rank. FSDP (the engine's ``fsdp``)
+gathers and scatters inside every forward/backward and export: each rank runs one pass
+per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
+no rank empty; no token-budget chunks) and joins rank 0's export each step.
 """
 
 from __future__ import annotations
@@ -28,9 +48,9 @@ from typing import Callable
 import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
-from asyncflow.engines.training import TrainEngine
+from asyncflow.engines.training import TrainEngine, take_rows
 from asyncflow.engines.weights import seal
-from asyncflow.queue import GroupSampler, StalenessSampler
+from asyncflow.queue import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
 from asyncflow.workflow.role import Role
 
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]
@@ -42,8 +62,10 @@ class ActorRole(Role):
     def __init__(self, engine: TrainEngine, dp, batch_size: int, group_size: int, micro_prompts: int,
                  staleness: int, clip_eps: float = 0.2, kl_coef: float = 0.0, std_normalize: bool = True,
                  publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0,
-                 algorithm: Algorithm | None = None):
+                 algorithm: Algorithm | None = None, group=None):
         super().__init__()
+        self.group = group  # data-parallel ranks (None: this role trains alone)
+        self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
         self.engine, self.dp, self.publish = engine, dp, publish
         self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
         self.staleness, self.std_normalize = staleness, std_normalize
@@ -64,12 +86,42 @@ class ActorRole(Role):
     def _fetcher_for(self, v: int) -> Callable[[int], Future]:
         """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
         sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
+        if self.world > 1:
+            sampler = TokenBalancedSampler(self.world, sampler)
+
+        def get(want: int):
+            return self.dp.get_meta("actor", self.fields, n=want, partition=v, sampler=sampler,
+                                    min_n=want, block=True, timeout=self.wait_timeout_s)
 
         def fetch(want: int):
-            return self.dp.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
-                                     min_n=want, block=True, timeout=self.wait_timeout_s)
+            if self.world == 1:
+                return self.dp.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
+                                         min_n=want, block=True, timeout=self.wait_timeout_s)
+            meta = None
+            if self.rank == 0:
+                try:
+                    meta = get(want)
+                except Exception as e:  # every rank raises it rather than wait for a meta
+                    meta = e
+            meta = self.group.broadcast(meta)
+            if isinstance(meta, BaseException):
+                raise meta
+            return meta, (self.dp.get_data(meta) if meta.rows else {})
 
         return lambda want: self._fetcher.submit(fetch, want)
+
+    def _clear(self, v: int) -> None:
+        """Free partition ``v`` once every rank has read its rows (on the prefetch thread)."""
+        if self.world > 1:
+            self.group.barrier()
+        if self.rank == 0:
+            self.dp.clear(v)
+
+    def _mine(self, n: int) -> list[int]:
+        """Positions, in a micro-batch of ``n`` rows, of the rows this rank trains."""
+        sizes = chunk_sizes(n, self.world)
+        start = sum(sizes[: self.rank])
+        return list(range(start, start + sizes[self.rank]))
 
     def train_step(self, v: int, prefetch_next: bool = False) -> dict:
         """Train version ``v`` on partition ``v`` (blocks until the partition is consumed).
@@ -98,7 +150,7 @@ class ActorRole(Role):
             if seen < self.batch_size:  # the next micro-batch travels while this one computes
                 nxt = submit(min(micro, self.batch_size - seen))
             elif prefetch_next:  # the step's rows are all here: clear it, start the next step
-                cleared = self._fetcher.submit(self.dp.clear, v)
+                cleared = self._fetcher.submit(self._clear, v)
                 nsubmit = self._fetcher_for(v + 1)
                 self._next = (v + 1, nsubmit, nsubmit(min(micro, self.batch_size)), cleared)
             if not meta.rows:
@@ -119,9 +171,12 @@ class ActorRole(Role):
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
             if self.publish is not None:
                 self.publish(self.engine.version, seal(self.engine.export_weights()))
+            elif getattr(self.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
+                self.engine.export_weights()
         if not prefetch_next:
-            self.dp.clear(v)
+            self._fetcher.submit(self._clear, v).result()
         self.items += seen
+        metrics = [m for m in metrics if m]  # (a rank may get no rows of a micro-batch)
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
         out.update(step, reward=float(np.mean(rewards)) if rewards else 0.0,
                    response_len=float(np.mean(lengths)) if lengths else 0.0,
@@ -145,16 +200,20 @@ class ActorRole(Role):
         return out
 
     def _accumulate(self, v: int, data: dict, adv: list) -> dict:
+        """Check the staleness of every row; accumulate the gradient of this rank's rows."""
         for ver in data["version"].tolist():
             lag = v - int(ver)
             assert 0 <= lag <= self.staleness, f"sample of version {ver} reached trainer version {v}"
             self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
             self.max_staleness = max(self.max_staleness, lag)
-        extras = {"logprobs": data["logprobs"], "advantages": adv}
+        idx = self._mine(len(data["version"]))
+        if not idx:
+            return {}
+        extras = {"logprobs": take_rows(data["logprobs"], idx), "advantages": take_rows(adv, idx)}
         if "ref_logprobs" in data:
-            extras["ref_logprobs"] = data["ref_logprobs"]
-        return self.engine.forward_backward([p.tolist() for p in data["prompt_ids"]],
-                                            [r.tolist() for r in data["response_ids"]], extras, self.loss)
+            extras["ref_logprobs"] = take_rows(data["ref_logprobs"], idx)
+        return self.engine.forward_backward([data["prompt_ids"][i].tolist() for i in idx],
+                                            [data["response_ids"][i].tolist() for i in idx], extras, self.loss)
 
     def stats(self) -> dict:
         s = super().stats()

@@ -14,15 +14,21 @@ Placement (``plan_workers``):
 The compute roles (rollout, actor, and reference / critic when the algorithm needs them)
 share the CPUs: each requests ``min(1, ncpu / n_compute)``, so the requests never add up
 to more than ``ncpu``; rewards are computed inside rollout (``reward.placement=rollout``,
-the default), or by a reward worker of their own that requests no CPU (``separate``). PPO's critic
+the default), or by a reward worker of their own that requests no CPU (``separate``).
+``train.dp = N`` gives the actor N workers (``actor``, ``actor.1``, ...: one rank each,
+counted as N compute roles; more compute roles than CPUs is warned about, not refused); the
+job joins them (``dp_address`` on rank 0, then ``join_dp`` on every rank) before the first
+step. PPO's critic
 (:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy as backbone.
 """
 
 from __future__ import annotations
 
 import os
+import copy
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -35,6 +41,7 @@ class WorkerSpec:
     roles: list[str]
     threads: int
     cpus: float  # resource request for the launcher (may be fractional)
+    rank: int = 0  # the actor's data-parallel rank (train.dp > 1)
 
 
 def rewards_in_rollout(cfg: RunConfig) -> bool:
@@ -49,11 +56,15 @@ def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
     if cfg.mode == "sync":
         roles = ["rollout"] + reward + extra + ["actor"]
         return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
-    share = min(1.0, ncpu / (2 + len(extra)))  # rollout, actor and the extras
+    n_compute = 1 + cfg.train.dp + len(extra)  # rollout, the actor's ranks and the extras
+    share = min(1.0, ncpu / n_compute)
     t = cfg.resources.threads_per_role
+    if n_compute * t > ncpu and cfg.train.dp > 1:
+        warnings.warn(f"train.dp={cfg.train.dp}: {n_compute} compute roles x {t} thread(s) on {ncpu} CPUs "
+                      f"oversubscribe them (each asks for {share:.2f} CPU); expect no speed-up", stacklevel=2)
     specs = [WorkerSpec("rollout", ["rollout"], t, share)] + [WorkerSpec(n, [n], 1, 0.0) for n in reward]
     specs += [WorkerSpec(name, [name], t, share) for name in extra]
-    specs.append(WorkerSpec("actor", ["actor"], t, share))
+    specs += [WorkerSpec(f"actor.{i}" if i else "actor", ["actor"], t, share, rank=i) for i in range(cfg.train.dp)]
     return specs
 
 
@@ -71,7 +82,8 @@ def _lr_schedule(cfg: RunConfig):
 class Worker:
     """Roles of one process; the launcher calls its methods (directly or as a Ray actor)."""
 
-    def __init__(self, cfg: RunConfig, roles: list[str], model_dir: str, dp, weights, threads: int):
+    def __init__(self, cfg: RunConfig, roles: list[str], model_dir: str, dp, weights, threads: int,
+                 rank: int = 0):
         import torch
 
         from asyncflow.engines.inference import InferenceEngine, SamplingParams
@@ -92,17 +104,9 @@ class Worker:
         tok = self.tokenizer
         r, t, a = cfg.rollout, cfg.train, cfg.algorithm
         k = cfg.effective_staleness
-        if "actor" in roles:
-            from asyncflow.algorithms.algorithm import Algorithm
-            from asyncflow.workflow.actor import ActorRole
-
-            engine = TrainEngine(self.model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
-                                 grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg),
-                                 max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype)
-            publish = weights.publish if (weights is not None and cfg.mode != "sync") else None
-            self.roles["actor"] = ActorRole(engine, dp, cfg.batch_size, r.group_size, t.micro_prompts, k,
-                                            a.clip_eps, a.kl_coef, a.std_normalize, publish=publish,
-                                            algorithm=Algorithm.from_config(a, r.max_new_tokens))
+        self.rank, self.weights, self.group, self._full = rank, weights, None, None
+        if "actor" in roles and cfg.train.dp == 1:
+            self._build_actor()  # with train.dp > 1: built by join_dp, once the ranks are joined
         if "rollout" in roles:
             from asyncflow.workflow.rollout import RolloutRole
 
@@ -147,6 +151,74 @@ class Worker:
             self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a, r.max_new_tokens), cfg.batch_size,
                                               epochs=a.critic_epochs)
         self.started = time.perf_counter()
+
+    def _build_actor(self) -> None:
+        """The actor role (its engine sums gradients over ``self.group`` when there is one);
+        only rank 0 publishes weights."""
+        from asyncflow.algorithms.algorithm import Algorithm
+        from asyncflow.engines.training import TrainEngine
+        from asyncflow.workflow.actor import ActorRole
+
+        cfg, r, t, a = self.cfg, self.cfg.rollout, self.cfg.train, self.cfg.algorithm
+        fsdp = t.dp > 1 and t.strategy == "fsdp"
+        if fsdp:
+            from asyncflow.engines.collective import TorchGroup
+
+            if not isinstance(self.group, TorchGroup):
+                raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed): "
+                                 "set launcher=ray, or train.strategy=ddp")
+            self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
+        engine = TrainEngine(self.model, self.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
+                             grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg),
+                             max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype,
+                             collective=self.group, fsdp=fsdp)
+        publish = self.weights.publish if (self.weights is not None and cfg.mode != "sync" and self.rank == 0) \
+            else None
+        self.roles["actor"] = ActorRole(engine, self.dp, cfg.batch_size, r.group_size, t.micro_prompts,
+                                        cfg.effective_staleness, a.clip_eps, a.kl_coef, a.std_normalize,
+                                        publish=publish, algorithm=Algorithm.from_config(a, r.max_new_tokens),
+                                        group=self.group)
+
+    # ------------------------------------------------------------------ data-parallel trainer
+    def dp_address(self) -> str:
+        """Rank 0: a ``tcp://`` rendezvous address with a free port on this machine."""
+        import socket
+
+        from asyncflow.engines.collective import free_address
+
+        try:
+            host = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            host = "127.0.0.1"
+        return free_address(host)
+
+    def join_dp(self, rendezvous) -> None:
+        """Join the trainer's ``train.dp`` ranks (blocks until every rank joins), then build
+        the actor role on the group. ``rendezvous``: a ``tcp://`` address (processes) or a
+        :class:`~asyncflow.engines.collective.ThreadRendezvous` (threads of this process)."""
+        from asyncflow.engines.collective import join
+
+        def build() -> None:
+            self.group = join(rendezvous, self.rank, self.cfg.train.dp)
+            self._build_actor()
+
+        self._on_compute(build)
+
+    def _whole(self):
+        """The model with whole weights: the trainer's own, or (FSDP) the gathered copy."""
+        return self._full if self._full is not None else self.model
+
+    def gather_full(self) -> None:
+        """``train.strategy=fsdp``: every rank calls this at once; rank 0's ``_full`` copy then
+        holds the whole current weights (what ``evaluate`` and ``save`` use)."""
+        from asyncflow.engines.inference import load_named_weights
+
+        def gather() -> None:
+            weights = self.roles["actor"].engine.export_weights()  # an all-gather: every rank joins
+            if self.rank == 0:
+                load_named_weights(self._full, weights)
+
+        self._on_compute(gather)
 
     def _inference_engine(self, model_dir: str):
         """rollout.engine=vllm|sglang: the adapter, loading the same model folder on the GPU."""
@@ -239,7 +311,7 @@ class Worker:
         score = getattr(self.task, "eval_score", None) if not self.cfg.reward.fn else None
         if score is None:
             score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
-        return self._on_compute(evaluate, self.model, self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
+        return self._on_compute(evaluate, self._whole(), self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
                                 score, self.cfg.task.chat_template)
 
     def reward_fn(self):
@@ -256,7 +328,7 @@ class Worker:
 
     def save(self, path: str) -> str:
         def save() -> str:
-            self.model.save_pretrained(path)
+            self._whole().save_pretrained(path)
             self.tokenizer.save_pretrained(path)
             return path
 
@@ -270,14 +342,20 @@ class Worker:
 
     def stats(self) -> dict:
         wall = time.perf_counter() - self.started
-        return {name: {**role.stats(), "wall_s": wall} for name, role in self.roles.items()}
+        return {self._key(name): {**role.stats(), "wall_s": wall} for name, role in self.roles.items()}
+
+    def _key(self, role: str) -> str:
+        """A role's name in stats and traces: ``actor.1`` for the actor of trainer rank 1."""
+        return f"{role}.{self.rank}" if self.rank else role
 
     def spans(self) -> dict[str, list[tuple[float, float]]]:
         """Each role's computing spans (wall-clock start, seconds), for the timeline trace."""
-        return {name: list(role.spans) for name, role in self.roles.items()}
+        return {self._key(name): list(role.spans) for name, role in self.roles.items()}
 
     def stop(self) -> None:
         self._stop.set()
+        if self.group is not None:  # a rank still waiting in a collective gives up
+            self.group.abort()
         for th in self._threads:
             th.join(timeout=5)
         if self._subscriber is not None:
