@@ -121,6 +121,12 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
     if "groups_scored" in rollout:  # dynamic sampling
         n, d = rollout["groups_scored"], rollout["groups_dropped"]
         dyn = {"dynamic_sampling": {"groups_scored": n, "groups_dropped": d, "drop_rate": d / n if n else 0.0}}
+    if cfg.rollout.overprovision:  # stragglers carried into a later step / restarted from the prompt
+        dyn["overprovision"] = {"extra_groups": cfg.rollout.overprovision,
+                                "groups_carried": rollout.get("groups_carried", 0),
+                                "groups_restarted": rollout.get("groups_restarted", 0),
+                                "answers_discarded": rollout.get("discarded", 0),
+                                "decode_steps": rollout.get("decode_steps", 0)}
     samples, tokens, wall, s_wall = totals["samples"], totals["tokens"], totals["wall_s"], totals["steady_wall_s"]
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
@@ -154,6 +160,10 @@ def format_summary(s: dict) -> str:
         d = s["dynamic_sampling"]
         acc += (f"dynamic sampling   dropped {d['groups_dropped']} of {d['groups_scored']} groups "
                 f"({d['drop_rate']:.1%}: all rewards equal)\n")
+    if "overprovision" in s:
+        o = s["overprovision"]
+        acc += (f"over-provisioning  {o['extra_groups']} extra groups: {o['groups_carried']} stragglers carried "
+                f"over, {o['groups_restarted']} restarted ({o['answers_discarded']} answers thrown away)\n")
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"

@@ -106,7 +106,8 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
         with (run_dir / "metrics.jsonl").open("w") as log:
             for v in range(cfg.train.steps):
                 if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
-                    feeder.fill(v + cfg.effective_staleness + 2)  # prompts for every admissible step
+                    extra = -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)  # over-provisioned
+                    feeder.fill(v + cfg.effective_staleness + 2 + extra)  # prompts for every admissible step
                 m = meter.step(job.step(v))
                 if evaluate and cfg.train.eval_every and m["step"] % cfg.train.eval_every == 0 \
                         and m["step"] < cfg.train.steps:

@@ -32,6 +32,16 @@ with it (no reward role runs). Steps therefore fill only with groups that carry 
 staleness bound holds as before (drops only free slots), and nothing is trained twice.
 Prompts run out faster than one partition per step, so rollout feeds its own prompt
 partitions (``feed``) just before reading each one.
+
+**Over-provisioning** (``overprovision = E > 0``, APRIL): admission lets ``E`` more groups
+run, so a step fills with its fastest groups and the stragglers keep decoding into the next
+step. A straggler that can no longer meet its deadline (:class:`GroupPlacer` *stalls* it)
+is never trained as it is: its live rows leave the batch at once (``batch.drop``), its
+answers are thrown away (counted in ``discarded``) and it starts again from its prompt, first
+in the queue, as soon as the version allows (:meth:`GroupPlacer.retry`); the restarted
+group is tagged with the new version, and gets a guaranteed slot when one is free. Sync
+mode ends its rollout phase when the step is full, not when the extras finish: they stay in
+the batch and go on in the next phase.
 """
 
 from __future__ import annotations
@@ -56,7 +66,7 @@ class RolloutRole(Role):
     def __init__(self, engine, dp, sampling: SamplingParams, group_size: int,
                  prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
                  recompute_on_swap: bool = True, on_swap: str = "continue",
-                 scorer=None, shape=None, feed=None):
+                 scorer=None, shape=None, feed=None, overprovision: int = 0):
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
         super().__init__()
@@ -65,9 +75,10 @@ class RolloutRole(Role):
         self.recompute_on_swap, self.on_swap = recompute_on_swap, on_swap
         self.groups: dict[int, list[Request]] = {}  # running group id -> its requests (for restarts)
         self.restarts: deque[int] = deque()  # discarded groups waiting to start again
+        self.stale: deque[int] = deque()  # stalled stragglers (over-provisioning) waiting to start again
         self.discarded = 0  # answers (finished or not) thrown away at swaps
         self.batch = engine.new_batch(sampling)
-        self.placer = GroupPlacer(prompts_per_step, staleness)
+        self.placer = GroupPlacer(prompts_per_step, staleness, overprovision)
         self.partition = 0  # the prompt partition prompts are taken from now
         self.taken = 0  # prompts taken from it so far
         self.finished: dict[int, list[Completion]] = defaultdict(list)  # answers of unfinished groups
@@ -144,12 +155,13 @@ class RolloutRole(Role):
         if free_groups <= 0:
             return
         restart = [self.restarts.popleft() for _ in range(min(free_groups, len(self.restarts)))]
+        for gid in restart:
+            self.placer.restart(gid, self.version)
+        while self.stale and len(restart) < free_groups and self.placer.retry(self.stale[0], self.version):
+            restart.append(self.stale.popleft())  # (retry is False until the version is new enough)
         if restart:
-            fresh = []
-            for gid in restart:
-                self.placer.restart(gid, self.version)
-                fresh += [Request(r.key, r.prompt_ids, r.max_new_tokens, r.min_new_tokens)
-                          for r in self.groups[gid]]
+            fresh = [Request(r.key, r.prompt_ids, r.max_new_tokens, r.min_new_tokens)
+                     for gid in restart for r in self.groups[gid]]
             free_groups -= len(restart)
             with self.work():
                 self._emit(self.batch.add(fresh))
@@ -199,23 +211,40 @@ class RolloutRole(Role):
             group.append(c)
             if len(group) == self.group_size:  # the whole group is done: place it
                 del self.finished[c.key[0]]
-                self.groups.pop(c.key[0], None)
                 raw, shaped = self._score(group) if self.scorer is not None else (None, None)
                 if shaped is not None and max(shaped) - min(shaped) <= 1e-9:
                     self.placer.drop(c.key[0])  # no signal: never trained, admission given back
+                    self.groups.pop(c.key[0], None)
                     self.groups_dropped += 1
                     continue
                 part = self.placer.complete(c.key[0])
+                if part is None:  # an over-provisioned straggler past its deadline: start again
+                    self.discarded += len(group)
+                    self.stale.append(c.key[0])
+                    continue
+                self.groups.pop(c.key[0], None)
                 self.outbox[part].extend(group)
                 if raw is not None:
                     self.rewards[part].extend(raw)
                 self._outbox_since = self._outbox_since or now
+        if self.placer.extra:
+            self._expire()
         waiting = sum(len(cs) for cs in self.outbox.values())
         if not waiting:
             return
         complete = any(self.produced[p] + len(cs) >= self.batch_rows for p, cs in self.outbox.items())
         if force or complete or now - self._outbox_since >= self.flush_s:
             self._flush()
+
+    def _expire(self) -> None:
+        """Stragglers whose every step up to their deadline is full leave the batch now (no
+        more tokens spent on them) and queue to start again from the prompt."""
+        gids = self.placer.expire()
+        if gids:
+            out = set(gids)
+            live = self.batch.drop(lambda req: req.key[0] in out)
+            self.discarded += len(live) + sum(len(self.finished.pop(g, [])) for g in gids)
+            self.stale.extend(gids)
 
     def _score(self, group: list[Completion]) -> tuple[list[float], list[float]]:
         """Raw rewards of a finished group (what the data plane stores) and the shaped ones
@@ -254,7 +283,8 @@ class RolloutRole(Role):
                  swap_s=self.weights.swap_seconds if self.weights else 0.0,
                  swaps=self.weights.swaps if self.weights else 0,
                  weights_rejected=self.weights.rejected if self.weights else 0,
-                 discarded=self.discarded)
+                 discarded=self.discarded, groups_carried=self.placer.carried,
+                 groups_restarted=self.placer.stalls)
         if self.scorer is not None:
             s.update(groups_scored=self.groups_scored, groups_dropped=self.groups_dropped,
                      reward_errors=self.scorer.errors)
