@@ -34,10 +34,13 @@ later one. The staleness bound stays exact, per sample:
   - a soft group that can no longer be placed (every step ``<= deadline`` is full, or its
     last free slots are owed to firm groups) is **stalled** (:meth:`expire`,
     ``complete`` returns None): it will not be trained as it is. :meth:`retry` restarts it
-    from its prompt at a version ``v`` with ``v + k >= lowest`` (deadline ``v + k``; its
-    tokens are thrown away) and it becomes **firm** as soon as the firm groups plus it are
-    EDF-feasible (oldest stall first): a prompt is thrown away at most once while firm
-    room exists, and then trained by its deadline. Firm groups never miss a deadline;
+    from its prompt at version ``v`` (deadline ``v + k``; its tokens are thrown away) as a
+    **firm** group, only when the firm groups plus it are EDF-feasible (else it waits for a
+    newer version): a prompt is thrown away at most once, then trained by its deadline.
+    Firm groups never miss a deadline;
+  - a fresh group starts only while the firm and stalled groups leave a free slot up to
+    its deadline (a soft group with no room could only be thrown away). Without extras
+    this is the admission count itself;
   - with ``k = 0`` no group can outlive its step (it started at ``v``, so it may only be
     trained at ``v``): every straggler is stalled and restarted at ``v + 1``. That cuts a
     step's tail only when lengths vary per *sample* (a fresh draw), and then biases the
@@ -63,9 +66,8 @@ class GroupPlacer:
         self.started = 0
         self.dropped = 0  # finished groups never placed (dynamic sampling)
         self.running: dict[int, int] = {}  # group id -> deadline (start version + k)
-        self.soft: set[int] = set()  # running groups without a guaranteed slot (over-provisioning)
-        self.owed: list[int] = []  # soft groups restarted after a stall, oldest first: firm when feasible
-        self.stalled: set[int] = set()  # missed their deadline; wait for retry (still admitted)
+        self.soft: set[int] = set()  # running groups without a guaranteed slot (fresh, over-provisioning)
+        self.stalled: set[int] = set()  # soft groups that missed their deadline; wait for retry (still admitted)
         self.filled: dict[int, int] = defaultdict(int)  # step -> groups placed
         self.lowest = 0  # lowest step that is not full
         self.crossed: set[int] = set()  # running groups that were running when a step filled
@@ -74,7 +76,12 @@ class GroupPlacer:
 
     def admits(self, version: int, extra: int = 0) -> int:
         """How many more groups may start now (``extra`` already promised, e.g. fetched)."""
-        return max(0, (version + self.k + 1) * self.P + self.extra - (self.started - self.dropped) - extra)
+        n = (version + self.k + 1) * self.P + self.extra - (self.started - self.dropped) - extra
+        if self.extra:  # and only while firm and stalled groups leave room up to the deadline
+            d = version + self.k
+            firm = sum(1 for g, e in self.running.items() if g not in self.soft and e <= d)
+            n = n if self._free(d, None) - firm - len(self.stalled) > 0 else 0
+        return max(0, n)
 
     def start(self, gid: int, version: int) -> None:
         if not self.admits(version):
@@ -92,13 +99,11 @@ class GroupPlacer:
         if gid not in self.running:
             raise RuntimeError(f"group {gid} restarted but it is not running")
         self.running[gid] = max(self.running[gid], version + self.k)
-        self._promote()
 
     def drop(self, gid: int) -> None:
         """The finished group ``gid`` will not be trained: forget it, free its admission."""
         self._forget(gid)
         self.dropped += 1
-        self._promote()
 
     def complete(self, gid: int) -> int | None:
         """Place the finished group ``gid``; return its step, or None if it is a soft group
@@ -130,7 +135,6 @@ class GroupPlacer:
             del self.filled[self.lowest]
             self.lowest += 1
             self.crossed |= set(self.running)
-        self._promote()
         return best
 
     def expire(self) -> list[int]:
@@ -142,19 +146,15 @@ class GroupPlacer:
         return [g for _, g in gone]
 
     def retry(self, gid: int, version: int) -> bool:
-        """Restart the stalled group ``gid`` from its prompt at ``version``; False (nothing
-        changes) if it could not be placed even so (``version + k < lowest``: wait for a
-        newer version)."""
+        """Restart the stalled group ``gid`` from its prompt at ``version`` as a firm group;
+        False (nothing changes) if the firm groups plus it would not be feasible: wait for a
+        newer version (retry the oldest stall first)."""
         if gid not in self.stalled:
             raise RuntimeError(f"group {gid} retried but it is not stalled")
-        if version + self.k < self.lowest:
+        if not self._feasible(None, add=version + self.k):
             return False
         self.stalled.discard(gid)
         self.running[gid] = version + self.k
-        self.soft.add(gid)
-        if gid not in self.owed:
-            self.owed.append(gid)
-        self._promote()
         return True
 
     # ------------------------------------------------------------------ internals
@@ -162,38 +162,26 @@ class GroupPlacer:
         del self.running[gid]
         self.soft.discard(gid)
         self.crossed.discard(gid)
-        self.stalled.add(gid)  # an owed group keeps its place in ``owed``
+        self.stalled.add(gid)
         self.stalls += 1
 
     def _forget(self, gid: int) -> None:
         self.running.pop(gid, None)
         self.soft.discard(gid)
         self.crossed.discard(gid)
-        if gid in self.owed:
-            self.owed.remove(gid)
-
-    def _promote(self) -> None:
-        """Owed groups (restarted after a stall) become firm, oldest first, while feasible."""
-        for gid in list(self.owed):
-            if gid in self.stalled:  # waiting for its retry; keeps its place in the queue
-                continue
-            self.soft.discard(gid)
-            if not self._feasible(None):
-                self.soft.add(gid)
-                break
-            self.owed.remove(gid)
 
     def _free(self, d: int, taken: int | None) -> int:
         """Free slots in steps ``lowest..d`` once one more group is placed in ``taken``."""
         return (d - self.lowest + 1) * self.P - (1 if taken is not None and taken <= d else 0) \
             - sum(n for q, n in self.filled.items() if q <= d)
 
-    def _feasible(self, taken: int | None) -> bool:
+    def _feasible(self, taken: int | None, add: int | None = None) -> bool:
         """After placing one group in step ``taken`` (None: none), can every running *firm*
-        group still be placed by its deadline? (EDF: the i-th earliest deadline d needs i
-        slots in steps ``lowest..d``.)"""
+        group (and one more with deadline ``add``) still be placed by its deadline? (EDF:
+        the i-th earliest deadline d needs i slots in steps ``lowest..d``.)"""
         need = 0
-        for d in sorted(d for g, d in self.running.items() if g not in self.soft):
+        firm = [d for g, d in self.running.items() if g not in self.soft] + ([] if add is None else [add])
+        for d in sorted(firm):
             need += 1
             if need > self._free(d, taken):
                 return False
