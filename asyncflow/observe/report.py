@@ -137,6 +137,7 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "steady_tokens_per_s": totals["steady_tokens"] / s_wall if s_wall else 0.0,
         "busy": totals["busy"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
+        "rollout_decode_steps": rollout.get("decode_steps", 0),
         "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
         # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
         "reward_fn": {k: v for k, v in totals["stats"].get("reward", {}).items()

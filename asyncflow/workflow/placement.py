@@ -20,8 +20,7 @@ later one. The staleness bound stays exact, per sample:
   not be trained (all rewards equal) is never placed and gives its admission back
   (``live = started - dropped`` is what admission counts). Hall's condition still holds:
   the live groups with deadline ``<= D`` all started while ``live < (D + 1) * P``, and a
-  drop only removes a running group, so every remaining deadline stays feasible.
-
+  drop only removes a running group, so every remaining deadline stays feasible;
 * **over-provisioning** (``extra = E > 0``, ``rollout.overprovision``): admission lets ``E``
   more live groups run, ``started - dropped < (v + k + 1) * P + E``, so a step fills with
   its *fastest* groups and the stragglers keep running into the next step (APRIL). Those
@@ -39,15 +38,14 @@ later one. The staleness bound stays exact, per sample:
     newer version): a prompt is thrown away at most once, then trained by its deadline.
     Firm groups never miss a deadline;
   - a fresh group starts only while the firm and stalled groups leave a free slot up to
-    its deadline (a soft group with no room could only be thrown away). Without extras
-    this is the admission count itself;
+    its deadline (a soft group with no room could only be thrown away);
   - with ``k = 0`` no group can outlive its step (it started at ``v``, so it may only be
     trained at ``v``): every straggler is stalled and restarted at ``v + 1``. That cuts a
     step's tail only when lengths vary per *sample* (a fresh draw), and then biases the
     trained answers toward the short ones (each prompt's first draw is kept only if it is
-    among the fastest); with ``k >= 1`` a straggler has ``k`` more steps and carries over
-    with nothing thrown away. With ``E = 0`` every group is firm and the rules above
-    reduce exactly to the ones before.
+    among the fastest); with ``k >= 1`` a straggler that finishes within ``k`` more steps
+    carries over with nothing thrown away. With ``E = 0`` every group is firm and the
+    rules above reduce exactly to the ones before (the property tests of both hold).
 
 Plain logic, no I/O: :class:`~asyncflow.workflow.rollout.RolloutRole` drives it, and a
 property test drives it with random completion orders.

@@ -37,9 +37,9 @@ partitions (``feed``) just before reading each one.
 run, so a step fills with its fastest groups and the stragglers keep decoding into the next
 step. A straggler that can no longer meet its deadline (:class:`GroupPlacer` *stalls* it)
 is never trained as it is: its live rows leave the batch at once (``batch.drop``), its
-answers are thrown away (counted in ``discarded``) and it starts again from its prompt, first
-in the queue, as soon as the version allows (:meth:`GroupPlacer.retry`); the restarted
-group is tagged with the new version, and gets a guaranteed slot when one is free. Sync
+answers are thrown away (counted in ``discarded``) and it starts again from its prompt,
+ahead of new prompts, as soon as it can have a guaranteed slot (:meth:`GroupPlacer.retry`;
+with ``k = 0`` at the next version), tagged with the version it restarts at. Sync
 mode ends its rollout phase when the step is full, not when the extras finish: they stay in
 the batch and go on in the next phase.
 """
@@ -76,7 +76,7 @@ class RolloutRole(Role):
         self.groups: dict[int, list[Request]] = {}  # running group id -> its requests (for restarts)
         self.restarts: deque[int] = deque()  # discarded groups waiting to start again
         self.stale: deque[int] = deque()  # stalled stragglers (over-provisioning) waiting to start again
-        self.discarded = 0  # answers (finished or not) thrown away at swaps
+        self.discarded = 0  # answers (finished or not) thrown away at swaps (discard) and stalls
         self.batch = engine.new_batch(sampling)
         self.placer = GroupPlacer(prompts_per_step, staleness, overprovision)
         self.partition = 0  # the prompt partition prompts are taken from now
@@ -158,7 +158,7 @@ class RolloutRole(Role):
         for gid in restart:
             self.placer.restart(gid, self.version)
         while self.stale and len(restart) < free_groups and self.placer.retry(self.stale[0], self.version):
-            restart.append(self.stale.popleft())  # (retry is False until the version is new enough)
+            restart.append(self.stale.popleft())  # (False until a guaranteed slot is free: a newer version)
         if restart:
             fresh = [Request(r.key, r.prompt_ids, r.max_new_tokens, r.min_new_tokens)
                      for gid in restart for r in self.groups[gid]]
