@@ -9,6 +9,7 @@ tests run ``train`` in process on the tiny random model with a spy on the data p
 
 from __future__ import annotations
 
+import json
 import random
 from collections import defaultdict
 
@@ -124,3 +125,9 @@ def test_pipeline_with_overprovision(tmp_path, mode, k):
     assert all(0 <= v - w <= k for v, w in trained)
     o = summary["overprovision"]
     assert o["extra_groups"] == 2 and o["groups_carried"] + o["groups_restarted"] > 0
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert sum(m["groups_restarted"] for m in rows) <= o["groups_restarted"]  # per step, up to the last
+    assert sum(m["groups_carried"] for m in rows) <= o["groups_carried"]
+    if mode == "sync":  # each step's 2 slowest of 6 groups restart; step 0 can fill before the
+        # extras are fetched (all short) and the last step's extras have no prompts left
+        assert o["groups_carried"] == 0 and o["groups_restarted"] >= 2 * (steps - 2)

@@ -79,11 +79,13 @@ class RunMeter:
     ``stats`` returns the workers' counters (``role -> {busy_s, wall_s, ...}``). With
     ``drops`` (dynamic sampling) every step also reads rollout's group counters and reports
     ``groups_dropped`` / ``drop_rate``: groups dropped (all rewards equal) over groups
-    scored since the previous step.
+    scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
+    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise.
     """
 
-    def __init__(self, stats: Callable[[], dict], drops: bool = False):
+    def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False):
         self.stats, self.drops, self._groups = stats, drops, (0, 0)
+        self.stragglers, self._stragglers = stragglers, (0, 0)
         self.t0, self.stats0 = time.perf_counter(), stats()
         self.steps = self.samples = self.tokens = 0
         self.steady0: tuple | None = None  # (time, stats, samples, tokens) at the end of step 1
@@ -95,8 +97,12 @@ class RunMeter:
         elapsed = time.perf_counter() - self.t0
         if self.steady0 is None:
             self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens)
+        r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
+        if self.stragglers:
+            carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
+            m = {**m, "groups_carried": carried - self._stragglers[0], "groups_restarted": restarted - self._stragglers[1]}
+            self._stragglers = (carried, restarted)
         if self.drops:
-            r = self.stats().get("rollout", {})
             scored, dropped = r.get("groups_scored", 0), r.get("groups_dropped", 0)
             d_scored, d_dropped = scored - self._groups[0], dropped - self._groups[1]
             self._groups = (scored, dropped)

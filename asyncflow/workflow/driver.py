@@ -102,7 +102,7 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
         acc0 = job.evaluate() if evaluate else None
         progress.start(acc0)
         job.start()
-        meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling)
+        meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
         with (run_dir / "metrics.jsonl").open("w") as log:
             for v in range(cfg.train.steps):
                 if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
