@@ -112,7 +112,7 @@ def test_async_stragglers_carry_over_within_the_bound(extra):
     assert sum(rounds) < 0.75 * sum(rounds0), (rounds0, rounds)
 
 
-@pytest.mark.parametrize("mode,k", [("sync", 0), ("async", 1)])
+@pytest.mark.parametrize("mode,k", [("sync", 0), ("stream", 0), ("async", 1)])
 def test_pipeline_with_overprovision(tmp_path, mode, k):
     steps = 4
     cfg = small_job(tmp_path, f"mode={mode}", f"staleness={k}", f"train.steps={steps}", "rollout.max_batch=24",
