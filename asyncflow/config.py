@@ -89,6 +89,11 @@ class RolloutConfig(_Section):
     on_swap: Literal["continue", "discard"] = Field(
         "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial rollout), "
                                 "or 'discard' them and restart their whole groups from the prompt.")
+    overprovision: int = Field(
+        0, ge=0, description="Extra prompt groups rollout may run beyond the staleness bound's admission (APRIL "
+                             "over-provisioning): a step fills with its fastest groups and the stragglers continue "
+                             "into the next step; one that would break the staleness bound is restarted from its "
+                             "prompt (with staleness 0, every straggler is). 0 = off.")
     gen_len: Literal["natural", "longtail"] = Field(
         "natural", description="'longtail' forces each answer's length from a long-tailed distribution (benchmark workload emulation).")
     longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")

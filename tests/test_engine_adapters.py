@@ -204,6 +204,9 @@ def test_sglang_backend_generates_loads_and_aborts():
     batch = eng.new_batch(SamplingParams(max_new_tokens=3))
     batch.add([Request("z", [1])])
     assert [r.key for r in batch.drop_all()] == ["z"] and len(fake.aborted) == 1
+    batch.add([Request("y", [1]), Request("x", [2])])
+    assert [r.key for r in batch.drop(lambda r: r.key == "x")] == ["x"] and len(batch) == 1  # a straggler
+    assert len(fake.aborted) == 2
 
 
 # --------------------------------------------------------------------------- config switch

@@ -157,6 +157,28 @@ def test_continuous_batching_same_result_as_one_big_batch_greedy(tok):
         np.testing.assert_allclose(c_small.logprobs, c_big.logprobs, atol=ATOL, rtol=0)
 
 
+def test_drop_removes_only_the_chosen_rows(tok):
+    """batch.drop (over-provisioned stragglers): the dropped rows leave, the others go on
+    exactly as if they had decoded alone (greedy), with log-probs matching a recompute."""
+    model = build_tiny_model(tok, seed=0)
+    reqs = lambda: [Request(i, p, max_new_tokens=6, min_new_tokens=6) for i, p in enumerate(_prompts(tok, TEXTS))]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=8)
+    alone = {c.key: c for c in InferenceEngine(model, EOS, PAD).generate([r for r in reqs() if r.key in (0, 2, 4)], sp)}
+    batch = InferenceEngine(model, EOS, PAD).new_batch(sp)
+    batch.add(reqs())
+    batch.step()
+    assert sorted(r.key for r in batch.drop(lambda r: r.key in (1, 3))) == [1, 3] and len(batch) == 3
+    assert batch.drop(lambda r: False) == [] and len(batch) == 3
+    out = []
+    while len(batch):
+        out += batch.step()
+    assert sorted(c.key for c in out) == [0, 2, 4]
+    for c in out:
+        assert c.response_ids == alone[c.key].response_ids
+        np.testing.assert_allclose(c.logprobs, alone[c.key].logprobs, atol=ATOL, rtol=0)
+    _assert_recorded_match(TrainEngine(model, pad_id=PAD), out)
+
+
 class _EosBias(torch.nn.Module):
     """Wraps a causal LM and adds a large bias to the EOS logit (an EOS-happy model)."""
 

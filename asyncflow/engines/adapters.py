@@ -5,7 +5,7 @@ Design
 An external engine is reached through a small **backend** (:class:`Backend`): ``submit``
 a request under a string id, ``poll`` for progress, ``abort`` ids, ``load`` named weights.
 :class:`StepBatch` turns any backend into the batch protocol the rollout role drives
-(:mod:`asyncflow.engines.types`): ``add`` submits, ``step`` polls, ``drop_all`` aborts,
+(:mod:`asyncflow.engines.types`): ``add`` submits, ``step`` polls, ``drop_all`` / ``drop`` abort,
 ``recompute_cache`` re-submits each live answer with its generated prefix appended to the
 prompt (the engine recomputes the prefix's KV cache under the new weights) and the
 remaining token budget; the tokens already generated are kept. So the adapters keep the
@@ -149,6 +149,13 @@ class StepBatch:
         if rows:
             self.backend.abort([rid for rid, _ in rows])
         return [row.req for _, row in rows]
+
+    def drop(self, which) -> list[Request]:
+        """Abort the live submissions whose request ``which(req)`` is true; their requests."""
+        rids = [rid for rid, row in self.rows.items() if which(row.req)]
+        if rids:
+            self.backend.abort(rids)
+        return [self.rows.pop(rid).req for rid in rids]
 
     def recompute_cache(self) -> None:
         """Continue every live answer under the current weights: abort, then re-submit it with

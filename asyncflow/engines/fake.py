@@ -2,7 +2,7 @@
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
 :class:`~asyncflow.workflow.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
-``drop_all`` / ``recompute_cache``, ``generate`` and ``load_weights``, with the same
+``drop_all`` / ``drop`` / ``recompute_cache``, ``generate`` and ``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
 role code while generation costs microseconds.
 
@@ -96,6 +96,11 @@ class FakeBatch:
         reqs = [r.req for r in self.rows]
         self.rows = []
         return reqs
+
+    def drop(self, which) -> list[Request]:
+        out = [r.req for r in self.rows if which(r.req)]
+        self.rows = [r for r in self.rows if not which(r.req)]
+        return out
 
     def recompute_cache(self) -> None:
         self.recomputes += 1

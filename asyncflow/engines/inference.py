@@ -194,6 +194,13 @@ class GenerationBatch:
         self._keep([])
         return reqs
 
+    def drop(self, which) -> list[Request]:
+        """Remove the live rows whose request ``which(req)`` is true; return their requests."""
+        out = [row.req for row in self.rows if which(row.req)]
+        if out:
+            self._keep([i for i, row in enumerate(self.rows) if not which(row.req)])
+        return out
+
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
     def recompute_cache(self) -> None:

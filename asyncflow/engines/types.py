@@ -3,7 +3,8 @@
 The rollout role talks to an engine only through these and a small protocol:
 ``engine.version``, ``engine.max_batch``, ``engine.new_batch(sampling)`` returning a batch
 with ``add(requests) -> [Completion]``, ``step() -> [Completion]``, ``len()``,
-``version``, ``recompute_cache()`` and ``drop_all() -> [Request]``; and
+``version``, ``recompute_cache()``, ``drop_all() -> [Request]`` and ``drop(which) -> [Request]``
+(the live rows whose request ``which(req)`` is true: over-provisioned stragglers); and
 ``engine.load_weights(version, tensors)``. Completions carry one log-prob and one policy
 version per generated token.
 """

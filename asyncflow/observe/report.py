@@ -79,11 +79,13 @@ class RunMeter:
     ``stats`` returns the workers' counters (``role -> {busy_s, wall_s, ...}``). With
     ``drops`` (dynamic sampling) every step also reads rollout's group counters and reports
     ``groups_dropped`` / ``drop_rate``: groups dropped (all rewards equal) over groups
-    scored since the previous step.
+    scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
+    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise.
     """
 
-    def __init__(self, stats: Callable[[], dict], drops: bool = False):
+    def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False):
         self.stats, self.drops, self._groups = stats, drops, (0, 0)
+        self.stragglers, self._stragglers = stragglers, (0, 0)
         self.t0, self.stats0 = time.perf_counter(), stats()
         self.steps = self.samples = self.tokens = 0
         self.steady0: tuple | None = None  # (time, stats, samples, tokens) at the end of step 1
@@ -95,8 +97,12 @@ class RunMeter:
         elapsed = time.perf_counter() - self.t0
         if self.steady0 is None:
             self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens)
+        r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
+        if self.stragglers:
+            carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
+            m = {**m, "groups_carried": carried - self._stragglers[0], "groups_restarted": restarted - self._stragglers[1]}
+            self._stragglers = (carried, restarted)
         if self.drops:
-            r = self.stats().get("rollout", {})
             scored, dropped = r.get("groups_scored", 0), r.get("groups_dropped", 0)
             d_scored, d_dropped = scored - self._groups[0], dropped - self._groups[1]
             self._groups = (scored, dropped)
@@ -121,6 +127,12 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
     if "groups_dropped" in rollout:  # dynamic sampling
         n, d = rollout["groups_scored"], rollout["groups_dropped"]
         dyn = {"dynamic_sampling": {"groups_scored": n, "groups_dropped": d, "drop_rate": d / n if n else 0.0}}
+    if cfg.rollout.overprovision:  # stragglers carried into a later step / restarted from the prompt
+        dyn["overprovision"] = {"extra_groups": cfg.rollout.overprovision,
+                                "groups_carried": rollout.get("groups_carried", 0),
+                                "groups_restarted": rollout.get("groups_restarted", 0),
+                                "answers_discarded": rollout.get("discarded", 0),
+                                "decode_steps": rollout.get("decode_steps", 0)}
     samples, tokens, wall, s_wall = totals["samples"], totals["tokens"], totals["wall_s"], totals["steady_wall_s"]
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
@@ -131,6 +143,7 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "steady_tokens_per_s": totals["steady_tokens"] / s_wall if s_wall else 0.0,
         "busy": totals["busy"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
+        "rollout_decode_steps": rollout.get("decode_steps", 0),
         "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
         # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
         "reward_fn": {k: v for k, v in (totals["stats"].get("reward") or rollout).items()
@@ -154,6 +167,10 @@ def format_summary(s: dict) -> str:
         d = s["dynamic_sampling"]
         acc += (f"dynamic sampling   dropped {d['groups_dropped']} of {d['groups_scored']} groups "
                 f"({d['drop_rate']:.1%}: all rewards equal)\n")
+    if "overprovision" in s:
+        o = s["overprovision"]
+        acc += (f"over-provisioning  {o['extra_groups']} extra groups: {o['groups_carried']} stragglers carried "
+                f"over, {o['groups_restarted']} restarted ({o['answers_discarded']} answers thrown away)\n")
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"

@@ -102,12 +102,13 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
         acc0 = job.evaluate() if evaluate else None
         progress.start(acc0)
         job.start()
-        meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling)
+        meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
         steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
+        ahead = cfg.effective_staleness + 2 + -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)
 
         def submit(v: int):  # feed prompts for every admissible step, then queue step v on the trainer
             if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
-                feeder.fill(v + cfg.effective_staleness + 2)
+                feeder.fill(v + ahead)  # (over-provisioned groups reach further ahead)
             return job.submit(v) if v < steps else None
 
         fut = submit(0)

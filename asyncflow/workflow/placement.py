@@ -20,7 +20,32 @@ later one. The staleness bound stays exact, per sample:
   not be trained (all rewards equal) is never placed and gives its admission back
   (``live = started - dropped`` is what admission counts). Hall's condition still holds:
   the live groups with deadline ``<= D`` all started while ``live < (D + 1) * P``, and a
-  drop only removes a running group, so every remaining deadline stays feasible.
+  drop only removes a running group, so every remaining deadline stays feasible;
+* **over-provisioning** (``extra = E > 0``, ``rollout.overprovision``): admission lets ``E``
+  more live groups run, ``started - dropped < (v + k + 1) * P + E``, so a step fills with
+  its *fastest* groups and the stragglers keep running into the next step (APRIL). Those
+  ``E`` groups break Hall's condition, so guarantees become per group:
+
+  - a fresh group starts **soft**: it takes the lowest step ``<= its deadline`` with room
+    that keeps every *firm* group feasible (EDF over the firm groups only) and, among
+    those, loses the fewest other running groups (the most running groups that can still
+    be placed; EDF greedy, exact because every group's window starts at ``lowest``);
+  - a soft group that can no longer be placed (every step ``<= deadline`` is full, or its
+    last free slots are owed to firm groups) is **stalled** (:meth:`expire`,
+    ``complete`` returns None): it will not be trained as it is. :meth:`retry` restarts it
+    from its prompt at version ``v`` (deadline ``v + k``; its tokens are thrown away) as a
+    **firm** group, only when the firm groups plus it are EDF-feasible (else it waits for a
+    newer version): a prompt is thrown away at most once, then trained by its deadline.
+    Firm groups never miss a deadline;
+  - a fresh group starts only while the firm and stalled groups leave a free slot up to
+    its deadline (a soft group with no room could only be thrown away);
+  - with ``k = 0`` no group can outlive its step (it started at ``v``, so it may only be
+    trained at ``v``): every straggler is stalled and restarted at ``v + 1``. That cuts a
+    step's tail only when lengths vary per *sample* (a fresh draw), and then biases the
+    trained answers toward the short ones (each prompt's first draw is kept only if it is
+    among the fastest); with ``k >= 1`` a straggler that finishes within ``k`` more steps
+    carries over with nothing thrown away. With ``E = 0`` every group is firm and the
+    rules above reduce exactly to the ones before (the property tests of both hold).
 
 Plain logic, no I/O: :class:`~asyncflow.workflow.rollout.RolloutRole` drives it, and a
 property test drives it with random completion orders.
@@ -32,23 +57,37 @@ from collections import defaultdict
 
 
 class GroupPlacer:
-    def __init__(self, groups_per_step: int, staleness: int):
-        self.P, self.k = groups_per_step, staleness
+    def __init__(self, groups_per_step: int, staleness: int, extra: int = 0):
+        if extra < 0:
+            raise ValueError(f"extra = {extra}: over-provisioned groups must be >= 0")
+        self.P, self.k, self.extra = groups_per_step, staleness, extra
         self.started = 0
         self.dropped = 0  # finished groups never placed (dynamic sampling)
         self.running: dict[int, int] = {}  # group id -> deadline (start version + k)
+        self.soft: set[int] = set()  # running groups without a guaranteed slot (fresh, over-provisioning)
+        self.stalled: set[int] = set()  # soft groups that missed their deadline; wait for retry (still admitted)
         self.filled: dict[int, int] = defaultdict(int)  # step -> groups placed
         self.lowest = 0  # lowest step that is not full
+        self.crossed: set[int] = set()  # running groups that were running when a step filled
+        self.carried = 0  # groups placed after running across a step boundary
+        self.stalls = 0  # groups stalled (thrown away and restarted)
 
     def admits(self, version: int, extra: int = 0) -> int:
         """How many more groups may start now (``extra`` already promised, e.g. fetched)."""
-        return max(0, (version + self.k + 1) * self.P - (self.started - self.dropped) - extra)
+        n = (version + self.k + 1) * self.P + self.extra - (self.started - self.dropped) - extra
+        if self.extra:  # and only while firm and stalled groups leave room up to the deadline
+            d = version + self.k
+            firm = sum(1 for g, e in self.running.items() if g not in self.soft and e <= d)
+            n = n if self._free(d, None) - firm - len(self.stalled) > 0 else 0
+        return max(0, n)
 
     def start(self, gid: int, version: int) -> None:
         if not self.admits(version):
             raise RuntimeError(f"group {gid} started at version {version} beyond the admission limit")
         self.started += 1
         self.running[gid] = version + self.k
+        if self.extra:
+            self.soft.add(gid)
 
     def restart(self, gid: int, version: int) -> None:
         """A running group starts again from its prompt at ``version`` (``on_swap=discard``):
@@ -61,32 +100,97 @@ class GroupPlacer:
 
     def drop(self, gid: int) -> None:
         """The finished group ``gid`` will not be trained: forget it, free its admission."""
-        del self.running[gid]
+        self._forget(gid)
         self.dropped += 1
 
-    def complete(self, gid: int) -> int:
-        """Place the finished group ``gid``; return its step."""
-        deadline = self.running.pop(gid)
-        p = self.lowest
-        while p <= deadline:
+    def complete(self, gid: int) -> int | None:
+        """Place the finished group ``gid``; return its step, or None if it is a soft group
+        with no step left (it is stalled: restart it with :meth:`retry`)."""
+        deadline = self.running[gid]
+        firm = gid not in self.soft
+        del self.running[gid]
+        self.soft.discard(gid)
+        best, best_kept = None, -1
+        for p in range(self.lowest, deadline + 1):
             if self.filled[p] < self.P and self._feasible(p):
-                self.filled[p] += 1
-                while self.filled[self.lowest] >= self.P:
-                    del self.filled[self.lowest]
-                    self.lowest += 1
-                return p
-            p += 1
-        raise RuntimeError(f"group {gid} (deadline step {deadline}) has no step left: admission was broken")
+                if not self.soft:  # every running group is firm, so feasible keeps them all:
+                    best = p  # the rule without over-provisioning, the lowest feasible step
+                    break
+                kept = self._kept(p)
+                if kept > best_kept:
+                    best, best_kept = p, kept
+        if best is None:
+            if firm:
+                raise RuntimeError(f"group {gid} (deadline step {deadline}) has no step left: admission was broken")
+            self.running[gid] = deadline  # back as it was, then stalled
+            self.soft.add(gid)
+            self._stall(gid)
+            return None
+        self.carried += gid in self.crossed
+        self._forget(gid)
+        self.filled[best] += 1
+        while self.filled[self.lowest] >= self.P:
+            del self.filled[self.lowest]
+            self.lowest += 1
+            self.crossed |= set(self.running)
+        return best
 
-    def _feasible(self, taken: int) -> bool:
-        """After placing one group in step ``taken``, can every running group still be
-        placed by its deadline? (EDF: the i-th earliest deadline d needs i slots in
-        steps ``lowest..d``.)"""
+    def expire(self) -> list[int]:
+        """Stall every soft group whose deadline has passed (every step ``<= deadline`` is
+        full); return them, oldest deadline first."""
+        gone = sorted((d, g) for g, d in self.running.items() if g in self.soft and d < self.lowest)
+        for _, g in gone:
+            self._stall(g)
+        return [g for _, g in gone]
+
+    def retry(self, gid: int, version: int) -> bool:
+        """Restart the stalled group ``gid`` from its prompt at ``version`` as a firm group;
+        False (nothing changes) if the firm groups plus it would not be feasible: wait for a
+        newer version (retry the oldest stall first)."""
+        if gid not in self.stalled:
+            raise RuntimeError(f"group {gid} retried but it is not stalled")
+        if not self._feasible(None, add=version + self.k):
+            return False
+        self.stalled.discard(gid)
+        self.running[gid] = version + self.k
+        return True
+
+    # ------------------------------------------------------------------ internals
+    def _stall(self, gid: int) -> None:
+        del self.running[gid]
+        self.soft.discard(gid)
+        self.crossed.discard(gid)
+        self.stalled.add(gid)
+        self.stalls += 1
+
+    def _forget(self, gid: int) -> None:
+        self.running.pop(gid, None)
+        self.soft.discard(gid)
+        self.crossed.discard(gid)
+
+    def _free(self, d: int, taken: int | None) -> int:
+        """Free slots in steps ``lowest..d`` once one more group is placed in ``taken``."""
+        return (d - self.lowest + 1) * self.P - (1 if taken is not None and taken <= d else 0) \
+            - sum(n for q, n in self.filled.items() if q <= d)
+
+    def _feasible(self, taken: int | None, add: int | None = None) -> bool:
+        """After placing one group in step ``taken`` (None: none), can every running *firm*
+        group (and one more with deadline ``add``) still be placed by its deadline? (EDF:
+        the i-th earliest deadline d needs i slots in steps ``lowest..d``.)"""
         need = 0
-        for d in sorted(self.running.values()):
+        firm = [d for g, d in self.running.items() if g not in self.soft] + ([] if add is None else [add])
+        for d in sorted(firm):
             need += 1
-            free = (d - self.lowest + 1) * self.P - (1 if taken <= d else 0) \
-                - sum(n for q, n in self.filled.items() if q <= d)
-            if need > free:
+            if need > self._free(d, taken):
                 return False
         return True
+
+    def _kept(self, taken: int) -> int:
+        """How many running groups (firm or soft) can still be placed by their deadlines
+        after placing one group in ``taken``: EDF greedy, optimal since all windows start at
+        ``lowest``."""
+        kept = 0
+        for d in sorted(self.running.values()):
+            if kept < self._free(d, taken):
+                kept += 1
+        return kept

@@ -37,6 +37,16 @@ starts in its place) and never reaches the data plane; a kept group is placed as
 staleness bound holds as before (drops only free slots), and nothing is trained twice.
 Prompts run out faster than one partition per step, so rollout feeds its own prompt
 partitions (``feed``) just before reading each one.
+
+**Over-provisioning** (``overprovision = E > 0``, APRIL): admission lets ``E`` more groups
+run, so a step fills with its fastest groups and the stragglers keep decoding into the next
+step. A straggler that can no longer meet its deadline (:class:`GroupPlacer` *stalls* it)
+is never trained as it is: its live rows leave the batch at once (``batch.drop``), its
+answers are thrown away (counted in ``discarded``) and it starts again from its prompt,
+ahead of new prompts, as soon as it can have a guaranteed slot (:meth:`GroupPlacer.retry`;
+with ``k = 0`` at the next version), tagged with the version it restarts at. Sync
+mode ends its rollout phase when the step is full, not when the extras finish: they stay in
+the batch and go on in the next phase.
 """
 
 from __future__ import annotations
@@ -61,7 +71,7 @@ class RolloutRole(Role):
     def __init__(self, engine, dp, sampling: SamplingParams, group_size: int,
                  prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
                  recompute_on_swap: bool = True, on_swap: str = "continue",
-                 scorer=None, shape=None, feed=None, drop_flat: bool = False):
+                 scorer=None, shape=None, feed=None, drop_flat: bool = False, overprovision: int = 0):
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
         super().__init__()
@@ -70,9 +80,10 @@ class RolloutRole(Role):
         self.recompute_on_swap, self.on_swap = recompute_on_swap, on_swap
         self.groups: dict[int, list[Request]] = {}  # running group id -> its requests (for restarts)
         self.restarts: deque[int] = deque()  # discarded groups waiting to start again
-        self.discarded = 0  # answers (finished or not) thrown away at swaps
+        self.stale: deque[int] = deque()  # stalled stragglers (over-provisioning) waiting to start again
+        self.discarded = 0  # answers (finished or not) thrown away at swaps (discard) and stalls
         self.batch = engine.new_batch(sampling)
-        self.placer = GroupPlacer(prompts_per_step, staleness)
+        self.placer = GroupPlacer(prompts_per_step, staleness, overprovision)
         self.partition = 0  # the prompt partition prompts are taken from now
         self.taken = 0  # prompts taken from it so far
         self.finished: dict[int, list[Completion]] = defaultdict(list)  # answers of unfinished groups
@@ -87,7 +98,8 @@ class RolloutRole(Role):
         # scorer: a GroupScorer (rewards computed here). Dynamic sampling (drop_flat): shape(rewards,
         # lengths) -> the rewards the trainer will see (e.g. overlong penalty) decides keep or drop
         self.scorer, self.shape, self.feed, self.drop_flat = scorer, shape, feed, drop_flat
-        self.scoring: dict[int, list[Completion]] = {}  # group id -> finished answers awaiting rewards
+        self.scoring: dict[int, tuple] = {}  # group id -> (submission id, finished answers awaiting rewards)
+        self._sid = 0
         self.rewards: dict[int, list[float]] = defaultdict(list)  # partition -> rewards of outbox rows
         self.groups_scored = self.groups_dropped = 0
 
@@ -150,12 +162,13 @@ class RolloutRole(Role):
         if free_groups <= 0:
             return
         restart = [self.restarts.popleft() for _ in range(min(free_groups, len(self.restarts)))]
+        for gid in restart:
+            self.placer.restart(gid, self.version)
+        while self.stale and len(restart) < free_groups and self.placer.retry(self.stale[0], self.version):
+            restart.append(self.stale.popleft())  # (False until a guaranteed slot is free: a newer version)
         if restart:
-            fresh = []
-            for gid in restart:
-                self.placer.restart(gid, self.version)
-                fresh += [Request(r.key, r.prompt_ids, r.max_new_tokens, r.min_new_tokens)
-                          for r in self.groups[gid]]
+            fresh = [Request(r.key, r.prompt_ids, r.max_new_tokens, r.min_new_tokens)
+                     for gid in restart for r in self.groups[gid]]
             free_groups -= len(restart)
             with self.work():
                 self._emit(self.batch.add(fresh))
@@ -206,15 +219,18 @@ class RolloutRole(Role):
             if len(group) == self.group_size:  # the whole group is done: score it, then place it
                 gid = c.key[0]
                 del self.finished[gid]
-                self.groups.pop(gid, None)
                 if self.scorer is None:
                     self._place(gid, group, None)
                 else:
-                    self.scoring[gid] = group
-                    self.scorer.submit(gid, [(c.prompt_ids, c.response_ids, c.key[1]) for c in group])
+                    self._sid += 1  # a submission id: a result for a group expired meanwhile is ignored
+                    self.scoring[gid] = (self._sid, group)
+                    self.scorer.submit((gid, self._sid), [(c.prompt_ids, c.response_ids, c.key[1]) for c in group])
         if self.scoring:
-            for gid, raw in self.scorer.ready(wait_s):
-                self._place(gid, self.scoring.pop(gid), raw)
+            for (gid, sid), raw in self.scorer.ready(wait_s):
+                if self.scoring.get(gid, (None,))[0] == sid:
+                    self._place(gid, self.scoring.pop(gid)[1], raw)
+        if self.placer.extra:
+            self._expire()
         waiting = sum(len(cs) for cs in self.outbox.values())
         if not waiting:
             return
@@ -223,7 +239,8 @@ class RolloutRole(Role):
             self._flush()
 
     def _place(self, gid: int, group: list[Completion], raw: list[float] | None) -> None:
-        """Put a finished (and scored) group in its step's outbox, or drop it (dynamic sampling)."""
+        """Put a finished (and scored) group in its step's outbox; or drop it (dynamic
+        sampling); or, an over-provisioned straggler past its deadline, queue it to start again."""
         if raw is not None:
             self.groups_scored += 1
         if self.drop_flat:
@@ -231,13 +248,31 @@ class RolloutRole(Role):
                 if self.shape is not None else raw
             if max(shaped) - min(shaped) <= 1e-9:
                 self.placer.drop(gid)  # no signal: never trained, admission given back
+                self.groups.pop(gid, None)
                 self.groups_dropped += 1
                 return
         part = self.placer.complete(gid)
+        if part is None:  # an over-provisioned straggler past its deadline: start again
+            self.discarded += len(group)
+            self.stale.append(gid)
+            return
+        self.groups.pop(gid, None)
         self.outbox[part].extend(group)
         if raw is not None:
             self.rewards[part].extend(raw)
         self._outbox_since = self._outbox_since or time.perf_counter()
+
+    def _expire(self) -> None:
+        """Stragglers whose every step up to their deadline is full leave the batch now (no
+        more tokens spent on them; a finished one awaiting its rewards is forgotten) and queue
+        to start again from the prompt."""
+        gids = self.placer.expire()
+        if gids:
+            out = set(gids)
+            live = self.batch.drop(lambda req: req.key[0] in out)
+            self.discarded += len(live) + sum(len(self.finished.pop(g, [])) for g in gids)
+            self.discarded += sum(len(self.scoring.pop(g)[1]) for g in gids if g in self.scoring)
+            self.stale.extend(gids)
 
     def _flush(self) -> None:
         for part, cs in self.outbox.items():
@@ -267,7 +302,8 @@ class RolloutRole(Role):
                  swap_s=self.weights.swap_seconds if self.weights else 0.0,
                  swaps=self.weights.swaps if self.weights else 0,
                  weights_rejected=self.weights.rejected if self.weights else 0,
-                 discarded=self.discarded)
+                 discarded=self.discarded, groups_carried=self.placer.carried,
+                 groups_restarted=self.placer.stalls)
         if self.scorer is not None:
             s.update(groups_scored=self.groups_scored, reward_errors=self.scorer.errors, **self.scorer.stats())
         if self.drop_flat:

@@ -119,6 +119,7 @@ class Worker:
             sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
             self.roles["rollout"] = RolloutRole(engine, dp, sp, r.group_size, t.prompts_per_step, k,
                                                 self._subscriber, r.recompute_on_swap, r.on_swap,
+                                                overprovision=r.overprovision,
                                                 **(self._scoring() if rewards_in_rollout(cfg) else {}))
         if "reward" in roles:
             from asyncflow.workflow.reward import RewardRole
