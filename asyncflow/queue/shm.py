@@ -217,11 +217,11 @@ class ShmUnit:
         try:
             if os.stat(os.path.join(SHM_DIR, owned)).st_ino != ino:
                 raise PermissionError(f"shared-memory segment {name!r} was replaced while adopted")
-            self.refs[owned] += 0
             views = _views([r if r is None else [owned, *r[1:]] for r in refs], {owned: (mm, size)}, frames)
         except BaseException:
             unlink(owned)
             raise
+        self.refs[owned] = 0
         return views, owned
 
     def hold(self, name: str, n: int) -> None:

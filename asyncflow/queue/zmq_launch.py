@@ -63,10 +63,11 @@ class Deployment:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every server process (asks them, then terminates stragglers)."""
-        try:
-            self.client().shutdown_servers()
-        except Exception:
-            pass
+        if all(p.is_alive() for p in self.processes):  # a dead unit would never answer
+            try:
+                self.client().shutdown_servers()
+            except Exception:
+                pass
         for p in self.processes:
             p.join(timeout)
             if p.is_alive():
