@@ -35,6 +35,10 @@ def files(prefixes, kind: str = "") -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) for p in prefixes if n.startswith(p + kind))
 
 
+def ours() -> set[str]:
+    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("afdp-")}
+
+
 def settled(prefixes, kind: str, n: int) -> bool:
     """Drops reach the units after ``clear`` returns (the controller sends them without a
     reply): wait up to 5 s for ``n`` files of ``kind``."""
@@ -59,7 +63,7 @@ def dep():
 
 
 def test_big_puts_use_one_segment_per_slice_freed_at_the_last_drop():
-    before = set(os.listdir(shm.SHM_DIR))
+    before = ours()
     d = launch(SCHEMA, n_storage=2, token="tok")
     dp = client(d)
     try:
@@ -90,11 +94,11 @@ def test_big_puts_use_one_segment_per_slice_freed_at_the_last_drop():
     finally:
         dp.disconnect()
         d.shutdown()
-    assert set(os.listdir(shm.SHM_DIR)) - before == set()
+    assert ours() - before == set()
 
 
 def test_shutdown_and_a_killed_unit_leave_nothing():
-    before = set(os.listdir(shm.SHM_DIR))
+    before = ours()
     d = launch(SCHEMA, n_storage=2)
     dp = client(d)
     dp.put({"x": np.ones((128, 64), np.float32)}, partition=0)
@@ -107,7 +111,7 @@ def test_shutdown_and_a_killed_unit_leave_nothing():
     d.processes[0].join(5)
     dp.disconnect()
     d.shutdown(timeout=2)
-    assert set(os.listdir(shm.SHM_DIR)) - before == set()
+    assert ours() - before == set()
 
 
 def test_unit_sweeps_stale_client_segments_only(tmp_path):
