@@ -46,12 +46,12 @@ import socket
 import stat
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ShmUnit", "boot_id", "enabled", "map_refs", "sweep_pids", "unlink", "valid_prefix", "write_segment"]
+__all__ = ["ShmUnit", "boot_id", "enabled", "handshake", "map_refs", "sweep_pids", "unlink", "valid_prefix", "write_segment"]
 
 SHM_DIR = "/dev/shm"
 MIN_BYTES = 256 * 1024  # per message: below this, frames are cheaper than a file
@@ -175,6 +175,26 @@ def map_refs(refs: Sequence[Any], frames: Sequence[Any], prefix: str) -> list[An
             if name[len(prefix):].startswith("x"):
                 unlink(name)
     return _views(refs, maps, frames)
+
+
+async def handshake(call: Callable[[str, dict], Awaitable[tuple[Any, list]]]) -> str | None:
+    """Client side, per unit (``call(op, args)`` is a request to it): the unit's prefix if
+    it runs on this host and reads back a probe segment we wrote, else ``None``."""
+    info = (await call("shm_hello", {}))[0]
+    if not isinstance(info, dict) or info.get("boot") != boot_id() or not valid_prefix(info.get("prefix")):
+        return None
+    secret = os.urandom(16)
+    try:
+        name, refs = write_segment(info["prefix"], "c", [np.frombuffer(secret, np.uint8)])
+    except OSError:
+        return None
+    try:
+        got = (await call("shm_probe", {"shm": refs}))[0]
+    except (ValueError, PermissionError, OSError):
+        return None
+    finally:
+        unlink(name)
+    return info["prefix"] if got == secret else None
 
 
 class ShmUnit:

@@ -14,7 +14,10 @@ at once, then places each slice in ``meta.rows`` order. One DEALER socket per se
 core, shared by every coroutine: each request carries an id and the loop's reader callback
 on the socket hands each reply to the coroutine waiting for that id, so any number of
 calls (e.g. several ``get_meta`` parked on the server) wait at once without holding each
-other up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in process.
+other up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in
+process. On one host, a slice of at least ``shm_min_bytes`` goes through a shared-memory
+segment instead of frames, and gets answer with segment refs (:mod:`asyncflow.queue.shm`;
+probed per unit at connect; ``use_shm=False`` or ``ASYNCFLOW_DP_SHM=0`` turns it off).
 
 Invariants:
 
@@ -192,7 +195,7 @@ class AsyncZmqDataPlane:
         hello, _ = await self._ctrl.call("hello", {})
         units = [_Link(ep, self.token or "", loop) for ep in hello["storage"]]
         try:
-            prefixes = await _all([self._shm_handshake(u) for u in units]) if shm.enabled(self.use_shm) \
+            prefixes = await _all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
                 else [None] * len(units)
         except BaseException:
             for u in units:
@@ -200,25 +203,6 @@ class AsyncZmqDataPlane:
             raise
         self._unit_endpoints, self._units, self._shm_prefix = list(hello["storage"]), units, prefixes
         self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
-
-    @staticmethod
-    async def _shm_handshake(link: _Link) -> str | None:
-        """The unit's segment prefix if it runs on this host and sees our ``/dev/shm``."""
-        info = (await link.call("shm_hello", {}))[0]
-        if not isinstance(info, dict) or info.get("boot") != shm.boot_id() or not shm.valid_prefix(info.get("prefix")):
-            return None
-        secret = os.urandom(16)
-        try:
-            name, refs = shm.write_segment(info["prefix"], "c", [np.frombuffer(secret, np.uint8)])
-        except OSError:
-            return None
-        try:
-            got = (await link.call("shm_probe", {"shm": refs}))[0]
-        except (ValueError, PermissionError, OSError):
-            return None
-        finally:
-            shm.unlink(name)
-        return info["prefix"] if got == secret else None
 
     async def _ctrl_call(self, op: str, **args: Any) -> Any:
         await self._enter()

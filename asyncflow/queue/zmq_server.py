@@ -26,7 +26,8 @@ an expired one gets ``QueueTimeout`` (checked at least every 50 ms).
 Safety: bind to 127.0.0.1 by default; with ``token`` set, a request without the same
 token is refused (``PermissionError``) before anything is decoded further. Every malformed
 request (garbage bytes, unknown op or field, bad dtype, wrong byte count) gets an error
-reply and changes nothing; the server goes on. No pickle on any socket.
+reply and changes nothing; the server goes on. No pickle on any socket. Shared-memory refs
+(same host) name only files under the storage unit's own prefix (:mod:`asyncflow.queue.shm`).
 
 Atomic ``get_batch`` across processes: the client's ``get_batch`` is ``get_meta`` then
 fetches from the units, so a ``clear`` in between would free bytes it is about to read.
