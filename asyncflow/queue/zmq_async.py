@@ -345,7 +345,8 @@ class AsyncZmqDataPlane:
             out[name] = [None] * len(rows) if f.ragged else np.empty((len(rows), *f.shape), f.dtype)
         slices = runs(rows, len(self._units)) if rows else []
         replies = await _all([self._units[u].call("gather", {"rows": rows[i:j], "fields": names,
-                                                              "shm": self._shm_prefix[u] is not None})
+                                                              "shm": None if self._shm_prefix[u] is None
+                                                              else self.shm_min_bytes})
                               for u, i, j in slices])
         for (u, i, j), (spec, frames) in zip(slices, replies):
             if isinstance(spec, dict):  # shared-memory refs (and frames for the small rest)

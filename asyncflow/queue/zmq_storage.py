@@ -18,7 +18,7 @@ carries ``shm`` refs adopts the client's segment as the storage of those rows (c
 per stored ``(row, field)``, unlinked when the last is dropped). A ``gather`` from a
 client that asks for ``shm`` answers a block slice that lives in a segment as a ref (no
 byte moves), and writes any other rows into one export segment when they are at least
-:data:`~asyncflow.queue.shm.MIN_BYTES`, else frames. ``save`` writes only the rows the
+the client's threshold (sent with the request), else frames. ``save`` writes only the rows the
 controller names as live (rows cleared while leased keep their bytes until ``unpin``,
 but are not part of the state).
 """
@@ -106,13 +106,14 @@ class StorageServer(_Server):
                 if row not in stored[name]:
                     raise ValueError(f"row {row} field {name!r} is not stored (never written, or cleared)")
         views = {name: self._block_view(name, rows) for name in names}
-        if not (header["a"].get("shm") and self.shm is not None):
+        limit = header["a"].get("shm")  # the client's threshold; None: it cannot map our segments
+        if limit is None or limit is False or self.shm is None:
             rest = [name for name in names if views[name] is None]
             stacked = assemble(self.schema, self.storage.gather(rows, rest))
             return encode_columns({n: stacked[n] if views[n] is None else views[n][0] for n in names})
-        return self._gather_shm(rows, names, views)
+        return self._gather_shm(rows, names, views, int(limit))
 
-    def _gather_shm(self, rows: list, names: list[str], views: dict) -> tuple[dict, list]:
+    def _gather_shm(self, rows: list, names: list[str], views: dict, limit: int) -> tuple[dict, list]:
         """Reply with refs: block slices in place, other rows exported (or framed if small)."""
         spec, items = [], []  # item: ("ref", ref) | ("frame", array) | ("rows", [row arrays])
         for name in names:
@@ -129,7 +130,7 @@ class StorageServer(_Server):
             else:
                 spec.append([name, "f", dtype.str, [len(rows), *f.shape]])
                 items.append(("rows", values))
-        big = sum(sum(v.nbytes for v in x) for k, x in items if k == "rows") >= shm.MIN_BYTES
+        big = sum(sum(v.nbytes for v in x) for k, x in items if k == "rows") >= limit
         exported = iter(self.shm.export([x for k, x in items if k == "rows"]) if big else ())
         refs, buffers = [], []
         for (kind, x), entry in zip(items, [e for e in spec for _ in range(2 if e[1] == "r" else 1)]):
