@@ -13,8 +13,15 @@ Payloads (float32, fixed length, as TransferQueue's ``scripts/performance_test/p
 For each system: one put of the whole batch as new rows (writer = this process), then one
 get of every field of every row; the best of ``--iters`` runs (partition cleared between
 runs), in GB/s (1 GB = 2**30 bytes, as TransferQueue's script). The distributed deployment
-(over TCP on 127.0.0.1, and over Unix-socket IPC) and TransferQueue both keep the data in
-other processes (2 storage units each), so their figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
+and TransferQueue both keep the data in other processes (2 storage units each), so their
+figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
+Distributed systems, named by control socket + how big buffers move (the ``via`` column
+prints what the client's handshake chose per storage unit):
+
+* ``tcp+shm`` / ``ipc+shm``: the default, same-host shared memory for messages of at least
+  ``--shm-min`` bytes (``asyncflow.queue.shm``), frames below;
+* ``tcp`` / ``ipc``: shared memory off (``use_shm=False``): every byte in ZeroMQ frames,
+  what a client on another host gets.
 Then ``get_meta`` latency of a client in this process against the controller process
 (non-blocking, 1 row, 2000 calls): p50/p99.
 
@@ -111,31 +118,41 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="only the small shape")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-tq", action="store_true", help="skip TransferQueue")
+    ap.add_argument("--systems", default="tcp+shm,ipc+shm,tcp,ipc",
+                    help="distributed systems to run, comma-separated (default: all four)")
+    ap.add_argument("--shm-min", type=int, default=None, help="shared-memory threshold in bytes per message")
     args = ap.parse_args()
+    systems = [x for x in args.systems.split(",") if x]
     shapes = {"small": SHAPES["small"]} if args.small else SHAPES
-    print(f"{'shape':8} {'system':12} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9}")
+    print(f"{'shape':8} {'system':13} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9}  via")
     ratios = []
     for name, (b, f, s) in shapes.items():
         data = payload(b, f, s)
         gb = gbytes(data)
         schema = Schema([Field(k, "float32", (s,)) for k in data])
         results = {"in-process": bench_ours(DataPlane(schema), data, args.iters)}
-        for transport in ("tcp", "ipc"):
-            dep = launch(schema, n_storage=2, transport=transport)
+        via = {"in-process": "-"}
+        for system in systems:
+            dep = launch(schema, n_storage=2, transport=system.split("+")[0])
             try:
-                results[f"dist-{transport}"] = bench_ours(dep.client(), data, args.iters)
+                client = dep.client(use_shm=system.endswith("+shm"))
+                if args.shm_min is not None:
+                    client._core.shm_min_bytes = args.shm_min
+                via[system] = ",".join(client.transports())
+                results[system] = bench_ours(client, data, args.iters)
             finally:
                 dep.shutdown()
         results["transferqueue"] = "skipped (--no-tq)" if args.no_tq else bench_tq(data, args.iters)
         for system, r in results.items():
             if isinstance(r, str):
-                print(f"{name:8} {system:12} {r}", flush=True)
+                print(f"{name:8} {system:13} {r}", flush=True)
             else:
-                print(f"{name:8} {system:12} {gb:6.3f} {gb / r[0]:9.2f} {gb / r[1]:9.2f}", flush=True)
+                print(f"{name:8} {system:13} {gb:6.3f} {gb / r[0]:9.2f} {gb / r[1]:9.2f}  {via.get(system, '')}",
+                      flush=True)
         if not isinstance(results["transferqueue"], str):
-            for t in ("tcp", "ipc"):
-                (dp_, dg), (tp, tg) = results[f"dist-{t}"], results["transferqueue"]
-                ratios.append(f"{name}: dist-{t}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}")
+            for system in systems:
+                (dp_, dg), (tp, tg) = results[system], results["transferqueue"]
+                ratios.append(f"{name}: {system}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}")
         del data
         gc.collect()
     for line in ratios:

@@ -80,6 +80,10 @@ class RowIndex:
     def has_row(self, row: int) -> bool:
         return row in self._partition_of
 
+    def live(self) -> list[int]:
+        """Every live row id (any partition)."""
+        return list(self._partition_of)
+
     @property
     def live_rows(self) -> int:
         return len(self._partition_of)

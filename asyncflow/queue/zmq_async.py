@@ -14,7 +14,10 @@ at once, then places each slice in ``meta.rows`` order. One DEALER socket per se
 core, shared by every coroutine: each request carries an id and the loop's reader callback
 on the socket hands each reply to the coroutine waiting for that id, so any number of
 calls (e.g. several ``get_meta`` parked on the server) wait at once without holding each
-other up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in process.
+other up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in
+process. On one host, a slice of at least ``shm_min_bytes`` goes through a shared-memory
+segment instead of frames, and gets answer with segment refs (:mod:`asyncflow.queue.shm`;
+probed per unit at connect; ``use_shm=False`` or ``ASYNCFLOW_DP_SHM=0`` turns it off).
 
 Invariants:
 
@@ -43,6 +46,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from asyncflow.queue import shm
 from asyncflow.queue.index import check_partition_name
 from asyncflow.queue.protocol import (
     ProtocolError,
@@ -135,8 +139,10 @@ class _Link:
 class AsyncZmqDataPlane:
     """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
 
-    def __init__(self, endpoint: str, token: str | None = None) -> None:
+    def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
+                 shm_min_bytes: int = shm.MIN_BYTES) -> None:
         self.endpoint, self.token = endpoint, token
+        self.use_shm, self.shm_min_bytes = use_shm, shm_min_bytes
         self._reset()
 
     def _reset(self) -> None:
@@ -145,16 +151,20 @@ class AsyncZmqDataPlane:
         self._ctrl: _Link | None = None
         self._units: list[_Link] = []
         self._unit_endpoints: list[str] = []
+        self._shm_prefix: list[str | None] = []  # per unit: its segment prefix, if shared memory works
         self._schema: Schema | None = None
         self._hello: asyncio.Task | None = None
         self._sent: set[asyncio.Task] = set()
         self._errors: list[BaseException] = []
 
     def __getstate__(self) -> dict:
-        return {"endpoint": self.endpoint, "token": self.token}
+        return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm,
+                "shm_min_bytes": self.shm_min_bytes}
 
     def __setstate__(self, state: dict) -> None:
         self.endpoint, self.token = state["endpoint"], state["token"]
+        self.use_shm = state.get("use_shm", True)
+        self.shm_min_bytes = state.get("shm_min_bytes", shm.MIN_BYTES)
         self._reset()
 
     # -- connection --------------------------------------------------------------------
@@ -171,18 +181,28 @@ class AsyncZmqDataPlane:
         if self._schema is None:
             if self._hello is None:
                 self._ctrl = _Link(self.endpoint, self.token or "", loop)
-                self._hello = loop.create_task(self._ctrl.call("hello", {}))
+                self._hello = loop.create_task(self._connect(loop))
             try:
-                hello, _ = await asyncio.shield(self._hello)
+                await asyncio.shield(self._hello)
             except BaseException:
                 if self._hello.done():
                     self._hello = None
                 raise
-            if self._schema is None:
-                self._unit_endpoints = list(hello["storage"])
-                self._units = [_Link(ep, self.token or "", loop) for ep in self._unit_endpoints]
-                self._schema = schema_from_msg(hello["schema"])
         self._raise_sent()
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        """``hello`` to the controller, then connect every storage unit (and probe shared memory)."""
+        hello, _ = await self._ctrl.call("hello", {})
+        units = [_Link(ep, self.token or "", loop) for ep in hello["storage"]]
+        try:
+            prefixes = await _all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
+                else [None] * len(units)
+        except BaseException:
+            for u in units:
+                u.close()
+            raise
+        self._unit_endpoints, self._units, self._shm_prefix = list(hello["storage"]), units, prefixes
+        self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
 
     async def _ctrl_call(self, op: str, **args: Any) -> Any:
         await self._enter()
@@ -191,6 +211,11 @@ class AsyncZmqDataPlane:
     async def get_schema(self) -> Schema:
         await self._enter()
         return self._schema
+
+    async def transports(self) -> list[str]:
+        """Per storage unit: ``"shm"`` (big buffers through shared memory) or ``"zmq"``."""
+        await self._enter()
+        return ["zmq" if p is None else "shm" for p in self._shm_prefix]
 
     async def storage_endpoints(self) -> list[str]:
         """The storage units' endpoints, in shard order."""
@@ -221,16 +246,27 @@ class AsyncZmqDataPlane:
             await ctrl.call("check_write", {"partition": partition, "rows": rows, "fields": fields})
         commit = {"partition": partition, "rows": rows, "fields": fields, "tags": tag_lists, "abort": False}
         try:
-            calls = []
-            for unit, i, j in runs(rows, len(self._units)):
-                spec, buffers = encode_columns({k: v[i:j] for k, v in columns.items()})
-                calls.append(self._units[unit].call("write", {"rows": rows[i:j], "cols": spec}, buffers))
-            await _all(calls)
+            await _all([self._write(unit, rows[i:j], {k: v[i:j] for k, v in columns.items()})
+                        for unit, i, j in runs(rows, len(self._units))])
         except BaseException:
             await ctrl.call("commit", {**commit, "abort": True})
             raise
         await ctrl.call("commit", commit)
         return list(rows)
+
+    async def _write(self, unit: int, rows: list[int], columns: dict) -> None:
+        """One unit's slice: frames, or (same host, big enough) one shared-memory segment
+        written on a worker thread; the unit adopts it, else it is unlinked here."""
+        spec, buffers = encode_columns(columns)
+        link, prefix = self._units[unit], self._shm_prefix[unit]
+        if prefix is None or sum(b.nbytes for b in buffers) < self.shm_min_bytes:
+            await link.call("write", {"rows": rows, "cols": spec}, buffers)
+            return
+        name, refs = await self._loop.run_in_executor(None, shm.write_segment, prefix, "c", buffers)
+        try:
+            await link.call("write", {"rows": rows, "cols": spec, "shm": refs})
+        finally:
+            shm.unlink(name)  # a no-op once the unit adopted (renamed) it
 
     async def put_nowait(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
                          tags: Mapping[str, Sequence[int]] | None = None) -> None:
@@ -308,9 +344,13 @@ class AsyncZmqDataPlane:
             f = self._schema[name]
             out[name] = [None] * len(rows) if f.ragged else np.empty((len(rows), *f.shape), f.dtype)
         slices = runs(rows, len(self._units)) if rows else []
-        replies = await _all([self._units[u].call("gather", {"rows": rows[i:j], "fields": names})
+        replies = await _all([self._units[u].call("gather", {"rows": rows[i:j], "fields": names,
+                                                              "shm": None if self._shm_prefix[u] is None
+                                                              else self.shm_min_bytes})
                               for u, i, j in slices])
-        for (_, i, j), (spec, frames) in zip(slices, replies):
+        for (u, i, j), (spec, frames) in zip(slices, replies):
+            if isinstance(spec, dict):  # shared-memory refs (and frames for the small rest)
+                spec, frames = spec["cols"], shm.map_refs(spec["shm"], frames, self._shm_prefix[u] or "?")
             for name, values in decode_columns(spec, frames).items():
                 if len(slices) == 1 and not isinstance(out[name], list):
                     out[name] = values  # the whole answer: no copy

@@ -56,22 +56,23 @@ class ZmqDataPlane:
     """Synchronous client: each method runs the same-named :class:`AsyncZmqDataPlane`
     coroutine on a private event-loop thread and returns its result (thread-safe)."""
 
-    def __init__(self, endpoint: str, token: str | None = None) -> None:
-        self.endpoint, self.token = endpoint, token
+    def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True) -> None:
+        self.endpoint, self.token, self.use_shm = endpoint, token, use_shm
         self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        self._core = AsyncZmqDataPlane(self.endpoint, self.token)
+        self._core = AsyncZmqDataPlane(self.endpoint, self.token, self.use_shm)
         self._thread: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"endpoint": self.endpoint, "token": self.token}
+        return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm}
 
     def __setstate__(self, state: dict) -> None:
         self.endpoint, self.token = state["endpoint"], state["token"]
+        self.use_shm = state.get("use_shm", True)
         self._reset()
 
     def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -110,6 +111,7 @@ def _sync(name: str) -> Any:
 
 for _name in ("put", "put_nowait", "flush", "seal", "clear", "clear_rows", "reset_consumption", "close",
               "save", "load", "get_meta", "get_data", "get_batch", "tags", "stats", "storage_endpoints",
+              "transports",
               "shutdown_servers"):
     setattr(ZmqDataPlane, _name, _sync(_name))
 del _name

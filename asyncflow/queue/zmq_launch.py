@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from asyncflow.queue.shm import sweep_pids
 from asyncflow.queue.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.queue.zmq_server import ControllerServer, _Server
 from asyncflow.queue.zmq_storage import StorageServer
@@ -55,22 +56,24 @@ class Deployment:
     token: str | None
     processes: list
 
-    def client(self):
+    def client(self, use_shm: bool = True):
         from asyncflow.queue.zmq_client import ZmqDataPlane
 
-        return ZmqDataPlane(self.endpoint, token=self.token)
+        return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every server process (asks them, then terminates stragglers)."""
-        try:
-            self.client().shutdown_servers()
-        except Exception:
-            pass
+        if all(p.is_alive() for p in self.processes):  # a dead unit would never answer
+            try:
+                self.client().shutdown_servers()
+            except Exception:
+                pass
         for p in self.processes:
             p.join(timeout)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout)
+        sweep_pids([p.pid for p in self.processes if not p.is_alive()])  # segments of a killed unit
 
 
 def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,

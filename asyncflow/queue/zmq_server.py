@@ -26,7 +26,8 @@ an expired one gets ``QueueTimeout`` (checked at least every 50 ms).
 Safety: bind to 127.0.0.1 by default; with ``token`` set, a request without the same
 token is refused (``PermissionError``) before anything is decoded further. Every malformed
 request (garbage bytes, unknown op or field, bad dtype, wrong byte count) gets an error
-reply and changes nothing; the server goes on. No pickle on any socket.
+reply and changes nothing; the server goes on. No pickle on any socket. Shared-memory refs
+(same host) name only files under the storage unit's own prefix (:mod:`asyncflow.queue.shm`).
 
 Atomic ``get_batch`` across processes: the client's ``get_batch`` is ``get_meta`` then
 fetches from the units, so a ``clear`` in between would free bytes it is about to read.
@@ -302,9 +303,15 @@ class ControllerServer(_Server):
 
     # -- persistence (waits for the units: an admin operation) ------------------------
     def save(self, header: dict, frames: list) -> None:
+        """Index + each unit's *live* rows: rows cleared while leased still have bytes on
+        the units (until ``unpin``) but are no longer part of the state."""
         (path,) = _args(header, "path")
         save_state(path, self.schema, self.index.state())
-        self._on_units("save", path)
+        n = len(self.units)
+        live: list[list[int]] = [[] for _ in range(n)]
+        for row in self.index.live():
+            live[shard_of(row, n)].append(row)
+        self._on_units("save", path, live)
 
     def load(self, header: dict, frames: list) -> None:
         (path,) = _args(header, "path")
@@ -314,10 +321,12 @@ class ControllerServer(_Server):
         self.leases = Leases(LEASE_TTL_S)  # the units' bytes were replaced
         self._wake()
 
-    def _on_units(self, op: str, path: str) -> None:
+    def _on_units(self, op: str, path: str, live: list[list[int]] | None = None) -> None:
         for unit, sock in enumerate(self.units):
             self._unit_rid += 1
             a = {"path": path, "unit": unit, "n_units": len(self.units)}
+            if live is not None:
+                a["live"] = live[unit]
             sock.send_multipart([pack_header({"op": op, "id": self._unit_rid, "a": a, "tok": self._tok()})])
             while True:
                 reply = unpack_header(sock.recv_multipart()[0])
