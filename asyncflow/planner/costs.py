@@ -235,7 +235,7 @@ class ConstantCost:
     transfer: float = 0.0
     reward: float = 0.0
     overhead: float = 0.0
-    pieces: tuple[float, float, float] | None = None  # stream/async overheads as measured pieces; None: split ``overhead``
+    pieces: tuple[float, float, float] | None = None  # stream/async overheads (rollout, data, actor); None: split
     interference: float = 1.0
 
     def decode_s(self, n, ctx, res):

@@ -95,7 +95,8 @@ class Workload:
     packed: bool = False  # trainer packs sequences (cost ~ mean length) instead of padding to the longest
     seed: int = 0
     length_seq: list[int] | None = None  # answer lengths in start order, cycled (tests, replays); None = draw
-    prefill_token: bool = False  # the prefill samples each answer's first token (the real engines); False: every token is a decode round
+    # the prefill samples each answer's first token (the real engines); False: every token is a decode round
+    prefill_token: bool = False
 
     @property
     def batch(self) -> int:
