@@ -269,11 +269,8 @@ def test_sync_steps_and_fit_pipeline_use_per_step_quantiles():
     assert c.pipeline_overheads_s() == pytest.approx((0.0, 0.02, 0.02))
 
 
-def test_actor_steps_and_fit_interference():
-    from asyncflow.config import load_config
-    from asyncflow.planner.calib import actor_steps, fit_interference
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
+def test_actor_steps_and_overlap_interference():
+    from asyncflow.planner.calib import actor_steps, overlap_interference
 
     # 5 steps of 3 actor spans (0.1 s each, back to back), boundaries of 0.02, 0.03, 0.04, 0.05 s
     spans, t = [], 0.0
@@ -284,17 +281,19 @@ def test_actor_steps_and_fit_interference():
     assert [s["gap"] for s in steps] == pytest.approx([0.03, 0.04, 0.05])  # steps 1..3
     assert [s["busy"] for s in steps] == pytest.approx([0.3] * 3)
     assert actor_steps({"actor": spans[:-1]}, 5) == []  # spans do not divide into steps
-    run = load_config(None, ["mode=async", "train.prompts_per_step=4", "rollout.max_batch=16", "train.steps=8"])
-    prof = {**PROFILE, "pipeline": {"transfer_s": 0.002, "actor_overhead_s": 0.01, "data_latency_s": 0.005}}
 
-    def actor_s(i):
-        p = {**prof, "interference": i}
-        r = predict(run, ProfiledCost.from_dict(p), p, 2, steps=8)
-        return r.busy["actor"] * r.steady_s / 7
-
-    assert actor_s(1.5) > actor_s(1.0)  # some of the actor's work overlaps rollout
-    assert fit_interference(run, prof, actor_s(1.5), 2) == pytest.approx(1.5, abs=1e-3)
-    assert fit_interference(run, prof, 0.5 * actor_s(1.0), 2) == 1.0  # faster than alone: no interference
+    # 6 steps of 2 micro-batches + 1 optimizer span. Alone a micro-batch takes 0.1 s; the
+    # second of each step runs 3/4 beside rollout and takes 0.1 x (1 + 0.6 x 3/4) = 0.145 s:
+    # interference 1.6. The optimizer spans (0.5 s, all beside rollout) are not micro-batches.
+    actor, roll, t = [], [], 0.0
+    for v in range(6):
+        actor += [(t, 0.1), (t + 0.1, 0.145), (t + 0.245, 0.5)]
+        roll += [(t + 0.1 + 0.145 / 4, 0.145 * 3 / 4 + 0.5)]
+        t += 1.0
+    assert overlap_interference({"actor": actor, "rollout": roll}, 6) == pytest.approx(1.6)
+    slow_alone = [(s, 0.2 if i % 3 == 0 else d) for i, (s, d) in enumerate(actor)]  # beside is faster
+    assert overlap_interference({"actor": slow_alone, "rollout": roll}, 6) == 1.0
+    assert overlap_interference({"actor": actor, "rollout": []}, 6) == 1.0  # nothing ran beside it
 
 
 def test_transfer_is_measured_through_a_subscriber():

@@ -28,10 +28,10 @@ job on a shared machine cannot move it:
     prefetched: the driver's round trip as it is with the other roles busy beside it
     (20-23 ms in a run where the sync run's whole step boundary was ~14 ms: the driver and
     the data plane compete with a busy rollout);
-  - ``interference`` (:func:`fit_interference`): the factor by which the simulator must
-    slow work that overlaps another role's for the actor to be as busy per step (median)
-    as measured; it replaces a synthetic measurement (training beside a decoding process),
-    which missed the real pipeline's slow-down by up to 1.5x.
+  - ``interference`` (:func:`overlap_interference`): how much slower the actor's
+    micro-batches ran while rollout computed beside them than those that ran alone, in
+    the same run (so other jobs' load cancels); it replaces a synthetic measurement
+    (training beside a decoding process, measured separately).
 
 Invariant: the quantities are disjoint pieces of measured time (role busy seconds, gaps
 between spans), so none absorbs another's error. Nothing here imports torch.
@@ -106,27 +106,33 @@ def actor_steps(tracks: Tracks, steps: int) -> list[dict]:
     return out
 
 
-def fit_interference(run, prof: dict, measured_s: float, ncpu: int, hi: float = 4.0) -> float:
-    """The simulator's ``interference`` (``>= 1``) under which the stream/async run ``run``
-    trains as slowly as measured: ``measured_s``, the actor's median busy seconds per step
-    in the real run, against the simulated actor's (bisection: it only grows with the
-    interference). The real run's actor is slowed by everything beside it at that moment
-    (rollout, the data plane, the driver, other jobs' load), which a synthetic pair of
-    processes measured a minute earlier missed by up to 1.5x."""
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
-
-    def actor_s(i: float) -> float:
-        p = {**prof, "interference": i}
-        r = predict(run, ProfiledCost.from_dict(p), p, ncpu, steps=run.train.steps)
-        return r.busy["actor"] * r.steady_s / (run.train.steps - 1)
-
-    lo = 1.0
-    if actor_s(lo) >= measured_s:
-        return lo
-    if actor_s(hi) <= measured_s:
-        return hi
-    for _ in range(20):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if actor_s(mid) < measured_s else (lo, mid)
-    return (lo + hi) / 2
+def overlap_interference(tracks: Tracks, steps: int, alone: float = 0.2, beside: float = 0.5) -> float:
+    """The simulator's ``interference`` (``>= 1``) measured inside one stream/async run of
+    ``steps`` steps: the actor's micro-batches (each step's spans but its last, steps 1 ..)
+    are split by the fraction ``f`` of their time that rollout was busy beside them; with
+    ``base`` the median duration of those that ran (almost) alone (``f < alone``), every
+    one mostly beside rollout (``f >= beside``) implies ``1 + (d / base - 1) / f`` (the
+    simulator stretches the overlapped part of a span by the interference); the median.
+    Both groups come from the same seconds of the same run, so other jobs' load, which
+    moves a whole run by up to 2x on a shared machine, cancels (fitting the simulator to
+    the async run's actor against the sync run's gave 1.4 and 4.0 where this gives 1.2
+    and 1.0-1.4 on the same runs). 1 when either group has fewer than 3 spans."""
+    actor, roll = tracks.get("actor", []), tracks.get("rollout", [])
+    if steps < 2 or not actor or len(actor) % steps:
+        return 1.0
+    k = len(actor) // steps
+    d, f = [], []
+    for i in range(k, len(actor)):
+        if i % k == k - 1 and k > 1:  # the optimizer step and publish: not a micro-batch
+            continue
+        s, dur = actor[i]
+        if dur <= 0:
+            continue
+        d.append(dur)
+        f.append(sum(max(0.0, min(s + dur, rs + rd) - max(s, rs)) for rs, rd in roll) / dur)
+    d_, f_ = np.asarray(d), np.asarray(f)
+    iso, near = d_[f_ < alone], f_ >= beside
+    if len(iso) < 3 or near.sum() < 3:
+        return 1.0
+    base = float(np.median(iso))
+    return max(1.0, float(np.median(1 + (d_[near] / base - 1) / f_[near])))

@@ -187,12 +187,12 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     decomposed by :func:`asyncflow.planner.calib.fit_pipeline`, then an ``async`` run (one
     thread per role, staleness 2 so the trainer's next rows are always ready) for the
     actor's step-boundary overhead and the interference between busy roles
-    (:func:`asyncflow.planner.calib.actor_steps`, :func:`~asyncflow.planner.calib.fit_interference`);
+    (:func:`asyncflow.planner.calib.actor_steps`, :func:`~asyncflow.planner.calib.overlap_interference`);
     and the weight store's publish -> staged latency (:func:`_transfer`)."""
     import tempfile
 
     from asyncflow.launch import get_launcher
-    from asyncflow.planner.calib import actor_steps, fit_interference, fit_pipeline
+    from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
     from asyncflow.planner.trace import tracks
     from asyncflow.workflow.driver import train
 
@@ -214,12 +214,11 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     fit = fit_pipeline(sync, {**prof, "pipeline": {"transfer_s": transfer}},
                        tracks(f"{s['run_dir']}/trace.json")[1], ncpu)
     fit["transfer_s"] = transfer
-    actor = actor_steps(tracks(f"{a['run_dir']}/trace.json")[1], steps)
-    interference = 1.0
+    atracks = tracks(f"{a['run_dir']}/trace.json")[1]
+    actor = actor_steps(atracks, steps)
     if actor:
         fit["actor_overhead_s"] = max(0.0, float(np.median([x["gap"] for x in actor])))
-        interference = fit_interference(asyn, {**prof, "pipeline": fit}, float(np.median([x["busy"] for x in actor])),
-                                        ncpu)
+    interference = overlap_interference(atracks, steps)
     return {**fit, "interference": interference, "launcher": cfg.launcher, "steps": steps,
             "sync_steady_samples_per_s": s["steady_samples_per_s"],
             "async_steady_samples_per_s": a["steady_samples_per_s"]}
