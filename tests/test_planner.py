@@ -236,7 +236,7 @@ def _sync_tracks(steps: int, roll: list[float], actor: list[float], data_gap: fl
     return out
 
 
-def test_sync_steps_and_fit_pipeline_use_per_step_quantiles():
+def test_sync_steps_and_fit_pipeline_use_per_step_medians():
     from asyncflow.config import load_config
     from asyncflow.planner.calib import fit_pipeline, sync_steps
     from asyncflow.planner.costs import ProfiledCost
@@ -249,7 +249,7 @@ def test_sync_steps_and_fit_pipeline_use_per_step_quantiles():
     per_step = pred.steady_s / 5
     r0, a0 = pred.busy["rollout"] * per_step, pred.busy["actor"] * per_step
     # rollout 2x the curves in every step; the actor at the curves' speed except one step
-    # 3x slower (another job): a whole-run mean would say 1.4x, the lower quartile says 1
+    # 3x slower (another job): a whole-run mean would say 1.4x, the median says 1
     roll, actor = [2 * r0] * 6, [a0, a0, a0, 3 * a0, a0, a0]
     tracks = _sync_tracks(6, roll, actor, data_gap=0.02, boundary=0.01)
     steps = sync_steps(tracks)

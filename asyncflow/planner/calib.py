@@ -11,10 +11,10 @@ job on a shared machine cannot move it:
 * :func:`fit_pipeline` (the one-thread sync run):
 
   - each role's **pipeline factor**: its busy seconds per step over the calibrated curves'
-    prediction, the **lower quartile** over the steps (compute only ever gets slower under
-    other load, the same reasoning as the curves' minimum of repeats; a whole-run mean
-    made the factors 1.2-1.4 in a profile whose first steps ran beside another job, while
-    the stream run a minute later trained at the curves' speed);
+    prediction, the **median** over the steps (a whole-run mean let a few slow steps move
+    it; the lower quartile, tried first, predicted the actor of the stream run a minute
+    later 10-26% too fast in three of four profiles on this shared machine, the median
+    -16% to +10%: what is predicted is a run's typical step, under the load of the time);
   - ``step_overhead_s`` (paid whole by sync): the **median** step time outside every role
     (driver round trip, data-plane hops, prompt fetch);
   - ``data_latency_s``: the **median** time from rollout's last span to the actor's first
@@ -80,7 +80,7 @@ def fit_pipeline(run, prof: dict, tracks: Tracks, ncpu: int) -> dict:
     for r in ("rollout", "actor"):
         busy = [s["busy"].get(r, 0.0) for s in steps]
         if pred.busy[r] > 0 and min(busy) > 0:
-            factors[r] = float(np.percentile(busy, 25)) / (pred.busy[r] * per_step)
+            factors[r] = float(np.median(busy)) / (pred.busy[r] * per_step)
     outside = [s["seconds"] - sum(s["busy"].values()) for s in steps]
     gaps = [s["data_gap"] for s in steps if s["data_gap"] is not None]
     return {"step_overhead_s": max(0.0, float(np.median(outside))), "role_factor": factors,
