@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/planner_accuracy.py [--steps 10] [--modes sync,stream,async] [--profile P.json]
 
-Profiles this machine (``asyncflow profile``, ~10-60 s) unless a profile is given, then
+Profiles this machine (``asyncflow profile``, ~30-70 s, minutes under load) unless a profile is given, then
 for each mode trains the built-in example for ``--steps`` steps with
 ``asyncflow.workflow.driver.train(progress=False, evaluate=False)`` (the real launcher,
 roles as processes) and prints the measured steady samples/s (after step 1) beside the
