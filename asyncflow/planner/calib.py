@@ -3,7 +3,7 @@
 ``asyncflow profile`` ends with short real runs of the job on its own launcher (one torch
 thread per role) and decomposes their timeline traces (every ``Role.work`` span, wall
 clock; ``trace.json``). Every quantity is taken **per step** and summarised over the steady
-steps (1 .. N-1) with a quantile, never as a whole-run mean, so a step slowed by another
+steps (1 .. N-1) with a median, never as a whole-run mean, so a step slowed by another
 job on a shared machine cannot move it:
 
 * :func:`sync_steps`: the steps of a colocated ``sync`` run (a step ends with the actor's
@@ -13,7 +13,7 @@ job on a shared machine cannot move it:
   - each role's **pipeline factor**: its busy seconds per step over the calibrated curves'
     prediction, the **median** over the steps (a whole-run mean let a few slow steps move
     it; the lower quartile, tried first, predicted the actor of the stream run a minute
-    later 10-26% too fast in three of four profiles on this shared machine, the median
+    later 5-26% too fast in three of four profiles on this shared machine, the median
     -16% to +10%: what is predicted is a run's typical step, under the load of the time);
   - ``step_overhead_s`` (paid whole by sync): the **median** step time outside every role
     (driver round trip, data-plane hops, prompt fetch);
