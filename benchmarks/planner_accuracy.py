@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/planner_accuracy.py [--steps 10] [--modes sync,stream,async] [--profile P.json]
 
-Profiles this machine (``asyncflow profile``, ~10-60 s) unless a profile is given, then
+Profiles this machine (``asyncflow profile``, ~30-70 s, minutes under load) unless a profile is given, then
 for each mode trains the built-in example for ``--steps`` steps with
 ``asyncflow.workflow.driver.train(progress=False, evaluate=False)`` (the real launcher,
 roles as processes) and prints the measured steady samples/s (after step 1) beside the
@@ -74,7 +74,12 @@ def main(argv=None) -> int:
                      "error": pred.samples_per_s / meas - 1, "wall_s": time.perf_counter() - t,
                      "busy_measured": s["busy"], "busy_predicted": pred.busy})
         print(f"[accuracy] {mode}: predicted {pred.samples_per_s:.1f}, measured {meas:.1f} samples/s", flush=True)
+    pl = prof.get("pipeline", {})
     print(f"\n== planner accuracy: built-in example, {args.steps} steps, {cpus} CPUs ==")
+    print(f"profile {prof.get('created')}: role factors {pl.get('role_factor')}, interference "
+          f"{prof.get('interference', 1.0):.2f}, transfer {pl.get('transfer_s', 0) * 1e3:.1f} ms, sync overhead "
+          f"{pl.get('step_overhead_s', 0) * 1e3:.1f} ms, data latency {pl.get('data_latency_s', 0) * 1e3:.1f} ms, "
+          f"actor step boundary {pl.get('actor_overhead_s', 0) * 1e3:.1f} ms")
     print(f"{'mode':<10}{'predicted':>10}{'measured':>10}{'error':>8}{'median-step':>12}{'error':>8}"
           "   busy measured / predicted (rollout, actor)")
     for r in rows:

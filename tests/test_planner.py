@@ -196,10 +196,50 @@ def test_completion_order_placement_moves_a_long_group_to_a_later_step():
     assert s.step_end == pytest.approx([4.0, 5.0, 6.0])
 
 
-def test_fit_pipeline_splits_the_real_sync_step_into_role_factors_and_overhead():
+def test_prefill_samples_the_first_token_when_the_workload_says_so():
+    # the real engines sample an answer's first token in its prefill: 4 tokens = prefill + 3 rounds
+    cost = ConstantCost(decode=1.0, prefill=0.5, train_per_row=0.5, step=1.0, reward=0.25)
+    r = simulate(Workload(**WL, prefill_token=True), Allocation("sync", micro_prompts=1, slots=4), cost)
+    assert r.samples_per_s == pytest.approx(4 / (0.5 + 3 + 1 + 2 + 1))
+    assert [w for role, w, s, _ in r.spans if role == "rollout" and s < 7] == ["prefill"] + ["decode"] * 3
+    assert simulate(Workload(**WL), Allocation("sync", micro_prompts=1, slots=4), cost).samples_per_s \
+        == pytest.approx(4 / (0.5 + 4 + 1 + 2 + 1))  # without it every token is a decode round
+
+
+def test_measured_overheads_are_paid_where_each_mode_pays_them():
+    # pieces = (rollout per partition, data latency per group, actor per step)
+    cost = ConstantCost(decode=1.0, train_per_row=0.5, step=1.0, reward=0.25, overhead=0.0, pieces=(0.0, 0.5, 0.25))
+    # stream, whole-batch micro-batch: the data latency is on the critical path, the actor's
+    # step boundary overlaps the next rollout: 8 s + 0.5 s
+    assert simulate(Workload(**WL), Allocation("stream", micro_prompts=2, slots=4), cost).samples_per_s \
+        == pytest.approx(4 / 8.5)
+    assert simulate(Workload(**WL), Allocation("sync", micro_prompts=2, slots=4), cost).samples_per_s \
+        == pytest.approx(4 / 8)  # sync pays step_overhead_s only (0 here)
+    # async, actor-bound (4 x 2 s + 1 s): the step boundary adds, the data latency hides
+    slow = ConstantCost(decode=1.0, train_per_row=2.0, step=1.0, pieces=(0.0, 0.5, 0.25))
+    r = simulate(Workload(**{**WL, "steps": 12}), Allocation("async", micro_prompts=1, staleness=2, slots=4), slow)
+    assert r.samples_per_s == pytest.approx(4 / 9.25)
+
+
+def _sync_tracks(steps: int, roll: list[float], actor: list[float], data_gap: float, boundary: float):
+    """A sync run's trace: per step rollout (one span), reward 0.01 s, actor (two spans);
+    ``data_gap`` from rollout to reward plus reward to actor, ``boundary`` from the actor
+    to the next rollout."""
+    t, out = 0.0, {"rollout": [], "reward": [], "actor": []}
+    for v in range(steps):
+        out["rollout"].append((t, roll[v]))
+        t += roll[v] + data_gap / 2
+        out["reward"].append((t, 0.01))
+        t += 0.01 + data_gap / 2
+        out["actor"] += [(t, actor[v] / 2), (t + actor[v] / 2, actor[v] / 2)]
+        t += actor[v] + boundary
+    return out
+
+
+def test_sync_steps_and_fit_pipeline_use_per_step_medians():
     from asyncflow.config import load_config
+    from asyncflow.planner.calib import fit_pipeline, sync_steps
     from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.profile import fit_pipeline
     from asyncflow.planner.search import predict
 
     run = load_config(None, ["mode=sync", "resources.sync_threads=1", "train.prompts_per_step=4",
@@ -207,16 +247,60 @@ def test_fit_pipeline_splits_the_real_sync_step_into_role_factors_and_overhead()
     prof = {**PROFILE, "pipeline": {"transfer_s": 0.002}}
     pred = predict(run, ProfiledCost.from_dict(prof), prof, 2, steps=6)
     per_step = pred.steady_s / 5
-    # measured: a 2x slower rollout, the curves' actor, 10% of the step outside every role
-    roll, actor, reward = 2 * pred.busy["rollout"] * per_step, pred.busy["actor"] * per_step, 0.0
-    step = (roll + actor) / 0.9
-    busy = {"rollout": roll / step, "actor": actor / step, "reward": reward}
-    fit = fit_pipeline(run, prof, busy, step, 2)
+    r0, a0 = pred.busy["rollout"] * per_step, pred.busy["actor"] * per_step
+    # rollout 2x the curves in every step; the actor at the curves' speed except one step
+    # 3x slower (another job): a whole-run mean would say 1.4x, the median says 1
+    roll, actor = [2 * r0] * 6, [a0, a0, a0, 3 * a0, a0, a0]
+    tracks = _sync_tracks(6, roll, actor, data_gap=0.02, boundary=0.01)
+    steps = sync_steps(tracks)
+    assert len(steps) == 5  # steps 1..5, each from the end of the step before
+    assert steps[0]["seconds"] == pytest.approx(0.01 + 2 * r0 + 0.02 + 0.01 + a0)
+    assert steps[2]["busy"]["actor"] == pytest.approx(3 * a0)
+    assert all(s["data_gap"] == pytest.approx(0.02) for s in steps)
+    fit = fit_pipeline(run, prof, tracks, 2)
     assert fit["role_factor"]["rollout"] == pytest.approx(2.0) and fit["role_factor"]["actor"] == pytest.approx(1.0)
-    assert fit["step_overhead_s"] == pytest.approx(0.1 * step)
+    assert fit["step_overhead_s"] == pytest.approx(0.03)  # data gap + boundary, the reward's 0.01 s is busy
+    assert fit["data_latency_s"] == pytest.approx(0.02)
     c = ProfiledCost.from_dict({**PROFILE, "pipeline": fit})
     assert c.decode_s(10, 20, 1) == pytest.approx(2 * (0.002 + 3e-4 + 2e-5))  # one thread: corrected
     assert c.decode_s(10, 20, 2) == pytest.approx(0.0015 + 2e-4 + 2e-5)  # two threads: as profiled
+    assert c.pipeline_overheads_s() == pytest.approx((0.015, 0.0, 0.015))  # no actor_overhead_s: split in two
+    c = ProfiledCost.from_dict({**PROFILE, "pipeline": {**fit, "actor_overhead_s": 0.02}})
+    assert c.pipeline_overheads_s() == pytest.approx((0.0, 0.02, 0.02))
+
+
+def test_actor_steps_and_overlap_interference():
+    from asyncflow.planner.calib import actor_steps, overlap_interference
+
+    # 5 steps of 3 actor spans (0.1 s each, back to back), boundaries of 0.02, 0.03, 0.04, 0.05 s
+    spans, t = [], 0.0
+    for v in range(5):
+        spans += [(t, 0.1), (t + 0.1, 0.1), (t + 0.2, 0.1)]
+        t += 0.3 + 0.02 + 0.01 * v
+    steps = actor_steps({"actor": spans}, 5)
+    assert [s["gap"] for s in steps] == pytest.approx([0.03, 0.04, 0.05])  # steps 1..3
+    assert [s["busy"] for s in steps] == pytest.approx([0.3] * 3)
+    assert actor_steps({"actor": spans[:-1]}, 5) == []  # spans do not divide into steps
+
+    # 6 steps of 2 micro-batches + 1 optimizer span. Alone a micro-batch takes 0.1 s; the
+    # second of each step runs 3/4 beside rollout and takes 0.1 x (1 + 0.6 x 3/4) = 0.145 s:
+    # interference 1.6. The optimizer spans (0.5 s, all beside rollout) are not micro-batches.
+    actor, roll, t = [], [], 0.0
+    for v in range(6):
+        actor += [(t, 0.1), (t + 0.1, 0.145), (t + 0.245, 0.5)]
+        roll += [(t + 0.1 + 0.145 / 4, 0.145 * 3 / 4 + 0.5)]
+        t += 1.0
+    assert overlap_interference({"actor": actor, "rollout": roll}, 6) == pytest.approx(1.6)
+    slow_alone = [(s, 0.2 if i % 3 == 0 else d) for i, (s, d) in enumerate(actor)]  # beside is faster
+    assert overlap_interference({"actor": slow_alone, "rollout": roll}, 6) == 1.0
+    assert overlap_interference({"actor": actor, "rollout": []}, 6) == 1.0  # nothing ran beside it
+
+
+def test_transfer_is_measured_through_a_subscriber():
+    from asyncflow.launch import get_launcher
+    from asyncflow.planner.profile import _transfer
+
+    assert 0.0 < _transfer(get_launcher("local"), 4000, reps=3, warm=1) < 1.0
 
 
 def test_search_prefers_the_simplest_plan_within_three_percent_and_stays_in_profiled_rows():

@@ -6,7 +6,7 @@
    ``asyncflow profile`` writes it). It is reused when its :func:`fingerprint` equals this
    machine's and this job's (host, cores, torch version, model, and the settings that
    change the cost curves or the answer lengths); otherwise the machine is profiled again
-   (``asyncflow.planner.profile.run_profile``, ~20-60 s) and the file replaced;
+   (``asyncflow.planner.profile.run_profile``, ~30-70 s) and the file replaced;
 2. :func:`asyncflow.planner.search.search` simulates every candidate on ``os.cpu_count()``
    cores, thread teams no larger than the cores other jobs leave free (``team_limit``); the best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
    and ``resources.sync_threads`` (sync) or ``resources.threads_per_role`` (stream/async);
@@ -86,7 +86,7 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     if prof is None:
         from asyncflow.planner.profile import run_profile
 
-        log(f"[plan=auto] no profile of this machine and model at {path}: profiling (~20-60 s) ...")
+        log(f"[plan=auto] no profile of this machine and model at {path}: profiling (~30-70 s) ...")
         prof = run_profile(cfg, out=str(path), cpus=cpus)
     else:
         log(f"[plan=auto] reusing the profile {path} (measured {prof.get('created', '?')})")

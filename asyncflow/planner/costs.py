@@ -8,11 +8,16 @@ count, linear fits of
 * training seconds per micro-batch ``a + b*rows*padded_len`` (forward + backward),
 * optimizer step, weight export, weight load (the swap), reward seconds per sample,
 * ``pipeline``: a short real one-thread ``sync`` run on the job's launcher, decomposed
-  with the roles' own busy timers (``profile.fit_pipeline``): per-role factors that
+  with the roles' own busy timers (``calib.fit_pipeline``): per-role factors that
   correct the one-thread curves to what the roles do in the real launcher
   (``role_factor``, applied on one thread), and the per-step overhead the curves miss
   (driver round trip, data-plane calls across processes, prompt feeding: the step's
-  time outside every role); the weight store's publish -> fetch latency gives ``transfer_s``,
+  time outside every role), measured step by step (:mod:`asyncflow.planner.calib`); for
+  stream/async the same overhead measured where each role pays it
+  (``pipeline_overheads_s``): the data-plane latency of a finished group on its way to the
+  trainer (``data_latency_s``, from the sync run) and the actor's step boundary
+  (``actor_overhead_s``, from a short async run); the weight store's publish -> staged
+  latency gives ``transfer_s``,
 
 and per-role calibration factors (role alone through the real role code over an
 in-process data plane, divided by the curves' prediction: what the curves miss is data-
@@ -64,7 +69,7 @@ class ProfiledCost:
 
     def _cal(self, role: str, res: int) -> float:
         f = self._pick(self.calibration, res).get(role, 1.0) if self.calibration else 1.0
-        if res <= 1:  # the real one-thread sync run's correction (profile.fit_pipeline)
+        if res <= 1:  # the real one-thread sync run's correction (calib.fit_pipeline)
             f *= self.pipeline.get("role_factor", {}).get(role, 1.0)
         return f
 
@@ -97,6 +102,22 @@ class ProfiledCost:
 
     def step_overhead_s(self):
         return self.pipeline.get("step_overhead_s", 0.0)
+
+    def pipeline_overheads_s(self):
+        p = self.pipeline
+        if "actor_overhead_s" in p:  # measured piece by piece (asyncflow.planner.calib)
+            return 0.0, p.get("data_latency_s", 0.0), p["actor_overhead_s"]
+        return split_overhead(self.step_overhead_s())  # a profile from before: the sync overhead, split
+
+
+ROLLOUT_SHARE = 0.5
+
+
+def split_overhead(o: float) -> tuple[float, float, float]:
+    """``(rollout per partition, data latency per group, actor per step)`` of stream/async for
+    a cost model that knows only one per-step overhead ``o``: ``ROLLOUT_SHARE`` of it paid
+    by rollout when it starts a partition, the rest by the actor (a modelling choice)."""
+    return o * ROLLOUT_SHARE, 0.0, o * (1 - ROLLOUT_SHARE)
 
 
 # ---------------------------------------------------------------------------- analytic
@@ -193,6 +214,9 @@ class AnalyticCost:
     def step_overhead_s(self):
         return self.a["step_overhead_s"]
 
+    def pipeline_overheads_s(self):
+        return split_overhead(self.step_overhead_s())
+
     def reward_s(self, n):
         return self.a["reward_s_per_sample"] * n
 
@@ -211,6 +235,7 @@ class ConstantCost:
     transfer: float = 0.0
     reward: float = 0.0
     overhead: float = 0.0
+    pieces: tuple[float, float, float] | None = None  # stream/async overheads (rollout, data, actor); None: split
     interference: float = 1.0
 
     def decode_s(self, n, ctx, res):
@@ -239,3 +264,6 @@ class ConstantCost:
 
     def step_overhead_s(self):
         return self.overhead
+
+    def pipeline_overheads_s(self):
+        return self.pieces if self.pieces is not None else split_overhead(self.overhead)

@@ -9,10 +9,14 @@ For each torch thread count (1, 2, 4, ... up to the cores), on the job's own mod
   GRPO loss), and the optimizer step;
 * once: weight export and load (the swap), reward seconds per sample, the natural
   answer-length distribution of the policy, the mean prompt length;
-* interference: one-thread training alone vs beside a decoding process (both one thread);
 * calibration: each role alone through the real role code (:func:`asyncflow.bench.solo.
   measure_roles`, in-process data plane) for a few steps, divided by what the curves
-  predict for the same work: the factor covers data-plane calls and bookkeeping.
+  predict for the same work: the factor covers data-plane calls and bookkeeping;
+* pipeline: the weight store's publish -> staged latency (warm, median), a short real
+  one-thread ``sync`` run and a short ``async`` run on the job's launcher, decomposed
+  step by step from their traces (:mod:`asyncflow.planner.calib`): role factors, the sync
+  step overhead, the data-plane latency of a finished group, the actor's step boundary,
+  and the interference between busy roles (without the pipeline runs: 1).
 
 Everything is written as one JSON file that :class:`~asyncflow.planner.costs.ProfiledCost`
 reads. Measurements take the median of repeats; the machine may be shared, so the file
@@ -132,70 +136,6 @@ def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
     return {L: n / len(done) for L, n in sorted(counts.items())}
 
 
-def _busy_rollout(model_dir: str, prompt_ids: list[list[int]], rows: int, seconds: float, ready) -> None:
-    """Child process of :func:`_interference`: decode like rollout for ``seconds``."""
-    import torch
-
-    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
-    from asyncflow.tasks import load_model
-
-    torch.set_num_threads(1)
-    model, tok = load_model(model_dir)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=10**6)
-    ready.set()
-    end = time.perf_counter() + seconds
-    while time.perf_counter() < end:
-        batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
-        batch.add([Request(key=i, prompt_ids=prompt_ids[i % len(prompt_ids)], max_new_tokens=16, min_new_tokens=16)
-                   for i in range(rows)])
-        for _ in range(14):
-            batch.step()
-
-
-def _interference(model, tok, model_dir: str, prompt_ids: list[list[int]], cfg: RunConfig, reps: int = 9) -> float:
-    """Slow-down of one-thread training while a rollout process decodes beside it (both on
-    one torch thread, as stream/async run them): the median micro-batch time with the
-    other process running over the median alone, measured back to back, the smaller of two
-    rounds (>= 1). It covers
-    what the simulator's core count does not: shared caches and memory bandwidth, and the
-    cores other jobs of a shared machine take while both roles want one."""
-    import multiprocessing as mp
-
-    import torch
-
-    from asyncflow.algorithms.grpo import GRPOLoss
-    from asyncflow.engines.training import TrainEngine
-
-    torch.set_num_threads(1)
-    engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
-    loss = GRPOLoss(batch_size=cfg.batch_size)
-    rows = cfg.train.micro_prompts * cfg.rollout.group_size
-    prompts, resp = [prompt_ids[i % len(prompt_ids)] for i in range(rows)], [[5] * 4 for _ in range(rows)]
-    extras = {"logprobs": [np.zeros(4, np.float32)] * rows, "advantages": np.ones(rows, np.float32)}
-
-    def times() -> float:
-        return float(np.median([_min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 1)
-                                for _ in range(reps)]))
-
-    times()  # warm-up
-    ratios = []
-    for _ in range(2):  # the smaller of two rounds: other load only ever adds to one of them
-        alone = times()
-        ctx = mp.get_context("spawn")
-        ready = ctx.Event()
-        child = ctx.Process(target=_busy_rollout, args=(model_dir, prompt_ids[:64], min(cfg.rollout.max_batch, 64),
-                                                         60.0, ready), daemon=True)
-        child.start()
-        try:
-            ready.wait(60)
-            time.sleep(0.5)  # the child's first decode rounds
-            ratios.append(times() / alone)
-        finally:
-            child.terminate()
-            child.join(5)
-    return max(1.0, min(ratios))
-
-
 def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads: int, steps: int) -> dict:
     """Each role alone through the real role code vs the curves' prediction of the same work."""
     from asyncflow.bench.solo import measure_roles
@@ -216,61 +156,72 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
             "measured_s": measured, "predicted_s": {"rollout": roll, "actor": actor}}
 
 
-def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 6) -> dict:
-    """A short real ``sync`` run on the job's launcher, on one thread (a one-thread step does
-    not collapse when another process takes a core, as a multi-threaded one can); returns
-    what :func:`fit_pipeline` makes of it, plus the weight store's publish -> fetch latency."""
+def _transfer(launcher, param_bytes: int, reps: int = 10, warm: int = 3) -> float:
+    """publish -> staged at a :class:`WeightSubscriber` (the path rollout's weights take:
+    the store, the subscriber's copy and checksum check), the median of ``reps`` after
+    ``warm`` rounds. The old measurement, the mean of 5 rounds on a fresh store with no
+    subscriber, included the store actor's start: 56-144 ms, where stream traces show
+    7-13 ms between the actor's publish and rollout's swap."""
+    from asyncflow.engines.weights import WeightSubscriber, seal
+
+    store = launcher.weight_store()
+    w = seal({"w": np.zeros(max(1, param_bytes // 4), np.float32)})  # same size as the model
+    sub = WeightSubscriber(store, lambda v, b: None, start_version=0, poll_s=0.5)
+    times = []
+    try:
+        for v in range(1, warm + reps + 1):
+            t = time.perf_counter()
+            store.publish(v, w)
+            while sub.staged_version() < v:
+                sub.wait_staged(5.0)
+            times.append(time.perf_counter() - t)
+            sub.swap_if_ready()
+    finally:
+        sub.close()
+    return float(np.median(times[warm:]))
+
+
+def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
+    """Short real runs on the job's launcher: a one-thread ``sync`` run (a one-thread step
+    does not collapse when another process takes a core, as a multi-threaded one can),
+    decomposed by :func:`asyncflow.planner.calib.fit_pipeline`, then an ``async`` run (one
+    thread per role, staleness 2 so the trainer's next rows are always ready) for the
+    actor's step-boundary overhead and the interference between busy roles
+    (:func:`asyncflow.planner.calib.actor_steps`, :func:`~asyncflow.planner.calib.overlap_interference`);
+    and the weight store's publish -> staged latency (:func:`_transfer`)."""
     import tempfile
 
     from asyncflow.launch import get_launcher
+    from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
+    from asyncflow.planner.trace import tracks
     from asyncflow.workflow.driver import train
 
-    data = cfg.model_dump()
-    data.update(mode="sync", plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"))
-    data["train"].update(steps=steps, eval_every=0)
-    data["resources"].update(sync_threads=1)
-    run = RunConfig.model_validate(data)
+    def run_cfg(**kw) -> RunConfig:
+        data = cfg.model_dump()
+        data.update(plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"), **kw)
+        data["train"].update(steps=steps, eval_every=0)
+        data["resources"].update(sync_threads=1, threads_per_role=1)
+        return RunConfig.model_validate(data)
+
+    sync, asyn = run_cfg(mode="sync"), run_cfg(mode="async", staleness=max(2, cfg.staleness))
     launcher = get_launcher(cfg.launcher)
     try:
-        store = launcher.weight_store()
-        w = {"w": np.zeros(max(1, prof["param_bytes"] // 4), np.float32)}  # same size as the model
-        t = time.perf_counter()
-        for v in range(1, 6):
-            store.publish(v, w)
-            store.wait_newer(v - 1, 5.0)
-        transfer = (time.perf_counter() - t) / 5
-        s = train(run, launcher=launcher, evaluate=False)
+        transfer = _transfer(launcher, prof["param_bytes"])
+        s = train(sync, launcher=launcher, evaluate=False)
+        a = train(asyn, launcher=launcher, evaluate=False)
     finally:
         launcher.shutdown()
-    fit = fit_pipeline(run, {**prof, "pipeline": {"transfer_s": transfer}}, s["busy"],
-                       float(np.median(step_seconds(s["run_dir"]))), ncpu)
-    return {**fit, "transfer_s": transfer, "launcher": cfg.launcher,
-            "sync_steady_samples_per_s": s["steady_samples_per_s"], "steps": steps}
-
-
-def fit_pipeline(run: RunConfig, prof: dict, busy: dict, step_s: float, ncpu: int) -> dict:
-    """Decompose the measured step of the real one-thread ``sync`` run ``run``.
-
-    ``busy``: the run's steady busy fractions per role (the roles' own timers), ``step_s``:
-    its median step. Each role's busy seconds per step, divided by what the calibrated
-    curves predict for the same step, is the role's **pipeline factor** (it corrects the
-    one-thread curves to what the roles do inside the real launcher, the setting stream
-    and async run in); the rest of the step, ``step_s x (1 - sum of busy)``, is the
-    **per-step overhead** (driver round trip, data-plane calls between processes). Both
-    are measured, so neither absorbs the other's error (the overhead used to be the
-    step minus the curves' prediction, clamped at 0: when the curves over-predicted, the
-    overhead was lost; when they under-predicted, their error was paid again by stream
-    and async as overhead)."""
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
-
-    pred = predict(run, ProfiledCost.from_dict(prof), prof, ncpu, steps=run.train.steps)
-    per_step = pred.steady_s / (run.train.steps - 1)
-    factors = {r: busy.get(r, 0.0) * step_s / (pred.busy[r] * per_step)
-               for r in ("rollout", "actor") if pred.busy[r] > 0 and busy.get(r, 0.0) > 0}
-    overhead = max(0.0, step_s * (1 - sum(busy.get(r, 0.0) for r in ("rollout", "reward", "actor"))))
-    return {"step_overhead_s": overhead, "role_factor": factors, "sync_step_s_measured": step_s,
-            "sync_step_s_curves": per_step}
+    fit = fit_pipeline(sync, {**prof, "pipeline": {"transfer_s": transfer}},
+                       tracks(f"{s['run_dir']}/trace.json")[1], ncpu)
+    fit["transfer_s"] = transfer
+    atracks = tracks(f"{a['run_dir']}/trace.json")[1]
+    actor = actor_steps(atracks, steps)
+    if actor:
+        fit["actor_overhead_s"] = max(0.0, float(np.median([x["gap"] for x in actor])))
+    interference = overlap_interference(atracks, steps)
+    return {**fit, "interference": interference, "launcher": cfg.launcher, "steps": steps,
+            "sync_steady_samples_per_s": s["steady_samples_per_s"],
+            "async_steady_samples_per_s": a["steady_samples_per_s"]}
 
 
 def step_seconds(run_dir: str) -> list[float]:
@@ -287,7 +238,7 @@ def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: i
                     prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
                     steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
                     (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
-                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed)
+                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True)
 
 
 def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, calibrate: bool = True,
@@ -332,16 +283,15 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
             task.reward(p.prompt, p.answer, p.answer)
             tok.decode(prompts[0], skip_special_tokens=True)
         prof["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
-        print("[profile] interference: training beside a decoding process ...", flush=True)
-        prof["interference"] = _interference(model, tok, model_dir, prompts, cfg)
         if calibrate:
             for t in sorted({1, ncpu}):
                 print(f"[profile] calibration: roles alone through the role code on {t} thread(s) ...", flush=True)
                 cal = _calibrate(cfg, model_dir, prof["curves"][str(t)], prof, t, 5)
                 prof["calibration"][str(t)] = cal
         if pipeline:
-            print(f"[profile] pipeline: a short sync run on the {cfg.launcher} launcher ...", flush=True)
+            print(f"[profile] pipeline: short sync and async runs on the {cfg.launcher} launcher ...", flush=True)
             prof["pipeline"] = _pipeline(cfg, prof, ncpu)
+            prof["interference"] = prof["pipeline"].pop("interference")
         prof["seconds"] = time.perf_counter() - t_start
         from asyncflow.planner.auto import fingerprint
 

@@ -6,6 +6,11 @@ The simulated job mirrors the real roles (``asyncflow/workflow``):
   step's worth at a time and admitted a whole group at a time into free slots, while
   fewer than ``(version + staleness + 1) * prompts_per_step`` groups have started
   (admission control); every decode round costs ``cost.decode_s(live rows, mean context)``.
+  With ``Workload.prefill_token`` (every profiled workload: the real ``GenerationBatch``,
+  like vLLM, samples an answer's first token in its prefill) an answer of ``L`` tokens
+  takes ``L - 1`` decode rounds after its prefill; without it (hand-set tests, the analytic
+  what-if) ``L``. At the built-in example's 3-4 token answers the difference is a third of
+  the decode rounds, which the rollout calibration factor used to absorb.
   When a group's last answer finishes it is **placed in completion order** by the real
   :class:`~asyncflow.workflow.placement.GroupPlacer` (the lowest training step that is not
   full and not later than its start version + staleness, with the same
@@ -24,10 +29,13 @@ score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0.
 
 ``cost.step_overhead_s`` is the measured per-step latency the cost curves miss (data-plane
 round trips between processes, the driver's round trip, prompt feeding). In ``sync`` one
-worker makes every call, so it is paid whole, once per step; in ``stream``/``async`` each
-role makes its own calls in its own process: ``ROLLOUT_SHARE`` of it is paid by rollout
-when it starts a partition, the rest by the actor before each step (a modelling choice,
-stated here, not measured per role).
+worker makes every call, so it is paid whole, once per step. In ``stream``/``async`` each
+role makes its own calls in its own process: ``cost.pipeline_overheads_s()`` gives what
+rollout pays when it starts a partition, the latency of a scored group on its way to the
+trainer (data-plane hops: it delays the group, not a role), and what the actor pays before
+each step (the driver's round trip). The profiled model measures the last two in real runs
+(:mod:`asyncflow.planner.calib`); models that know one overhead split it
+(:func:`asyncflow.planner.costs.split_overhead`).
 
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
@@ -51,7 +59,6 @@ import numpy as np
 from asyncflow.planner.des import Env, Signal
 from asyncflow.workflow.placement import GroupPlacer
 
-ROLLOUT_SHARE = 0.5
 QUANTUM_S = 0.01  # shared cores: work is re-stretched every this many seconds of work (~ one decode round here)
 
 
@@ -68,6 +75,7 @@ class CostModel(Protocol):
     def swap_s(self, n_live: int, ctx: float, res: int) -> float: ...
     def transfer_s(self) -> float: ...
     def step_overhead_s(self) -> float: ...
+    def pipeline_overheads_s(self) -> tuple[float, float, float]: ...  # stream/async: rollout, data, actor
     def reward_s(self, n: int) -> float: ...
 
 
@@ -87,6 +95,8 @@ class Workload:
     packed: bool = False  # trainer packs sequences (cost ~ mean length) instead of padding to the longest
     seed: int = 0
     length_seq: list[int] | None = None  # answer lengths in start order, cycled (tests, replays); None = draw
+    # the prefill samples each answer's first token (the real engines); False: every token is a decode round
+    prefill_token: bool = False
 
     @property
     def batch(self) -> int:
@@ -172,6 +182,7 @@ class _Job:
         self.unfinished: dict[int, int] = {}  # gid -> answers still generating
         self.placement: dict[int, int] = {}
         self._drawn = 0
+        self.overheads = cost.pipeline_overheads_s()  # stream/async: (rollout per partition, data, actor per step)
 
     # ---------------------------------------------------------------- helpers
     def work(self, role: str, what: str, seconds: float, threads: int) -> Iterator:
@@ -232,6 +243,8 @@ class _Job:
             i = int(np.argmin(self.reward_servers))
             t = max(t, self.reward_servers[i]) + self.rng.uniform(lo, hi)
             self.reward_servers[i] = t
+        if self.a.mode != "sync":  # data-plane hops to the trainer (sync: inside its step overhead)
+            t += self.overheads[1]
         self.env.at(t, lambda: self.scored(ans))
 
     def scored(self, ans: _Answer) -> None:
@@ -262,7 +275,7 @@ class _Job:
                     self.placer.admits(version) if only is None else wl.prompts_per_step)
             if not waiting and n > 0:  # one fetch: up to the rest of the current prompt partition
                 if only is None and taken == 0:  # its share of the per-step data-plane overhead, in its own process
-                    yield self.cost.step_overhead_s() * ROLLOUT_SHARE
+                    yield self.overheads[0]
                 groups = self.fetch(n, only if only is not None else -1)
                 members.update((g[0].group, g) for g in groups)
                 waiting.extend(groups)
@@ -276,6 +289,12 @@ class _Job:
                 for g in start if only is None else ():
                     self.placer.start(g[0].group, version)
                 yield from self.work("rollout", "prefill", cost.prefill_s(len(rows), wl.prompt_len, threads), threads)
+                if wl.prefill_token:  # the first token comes with the prefill: length - 1 decode rounds
+                    for x in rows:
+                        x.done = 1
+                    for x in [x for x in rows if x.done >= x.length]:
+                        self.generated(x, members[x.group])
+                    rows = [x for x in rows if x.done < x.length]
                 live += rows
             if not live:
                 if fetched >= total and not waiting:
@@ -313,7 +332,7 @@ class _Job:
 
     def actor(self) -> Iterator:
         for v in range(self.wl.steps):
-            yield self.cost.step_overhead_s() * (1 - ROLLOUT_SHARE)  # driver round trip, its own gets, clear
+            yield self.overheads[2]  # driver round trip, its own gets, clear
             yield from self.train(v, self.a.actor_res)
             yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
             self.step_end.append(self.env.now)
