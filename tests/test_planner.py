@@ -86,6 +86,18 @@ def test_profiled_cost_reads_the_curves_and_picks_thread_counts():
     assert c.step_overhead_s() == 0.01 and c.transfer_s() == 0.002
 
 
+def test_multi_thread_teams_take_their_own_sync_run_factors():
+    """role_factor corrects one-thread work, role_factor_threads each team size (from a real
+    sync run on that many threads); a team size without its own run keeps the curves."""
+    from asyncflow.planner.costs import ProfiledCost
+
+    pipe = {**PROFILE["pipeline"], "role_factor": {"actor": 1.5}, "role_factor_threads": {"2": {"actor": 1.25}}}
+    c = ProfiledCost.from_dict({**PROFILE, "pipeline": pipe})
+    assert c.train_s(8, 10, 1) == pytest.approx(1.5 * ProfiledCost.from_dict(PROFILE).train_s(8, 10, 1))
+    assert c.train_s(8, 10, 2) == pytest.approx(1.25 * (0.005 + 5e-5 * 80))
+    assert c.decode_s(10, 20, 2) == ProfiledCost.from_dict(PROFILE).decode_s(10, 20, 2)  # no rollout factor
+
+
 def test_analytic_decode_is_memory_bound_at_small_batches_and_training_scales_with_devices():
     from asyncflow.planner.costs import DEVICES, MODELS, AnalyticCost
 

@@ -71,6 +71,9 @@ class ProfiledCost:
         f = self._pick(self.calibration, res).get(role, 1.0) if self.calibration else 1.0
         if res <= 1:  # the real one-thread sync run's correction (calib.fit_pipeline)
             f *= self.pipeline.get("role_factor", {}).get(role, 1.0)
+        else:  # the real multi-thread sync run's (its teams share the cores with the framework's processes)
+            by_threads = {int(t): v for t, v in self.pipeline.get("role_factor_threads", {}).items()}
+            f *= self._pick(by_threads, res).get(role, 1.0) if by_threads else 1.0
         return f
 
     def decode_s(self, n, ctx, res):

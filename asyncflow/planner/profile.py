@@ -16,7 +16,10 @@ For each torch thread count (1, 2, 4, ... up to the cores), on the job's own mod
   one-thread ``sync`` run and a short ``async`` run on the job's launcher, decomposed
   step by step from their traces (:mod:`asyncflow.planner.calib`): role factors, the sync
   step overhead, the data-plane latency of a finished group, the actor's step boundary,
-  and the interference between busy roles (without the pipeline runs: 1).
+  and the interference between busy roles (without the pipeline runs: 1); and a short
+  ``sync`` run on each multi-thread team size, whose own role factors correct that team
+  (``role_factor_threads``: a team of t threads beside the framework's other processes is
+  slower than the same team alone, which the one-thread factors cannot see).
 
 Everything is written as one JSON file that :class:`~asyncflow.planner.costs.ProfiledCost`
 reads. Measurements take the median of repeats; the machine may be shared, so the file
@@ -204,16 +207,23 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
         return RunConfig.model_validate(data)
 
     sync, asyn = run_cfg(mode="sync"), run_cfg(mode="async", staleness=max(2, cfg.staleness))
+    teams = [t for t in _thread_counts(ncpu) if t > 1 and str(t) in prof["curves"]]
+    sync_mt = {t: RunConfig.model_validate({**sync.model_dump(), "resources": {
+        **sync.resources.model_dump(), "sync_threads": t}}) for t in teams}
     launcher = get_launcher(cfg.launcher)
     try:
         transfer = _transfer(launcher, prof["param_bytes"])
         s = train(sync, launcher=launcher, evaluate=False)
         a = train(asyn, launcher=launcher, evaluate=False)
+        mt = {t: train(c, launcher=launcher, evaluate=False) for t, c in sync_mt.items()}
     finally:
         launcher.shutdown()
-    fit = fit_pipeline(sync, {**prof, "pipeline": {"transfer_s": transfer}},
-                       tracks(f"{s['run_dir']}/trace.json")[1], ncpu)
+    base = {**prof, "pipeline": {"transfer_s": transfer}}
+    fit = fit_pipeline(sync, base, tracks(f"{s['run_dir']}/trace.json")[1], ncpu)
     fit["transfer_s"] = transfer
+    # multi-thread teams (sync on t threads): their own factors, from a real colocated run each
+    fit["role_factor_threads"] = {str(t): fit_pipeline(sync_mt[t], base, tracks(f"{r['run_dir']}/trace.json")[1],
+                                                       ncpu)["role_factor"] for t, r in mt.items()}
     atracks = tracks(f"{a['run_dir']}/trace.json")[1]
     actor = actor_steps(atracks, steps)
     if actor:
