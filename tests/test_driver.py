@@ -49,3 +49,30 @@ def test_next_step_is_queued_early_except_before_an_evaluation(tmp_path):
         ("evaluate",),  # the final held-out accuracy
     ]
     assert summary["steps"] == 5
+
+
+def test_worker_runs_steps_in_order_whatever_order_the_calls_arrive_in():
+    """A Ray actor serves calls on several threads without keeping their order: step v + 1
+    (queued early by the driver) must still run after step v."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from asyncflow.workflow.worker import Worker
+
+    w = Worker.__new__(Worker)  # only the ordering machinery
+    w._compute, w._order, w._expect = ThreadPoolExecutor(1), threading.Condition(), 0
+    ran: list[int] = []
+
+    def step(v):
+        ran.append(v)
+        return v
+
+    with ThreadPoolExecutor(3) as callers:
+        late = [callers.submit(w._in_order, v, step, v) for v in (2, 1)]  # arrive first
+        time.sleep(0.05)
+        assert ran == []  # nothing runs before step 0
+        first = callers.submit(w._in_order, 0, step, 0)
+        assert [f.result(5) for f in [first, *late]] == [0, 2, 1]
+    assert ran == [0, 1, 2]
+    w._compute.shutdown()

@@ -94,6 +94,8 @@ class Worker:
         torch.set_num_threads(threads)
         torch.manual_seed(cfg.seed)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self._order = threading.Condition()  # steps enter the compute queue in order (see _in_order)
+        self._expect = 0
         self.cfg, self.dp = cfg, dp
         self.model, self.tokenizer = load_model(model_dir)
         self.task = build_task(cfg)
@@ -275,8 +277,20 @@ class Worker:
         """
         return self._compute.submit(fn, *args).result()
 
+    def _in_order(self, v: int, fn, *args):
+        """Run step ``v`` on the compute thread after step ``v - 1``, whatever order the calls
+        arrive in: the driver queues step ``v + 1`` before ``v`` returns, and a Ray actor that
+        serves calls on several threads does not keep their order."""
+        with self._order:
+            if not self._order.wait_for(lambda: self._expect == v, timeout=600):
+                raise RuntimeError(f"step {v} called but step {self._expect} never came: steps must be consecutive")
+            fut = self._compute.submit(fn, *args)
+            self._expect = v + 1
+            self._order.notify_all()
+        return fut.result()
+
     def train_step(self, v: int, prefetch_next: bool = False) -> dict:
-        return self._on_compute(self.roles["actor"].train_step, v, prefetch_next)
+        return self._in_order(v, self.roles["actor"].train_step, v, prefetch_next)
 
     def critic_metrics(self, v: int, timeout: float = 2.0) -> dict | None:
         """The critic's metrics of step ``v`` once its update is done (None if not within ``timeout``)."""
@@ -286,7 +300,7 @@ class Worker:
     def sync_step(self, v: int) -> dict:
         """One colocated step: generate all, score all, reference all, value all and update the
         critic (PPO), train, sync weights."""
-        return self._on_compute(self._sync_step, v)
+        return self._in_order(v, self._sync_step, v)
 
     def _sync_step(self, v: int) -> dict:
         B, roles = self.cfg.batch_size, self.roles
