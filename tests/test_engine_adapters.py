@@ -268,20 +268,13 @@ def _check_real_engine(eng, tok, model, tmp_path):
 
 
 @pytest.mark.gpu
-def test_vllm_real_engine(tmp_path):
-    pytest.importorskip("vllm")
+@pytest.mark.parametrize("lib,module,cls", [("vllm", "vllm_engine", "VLLMEngine"),
+                                            ("sglang", "sglang_engine", "SGLangEngine")])
+def test_real_engine(tmp_path, lib, module, cls):
+    import importlib
+
+    pytest.importorskip(lib)
     _cuda()
-    from asyncflow.engines.vllm_engine import VLLMEngine
-
+    engine_cls = getattr(importlib.import_module(f"asyncflow.engines.{module}"), cls)
     tok, model = _tiny_folder(tmp_path)
-    _check_real_engine(VLLMEngine(str(tmp_path), EOS, dtype="float32"), tok, model, tmp_path)
-
-
-@pytest.mark.gpu
-def test_sglang_real_engine(tmp_path):
-    pytest.importorskip("sglang")
-    _cuda()
-    from asyncflow.engines.sglang_engine import SGLangEngine
-
-    tok, model = _tiny_folder(tmp_path)
-    _check_real_engine(SGLangEngine(str(tmp_path), EOS, dtype="float32"), tok, model, tmp_path)
+    _check_real_engine(engine_cls(str(tmp_path), EOS, dtype="float32"), tok, model, tmp_path)
