@@ -55,6 +55,10 @@ def test_sync_local_job_learns(tmp_path):
     assert summary["max_staleness"] == 0
 
 
+def r_cpus(report):
+    return report["cpus"] + 0.05  # (/proc/stat ticks: a little rounding)
+
+
 def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
     from asyncflow.bench import run_bench
 
@@ -63,7 +67,7 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
                              "rollout.longtail_long=16"])
     report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "async:2"])
     out = capsys.readouterr().out
-    assert "vs sync" in out and "limited by" in out and "async:2" in out
+    assert "vs sync" in out and "limited by" in out and "async:2" in out and "cores" in out
     rows = {r["mode"]: r for r in report["rows"]}
     assert rows["async:2"]["max_staleness"] <= 2
     assert rows["sync"]["vs_sync"] == pytest.approx(1.0)
@@ -71,6 +75,9 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
         assert r["samples_per_s"] > 0 and r["bound"] > 0
         assert r["efficiency"] == pytest.approx(r["samples_per_s"] / r["bound"])
         assert set(r["solo_s"]) == {"rollout", "actor"}  # rewards are computed inside rollout
+        cpu = r["cpu"]  # local launcher: every role in this process, counted once
+        assert list(cpu["roles"]) == ["+".join(r["busy"])] and 0 < cpu["cores"] <= r_cpus(report)
+        assert cpu["other"] == pytest.approx(cpu["cores"] - sum(cpu["roles"].values()))
     assert rows["sync"]["bound_limit"] == "sum of phases"
 
 

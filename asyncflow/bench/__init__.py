@@ -4,7 +4,9 @@ For each workload the same job (same model, prompts, seeds) runs for a fixed num
 samples in every mode, one after another on one launcher, and then each role runs alone
 (:mod:`asyncflow.bench.solo`) to give every mode its *bound*. The table prints measured
 samples/s and tokens/s, the ratio to ``sync``, the bound and what limits it, the
-efficiency (measured / bound) and each role's busy fraction, which explain the ratios.
+efficiency (measured / bound), each role's busy fraction, and the CPU the machine used
+(``cores``; ``other``: cores not spent in the role processes: data plane, weight store,
+driver, Ray), which explain the ratios.
 
 Workloads:
 
@@ -108,6 +110,7 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train) -> list[di
         s = train(vcfg, launcher=launcher, evaluate=False)
         rows.append({"workload": w, "mode": mode, "samples_per_s": s["steady_samples_per_s"],
                      "tokens_per_s": s["steady_tokens_per_s"], "wall_s": s["wall_s"], "busy": s["busy"],
+                     "cpu": s["cpu"],
                      "max_staleness": s["max_staleness"], "run_dir": s["run_dir"]})
     solo_cache: dict = {}
     for row in rows:
@@ -149,14 +152,17 @@ def _quality(cfg, launcher, root, train) -> dict:
 def format_table(report: dict) -> str:
     roles = sorted({k for r in report["rows"] for k in r["busy"]}, key=["rollout", "reward", "reference", "actor"].index)
     head = (f"{'wl':<3}{'mode':<8}{'samples/s':>10}{'tokens/s':>10}{'vs sync':>9}{'bound':>9}  {'limited by':<14}"
-            f"{'eff.':>6}  " + "  ".join(f"{r[:7]:>7}" for r in roles))
+            f"{'eff.':>6}  " + "  ".join(f"{r[:7]:>7}" for r in roles) + f"{'cores':>7}{'other':>7}")
     lines = [f"\n== asyncflow bench: {report['samples']} samples per run (timed after the first step), "
              f"{report['cpus']} CPUs ==",
              *(f"workload {w}: {t}" for w, t in WORKLOAD_TEXT.items() if any(r["workload"] == w for r in report["rows"])),
-             "busy = fraction of the run each role spent computing", head, "-" * len(head)]
+             "busy = fraction of the run each role spent computing; cores = CPU the machine used "
+             "(of {0}), other = outside the role processes".format(report["cpus"]), head, "-" * len(head)]
     for r in report["rows"]:
         ratio = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
         busy = "  ".join(f"{r['busy'].get(k, 0):>7.0%}" if k in r["busy"] else f"{'-':>7}" for k in roles)
+        cpu = r.get("cpu") or {}
+        cores = "".join(f"{cpu[k]:>7.2f}" if cpu.get(k) is not None else f"{'-':>7}" for k in ("cores", "other"))
         lines.append(f"{r['workload']:<3}{r['mode']:<8}{r['samples_per_s']:>10.1f}{r['tokens_per_s']:>10.0f}{ratio:>9}"
-                     f"{r['bound']:>9.1f}  {r['bound_limit']:<14}{r['efficiency']:>6.0%}  {busy}")
+                     f"{r['bound']:>9.1f}  {r['bound_limit']:<14}{r['efficiency']:>6.0%}  {busy}{cores}")
     return "\n".join(lines)

@@ -1,12 +1,21 @@
-"""Progress bar, busy fractions and the end-of-run summary.
+"""Progress bar, busy fractions, CPU use and the end-of-run summary.
 
 Busy fraction of a role = seconds it spent computing / wall seconds of the RL phase,
 from two snapshots of the workers' counters (so warm-up and evaluation before the first
 step are not counted).
+
+CPU use (``cpu`` in the summary, same window): ``cores`` = cores the whole machine kept
+busy (``/proc/stat``: every process, not only this job's; ``None`` where it is absent),
+``roles`` = CPU of the worker processes (each worker reports its process's CPU time;
+roles sharing a process are counted once, under their joined names), ``other`` =
+``cores`` minus ``roles``: the data plane, the weight store, the driver, Ray's own
+processes and anything else running. With two cores, ``cores`` near 2 says no idle CPU
+was left for a mode to use.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -71,6 +80,31 @@ def busy_fractions(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+def machine_cpu_s() -> float | None:
+    """CPU seconds the machine has spent busy since boot (all cores), or None."""
+    try:
+        with open("/proc/stat") as fh:
+            f = [int(x) for x in fh.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = f[3] + (f[4] if len(f) > 4 else 0)  # idle + iowait
+    guest = sum(f[8:10])  # guest time is already counted in user / nice
+    return (sum(f) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_use(before: dict, after: dict, machine: tuple, wall: float) -> dict:
+    """Cores used between two snapshots: the machine's, per worker process, and the rest."""
+    procs: dict = {}
+    for role, s in after.items():
+        if "cpu_s" in s and role in before:
+            procs.setdefault(s.get("pid"), ([], s["cpu_s"] - before[role].get("cpu_s", 0.0)))[0].append(role)
+    roles = {"+".join(names): d / wall for names, d in procs.values()} if wall > 0 else {}
+    m0, m1 = machine
+    cores = (m1 - m0) / wall if m0 is not None and m1 is not None and wall > 0 else None
+    return {"cores": cores, "roles": roles,
+            "other": cores - sum(roles.values()) if cores is not None else None}
+
+
 class RunMeter:
     """Counts samples and tokens per step and times the run, whole and after step 1.
 
@@ -86,9 +120,9 @@ class RunMeter:
     def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False):
         self.stats, self.drops, self._groups = stats, drops, (0, 0)
         self.stragglers, self._stragglers = stragglers, (0, 0)
-        self.t0, self.stats0 = time.perf_counter(), stats()
+        self.t0, self.stats0, self.cpu0 = time.perf_counter(), stats(), machine_cpu_s()
         self.steps = self.samples = self.tokens = 0
-        self.steady0: tuple | None = None  # (time, stats, samples, tokens) at the end of step 1
+        self.steady0: tuple | None = None  # (time, stats, samples, tokens, machine cpu) at the end of step 1
 
     def step(self, m: dict) -> dict:
         """Add one step's metrics (``samples``, ``tokens``); return them with rates added."""
@@ -96,7 +130,7 @@ class RunMeter:
         self.samples, self.tokens = self.samples + m["samples"], self.tokens + m["tokens"]
         elapsed = time.perf_counter() - self.t0
         if self.steady0 is None:
-            self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens)
+            self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens, machine_cpu_s())
         r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
         if self.stragglers:
             carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
@@ -112,11 +146,13 @@ class RunMeter:
 
     def finish(self) -> dict:
         """Totals for :func:`summarize`: whole run, and steady state (after step 1)."""
-        wall, stats = time.perf_counter() - self.t0, self.stats()
-        t1, stats1, s1, k1 = self.steady0 if self.steps > 1 else (self.t0, self.stats0, 0, 0)
+        wall, stats, cpu = time.perf_counter() - self.t0, self.stats(), machine_cpu_s()
+        t1, stats1, s1, k1, c1 = self.steady0 if self.steps > 1 else (self.t0, self.stats0, 0, 0, self.cpu0)
+        steady_wall = wall - (t1 - self.t0)
         return {"samples": self.samples, "tokens": self.tokens, "wall_s": wall, "stats": stats,
                 "steady_samples": self.samples - s1, "steady_tokens": self.tokens - k1,
-                "steady_wall_s": wall - (t1 - self.t0), "busy": busy_fractions(stats1, stats)}
+                "steady_wall_s": steady_wall, "busy": busy_fractions(stats1, stats),
+                "cpu": cpu_use(stats1, stats, (c1, cpu), steady_wall)}
 
 
 def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: str) -> dict:
@@ -141,7 +177,7 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
         "steady_samples_per_s": totals["steady_samples"] / s_wall if s_wall else 0.0,
         "steady_tokens_per_s": totals["steady_tokens"] / s_wall if s_wall else 0.0,
-        "busy": totals["busy"], "max_staleness": actor.get("max_staleness", 0),
+        "busy": totals["busy"], "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "rollout_decode_steps": rollout.get("decode_steps", 0),
         "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
@@ -158,6 +194,10 @@ def format_summary(s: dict) -> str:
         d = (s["heldout_acc_after"] - s["heldout_acc_before"]) * 100
         acc = f"held-out accuracy  {s['heldout_acc_before']:.1%} -> {s['heldout_acc_after']:.1%} ({d:+.1f} points)\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
+    cpu = s["cpu"]
+    if cpu["cores"] is not None:
+        busy += (f"\ncpu (cores)        {cpu['cores']:.2f} used on the machine: "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in cpu["roles"].items()) + f", other {cpu['other']:.2f}")
     ws = s["init"]
     init = ""
     if ws.get("source") == "warmstart":
