@@ -233,3 +233,50 @@ def test_group_scorer_keeps_concurrency_and_counts_errors():
         assert role.errors == 2
     finally:
         scorer.close()
+
+
+def test_group_scorer_sends_each_answer_as_it_finishes_and_forgets_cancelled_groups():
+    from asyncflow.workflow.reward import GroupScorer
+
+    role = RewardRole(DataPlane(SCHEMA), exact, decode, concurrency=2, latency_ms=(30.0, 30.0))
+    scorer = GroupScorer(role)
+    try:
+        scorer.open("g", 3)
+        scorer.add("g", 1, group(("5", "5"))[0])  # answers arrive in any order, by index
+        assert role.remote.inflight == 1  # in flight before the group's other answers exist
+        assert scorer.ready(0.05) == []  # its reward is back, but the group is not complete
+        scorer.add("g", 0, group(("5", "4"))[0])
+        scorer.add("g", 2, group(("5", "5"))[0])
+        assert drain_groups(scorer, 1) == [("g", [0.0, 1.0, 1.0])]  # rewards in answer order
+
+        scorer.open("x", 4)  # a group restarted or expired while its answers are scored
+        for i in range(4):
+            scorer.add("x", i, group(("5", "5"))[0])
+        assert role.remote.inflight == 2 and len(scorer.backlog) == 2
+        scorer.cancel("x")
+        assert len(scorer.backlog) == 0 and scorer.waiting == 0  # queued calls are never sent
+        scorer.submit("y", group(("6", "6")))
+        assert drain_groups(scorer, 1) == [("y", [1.0])]  # results of "x" in flight are ignored
+        time.sleep(0.05)
+        assert scorer.ready(0.0) == [] and role.errors == 0
+    finally:
+        scorer.close()
+
+
+def test_group_scorer_calls_a_batched_function_once_per_group_when_its_last_answer_is_added():
+    from asyncflow.workflow.reward import GroupScorer
+
+    calls = []
+
+    def fn(prompt, response, answer):
+        return 1.0
+
+    fn.batched = True
+    role = RewardRole(DataPlane(SCHEMA), fn, decode)
+    role._call_batch = lambda texts: calls.append(len(texts)) or [float(len(t[1])) for t in texts]
+    scorer = GroupScorer(role)
+    scorer.open("g", 2)
+    scorer.add("g", 0, group(("1", "123"))[0])
+    assert calls == [] and scorer.ready(0) == []
+    scorer.add("g", 1, group(("1", "1"))[0])
+    assert calls == [2] and scorer.ready(0) == [("g", [3.0, 1.0])]

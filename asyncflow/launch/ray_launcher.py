@@ -7,6 +7,9 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
   the weight store ask for 0).
 * A data-parallel trainer's ranks are actor processes joined by ``torch.distributed``
   (gloo) at a rendezvous address with a free port chosen by rank 0 (``dp_rendezvous``).
+* Actors report no task events to Ray (``enable_task_events=False``): every data-plane and
+  weight-store call (tens to hundreds a second) would send one to Ray's control store for
+  the dashboard's task table, which this job does not use (its timeline is ``trace.json``).
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
 * ``resources.data_plane=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
@@ -161,10 +164,12 @@ class RayLauncher:
 
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
-        return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64).remote(schema))
+        return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,
+                                                                enable_task_events=False).remote(schema))
 
     def weight_store(self):
-        return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16).remote())
+        return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16,
+                                                              enable_task_events=False).remote())
 
     def dp_rendezvous(self, rank0, world: int) -> str:
         """A ``tcp://`` address with a free port on rank 0's machine, where ``world`` trainer
@@ -172,7 +177,8 @@ class RayLauncher:
         return self.call(rank0, "dp_address")
 
     def spawn(self, spec, cls, *args):
-        return ray.remote(cls).options(num_cpus=spec.cpus, max_concurrency=4, name=None).remote(*args)
+        return ray.remote(cls).options(num_cpus=spec.cpus, max_concurrency=4, name=None,
+                                       enable_task_events=False).remote(*args)
 
     def submit(self, handle, method: str, *args):
         return getattr(handle, method).remote(*args)

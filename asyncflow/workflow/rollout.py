@@ -23,11 +23,11 @@ version it restarted at); the placer guarantees that a
 group started at ``w`` lands in a step ``<= w + staleness``, which the trainer trains at
 that version: the bound holds per sample, by construction, and nothing is thrown away.
 
-**Rewards in rollout** (``scorer`` given: ``reward.placement=rollout``, the default): a
-finished group is handed to the :class:`~asyncflow.workflow.reward.GroupScorer` and placed
-once its rewards are in (a local reward at once; remote or async calls stay in flight
-while decoding goes on, and are collected at every decode boundary); the rewards travel
-in the group's put, so no reward role runs. Until then the group still counts as running
+**Rewards in rollout** (``scorer`` given: ``reward.placement=rollout``, the default): each
+answer is handed to the :class:`~asyncflow.workflow.reward.GroupScorer` as soon as it
+finishes, and its group is placed once all its rewards are in (a local reward at once;
+remote or async calls stay in flight while decoding goes on, and are collected at every
+decode boundary); the rewards travel in the group's put, so no reward role runs. Until then the group still counts as running
 in the placer, so admission and deadlines are unchanged.
 
 **Dynamic sampling** (DAPO; ``drop_flat``): whether a scored group is kept decides whether
@@ -99,6 +99,7 @@ class RolloutRole(Role):
         # lengths) -> the rewards the trainer will see (e.g. overlong penalty) decides keep or drop
         self.scorer, self.shape, self.feed, self.drop_flat = scorer, shape, feed, drop_flat
         self.scoring: dict[int, tuple] = {}  # group id -> (submission id, finished answers awaiting rewards)
+        self.opened: dict[int, int] = {}  # group id -> submission id, while its answers are still finishing
         self._sid = 0
         self.rewards: dict[int, list[float]] = defaultdict(list)  # partition -> rewards of outbox rows
         self.groups_scored = self.groups_dropped = 0
@@ -152,8 +153,18 @@ class RolloutRole(Role):
         """Drop every live answer and the finished answers of their groups; queue the groups."""
         live = self.batch.drop_all()
         gids = sorted({r.key[0] for r in live} | set(self.finished))
-        self.discarded += len(live) + sum(len(self.finished.pop(g, [])) for g in gids)
+        self.discarded += len(live) + sum(len(self._forget(g)) for g in gids)
         self.restarts.extend(gids)
+
+    def _forget(self, gid: int) -> list[Completion]:
+        """Drop a group's finished answers (and their rewards in flight); return the answers."""
+        if gid in self.opened:
+            self.scorer.cancel((gid, self.opened.pop(gid)))
+        if gid in self.scoring:
+            sid, group = self.scoring.pop(gid)
+            self.scorer.cancel((gid, sid))
+            return group
+        return self.finished.pop(gid, [])
 
     def _refill(self, timeout: float) -> None:
         """Start waiting prompt groups in free slots (restarted groups first); fetch the next
@@ -214,17 +225,21 @@ class RolloutRole(Role):
         (batching bounds the data-plane calls to a few per step without holding a group back long)."""
         now = time.perf_counter()
         for c in done:
-            group = self.finished[c.key[0]]
+            gid = c.key[0]
+            group = self.finished[gid]
+            if self.scorer is not None:  # each answer is scored as soon as it finishes
+                if not group:  # a submission id: results for a group forgotten meanwhile are ignored
+                    self._sid += 1
+                    self.scorer.open((gid, self._sid), self.group_size)
+                    self.opened[gid] = self._sid
+                self.scorer.add((gid, self.opened[gid]), len(group), (c.prompt_ids, c.response_ids, c.key[1]))
             group.append(c)
-            if len(group) == self.group_size:  # the whole group is done: score it, then place it
-                gid = c.key[0]
+            if len(group) == self.group_size:  # the whole group is done: place it once scored
                 del self.finished[gid]
                 if self.scorer is None:
                     self._place(gid, group, None)
                 else:
-                    self._sid += 1  # a submission id: a result for a group expired meanwhile is ignored
-                    self.scoring[gid] = (self._sid, group)
-                    self.scorer.submit((gid, self._sid), [(c.prompt_ids, c.response_ids, c.key[1]) for c in group])
+                    self.scoring[gid] = (self.opened.pop(gid), group)
         if self.scoring:
             for (gid, sid), raw in self.scorer.ready(wait_s):
                 if self.scoring.get(gid, (None,))[0] == sid:
@@ -270,8 +285,7 @@ class RolloutRole(Role):
         if gids:
             out = set(gids)
             live = self.batch.drop(lambda req: req.key[0] in out)
-            self.discarded += len(live) + sum(len(self.finished.pop(g, [])) for g in gids)
-            self.discarded += sum(len(self.scoring.pop(g)[1]) for g in gids if g in self.scoring)
+            self.discarded += len(live) + sum(len(self._forget(g)) for g in gids)
             self.stale.extend(gids)
 
     def _flush(self) -> None:
