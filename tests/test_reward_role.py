@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -280,3 +281,34 @@ def test_group_scorer_calls_a_batched_function_once_per_group_when_its_last_answ
     assert calls == [] and scorer.ready(0) == []
     scorer.add("g", 1, group(("1", "1"))[0])
     assert calls == [2] and scorer.ready(0) == [("g", [3.0, 1.0])]
+
+
+def test_remote_calls_drain_early_wakes_at_the_first_result_or_another_ring():
+    from asyncflow.workflow.reward import RemoteCalls
+
+    calls = RemoteCalls()
+    try:
+        calls.submit([("a", lambda: 1.0, (), 0.03), ("b", lambda: 2.0, (), 5.0)])
+        t = time.monotonic()
+        assert calls.drain(2.0, early=True) == [("a", 1.0)]  # not the whole 2 s window
+        assert time.monotonic() - t < 1.0 and calls.inflight == 1
+        threading.Timer(0.05, calls.bell.set).start()  # e.g. new weights staged meanwhile
+        t = time.monotonic()
+        assert calls.drain(2.0, early=True) == [] and time.monotonic() - t < 1.0
+        t = time.monotonic()
+        assert calls.drain(0.1) == [] and time.monotonic() - t >= 0.1  # default: the whole window
+    finally:
+        calls.close()
+
+
+def test_a_staged_weight_version_rings_the_bell_rollout_idles_on():
+    from asyncflow.engines.weights import WeightStore, WeightSubscriber, seal
+
+    store, bell = WeightStore(), threading.Event()
+    sub = WeightSubscriber(store, lambda v, w: None, poll_s=0.05)
+    sub.bell = bell
+    try:
+        store.publish(1, seal({"w": np.ones(3, dtype=np.float32)}))
+        assert bell.wait(2.0) and sub.staged_version() == 1
+    finally:
+        sub.close()

@@ -123,6 +123,7 @@ class WeightSubscriber:
         self.swaps = 0
         self.rejected = 0  # versions that failed verification
         self._poll_s = poll_s
+        self.bell: threading.Event | None = None  # also rung when a version is staged (a waiter elsewhere)
         self._thread = threading.Thread(target=self._run, name="weight-prefetch", daemon=True)
         self._thread.start()
 
@@ -144,6 +145,8 @@ class WeightSubscriber:
                 self._staged = (version, staged)
                 self._seen = version
             self._new.set()
+            if self.bell is not None:
+                self.bell.set()
 
     def staged_version(self) -> int:
         with self._lock:

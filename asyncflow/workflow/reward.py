@@ -52,10 +52,14 @@ class RemoteCalls:
     ``submit_async`` runs ``await coro_fn(*args)`` (after ``delay_s``) as a task on the loop;
     ``drain`` returns the finished ``(key, value_or_exception)`` pairs. Hundreds of calls
     in flight cost one thread and almost no CPU, as with a real async HTTP client.
+    ``bell`` (an event) is rung by every finished call; whoever waits on it (``drain(...,
+    early=True)``, rollout idling between decode steps) wakes at the first result, or when
+    someone else rings it (rollout's weight subscriber, when it stages new weights).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, bell: threading.Event | None = None) -> None:
         self.loop = asyncio.new_event_loop()
+        self.bell = bell or threading.Event()
         self.done: queue.SimpleQueue = queue.SimpleQueue()
         self.inflight = 0
         self._tasks: set = set()  # strong references: the loop keeps only weak ones
@@ -91,6 +95,7 @@ class RemoteCalls:
         except Exception as e:  # reported as a reward error, never raised
             value = e
         self.done.put((key, value))
+        self.bell.set()
 
     def _finish(self, key, fn, args) -> None:
         try:
@@ -98,13 +103,20 @@ class RemoteCalls:
         except Exception as e:  # reported as a reward error, never raised
             value = e
         self.done.put((key, value))
+        self.bell.set()
 
-    def drain(self, timeout: float) -> list[tuple]:
+    def drain(self, timeout: float, early: bool = False) -> list[tuple]:
         """The calls finished by ``timeout`` seconds from now. It sleeps the whole window and
         then takes every result at once: one wake-up and, for the caller, one data-plane put
-        per window rather than one per trickling result."""
+        per window rather than one per trickling result. ``early``: return as soon as the
+        bell rings (a result, or another waker) instead, with whatever is finished by then
+        (the caller batches its puts itself)."""
         if timeout > 0:
-            time.sleep(timeout)
+            if not early:
+                time.sleep(timeout)
+            elif self.done.empty():
+                self.bell.wait(timeout)
+        self.bell.clear()  # (a result landing after this rings it again)
         out: list = []
         try:
             while True:
@@ -314,10 +326,11 @@ class GroupScorer:
             (r.remote.submit_async if r.async_fn else r.remote.submit)([self.backlog.popleft() for _ in range(n)])
 
     def ready(self, wait_s: float = 0.0) -> list[tuple]:
-        """Groups whose rewards are all in; waits up to ``wait_s`` when none is yet."""
+        """Groups whose rewards are all in; waits up to ``wait_s`` when none is yet, and
+        returns early at the first result back (or another ring of the calls' ``bell``)."""
         r = self.role
         if self.pending and r.remote is not None:
-            for (key, i), value in r.remote.drain(0.0 if self.done else wait_s):
+            for (key, i), value in r.remote.drain(0.0 if self.done else wait_s, early=True):
                 value = r._safe(value)  # (counted as an error even for a cancelled group)
                 slot = self.pending.get(key)
                 if slot is not None:  # else: cancelled meanwhile

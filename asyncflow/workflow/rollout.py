@@ -27,7 +27,9 @@ that version: the bound holds per sample, by construction, and nothing is thrown
 answer is handed to the :class:`~asyncflow.workflow.reward.GroupScorer` as soon as it
 finishes, and its group is placed once all its rewards are in (a local reward at once;
 remote or async calls stay in flight while decoding goes on, and are collected at every
-decode boundary); the rewards travel in the group's put, so no reward role runs. Until then the group still counts as running
+decode boundary; with nothing to decode, rollout sleeps until the first result comes back
+or new weights are staged, whichever is first); the rewards travel in the group's put, so
+no reward role runs. Until then the group still counts as running
 in the placer, so admission and deadlines are unchanged.
 
 **Dynamic sampling** (DAPO; ``drop_flat``): whether a scored group is kept decides whether
@@ -98,6 +100,9 @@ class RolloutRole(Role):
         # scorer: a GroupScorer (rewards computed here). Dynamic sampling (drop_flat): shape(rewards,
         # lengths) -> the rewards the trainer will see (e.g. overlong penalty) decides keep or drop
         self.scorer, self.shape, self.feed, self.drop_flat = scorer, shape, feed, drop_flat
+        remote = getattr(getattr(scorer, "role", None), "remote", None)
+        if remote is not None and weights is not None:  # idle on rewards in flight, wake for new weights too
+            weights.bell = remote.bell
         self.scoring: dict[int, tuple] = {}  # group id -> (submission id, finished answers awaiting rewards)
         self.opened: dict[int, int] = {}  # group id -> submission id, while its answers are still finishing
         self._sid = 0
