@@ -95,3 +95,24 @@ def test_async_on_ray_with_the_zeromq_data_plane_and_two_trainer_ranks(tmp_path)
     assert 0 <= summary["max_staleness"] <= 1 and sum(summary["staleness_hist"].values()) == 4 * 128
     assert {"actor", "actor.1"} <= set(summary["busy"]) and summary["busy"]["actor.1"] > 0
     assert (_run_dir(tmp_path) / "checkpoint" / "config.json").is_file()
+
+
+def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same_threads(monkeypatch, tmp_path):
+    """Rollout's solo time depends on how it is fed (step by step for stream, continuously
+    for async); the trainer's does not, so both modes' bounds use its faster solo time."""
+    import asyncflow.bench.solo as solo
+    from asyncflow.bench import _workload
+
+    solos = {(1, False): {"rollout": 2.0, "actor": 4.0}, (1, True): {"rollout": 1.0, "actor": 5.0}}
+    monkeypatch.setattr(solo, "measure_roles", lambda vcfg, md, steps, threads, cont: dict(solos[(threads, cont)]))
+    summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
+               "cpu": {}, "max_staleness": 0, "run_dir": ""}
+    cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
+    launcher = type("L", (), {"cpus": 2})()
+    rows = _workload(cfg, "a", ["stream", "async"], 5, "", launcher, tmp_path, lambda *a, **k: summary)
+    samples = 4 * cfg.batch_size  # steps 1..4 timed
+    by = {r["mode"]: r for r in rows}
+    assert by["async"]["solo_s"] == {"rollout": 1.0, "actor": 4.0}  # not the continuous run's 5.0
+    assert by["async"]["bound"] == pytest.approx(samples / 4.0) and by["async"]["bound_limit"] == "actor"
+    assert by["stream"]["solo_s"] == {"rollout": 2.0, "actor": 4.0}
+    assert by["async"]["efficiency"] == pytest.approx(100.0 / (samples / 4.0))
