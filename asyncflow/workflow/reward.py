@@ -248,9 +248,10 @@ class GroupScorer:
     hands answer ``i`` (a ``(prompt_ids, response_ids, answer)`` triple) *as soon as it
     finishes*: an async or emulated remote call goes in flight at once, so the group's
     rewards are in at ``max(finish_i + latency_i)`` rather than after its last answer plus
-    the slowest of its calls (measured on workload b's 100-300 ms calls: the tail a step's
-    last group adds drops from ~0.28 s, the expected slowest of 8 calls, toward ~0.2 s, one
-    call). A local function is called at once too; a batched one once per group, when its
+    the slowest of its calls (by arithmetic, for 8 calls of 100-300 ms: a last answer that
+    finishes well after the others adds ~0.2 s, one call, instead of ~0.28 s, the expected
+    slowest of 8; the bench's answers of one prompt share a length and finish together, so
+    it measured no change there). A local function is called at once too; a batched one once per group, when its
     last answer is added. ``submit(key, items)`` = ``open`` + ``add`` of every answer.
     ``cancel(key)`` forgets a group (restarted or expired): its queued calls are not sent
     and results of calls in flight are ignored. ``ready(wait_s)`` returns the groups whose
