@@ -194,10 +194,11 @@ def format_summary(s: dict) -> str:
         d = (s["heldout_acc_after"] - s["heldout_acc_before"]) * 100
         acc = f"held-out accuracy  {s['heldout_acc_before']:.1%} -> {s['heldout_acc_after']:.1%} ({d:+.1f} points)\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
-    cpu = s["cpu"]
+    cpu, cores = s["cpu"], ""
     if cpu["cores"] is not None:
-        busy += (f"\ncpu (cores)        {cpu['cores']:.2f} used on the machine: "
-                 + ", ".join(f"{k} {v:.2f}" for k, v in cpu["roles"].items()) + f", other {cpu['other']:.2f}")
+        cores = (f"cpu (cores)        {cpu['cores']:.2f} used on the machine: "
+                 + ", ".join(f"{k} {v:.2f}" for k, v in cpu["roles"].items()) + f", other {cpu['other']:.2f} "
+                 "(after step 1)\n")
     ws = s["init"]
     init = ""
     if ws.get("source") == "warmstart":
@@ -214,6 +215,6 @@ def format_summary(s: dict) -> str:
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
-            f"busy fraction      {busy} (after step 1)\n"
+            f"busy fraction      {busy} (after step 1)\n" + cores +
             f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
             f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, trace.json, checkpoint/)\n")

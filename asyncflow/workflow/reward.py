@@ -274,6 +274,11 @@ class GroupScorer:
         return self.role.errors
 
     @property
+    def bell(self):
+        """The event that results of remote calls ring (None: calls are local, no waiting)."""
+        return self.role.remote.bell if self.role.remote is not None else None
+
+    @property
     def waiting(self) -> int:
         """Groups opened but not returned by :meth:`ready` yet."""
         return len(self.pending) + len(self.done)
@@ -310,8 +315,7 @@ class GroupScorer:
     def cancel(self, key) -> None:
         if self.pending.pop(key, None) is not None:
             self.texts.pop(key, None)
-            if any(k == key for (k, _), *_ in self.backlog):
-                self.backlog = deque(c for c in self.backlog if c[0][0] != key)
+            self.backlog = deque(c for c in self.backlog if c[0][0] != key)
 
     def _settle(self, key, slot: list, i: int, value: float) -> None:
         slot[0][i] = value

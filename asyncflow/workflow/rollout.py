@@ -100,9 +100,8 @@ class RolloutRole(Role):
         # scorer: a GroupScorer (rewards computed here). Dynamic sampling (drop_flat): shape(rewards,
         # lengths) -> the rewards the trainer will see (e.g. overlong penalty) decides keep or drop
         self.scorer, self.shape, self.feed, self.drop_flat = scorer, shape, feed, drop_flat
-        remote = getattr(getattr(scorer, "role", None), "remote", None)
-        if remote is not None and weights is not None:  # idle on rewards in flight, wake for new weights too
-            weights.bell = remote.bell
+        if scorer is not None and scorer.bell is not None and weights is not None:
+            weights.bell = scorer.bell  # idle on rewards in flight, wake for new weights too
         self.scoring: dict[int, tuple] = {}  # group id -> (submission id, finished answers awaiting rewards)
         self.opened: dict[int, int] = {}  # group id -> submission id, while its answers are still finishing
         self._sid = 0

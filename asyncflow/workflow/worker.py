@@ -24,8 +24,8 @@ step. PPO's critic
 
 from __future__ import annotations
 
-import os
 import copy
+import os
 import threading
 import time
 import warnings
