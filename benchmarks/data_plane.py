@@ -12,7 +12,10 @@ Payloads (float32, fixed length, as TransferQueue's ``scripts/performance_test/p
 
 For each system: one put of the whole batch as new rows (writer = this process), then one
 get of every field of every row; the best of ``--iters`` runs (partition cleared between
-runs), in GB/s (1 GB = 2**30 bytes, as TransferQueue's script). The distributed deployment
+runs), in GB/s (1 GB = 2**30 bytes, as TransferQueue's script). ``cold put`` is the first
+run's put alone: our storage units reuse the shared memory of cleared rows
+(``asyncflow.queue.shm``, recycling), as every training step after the first does, so the
+first put is the one that pays for fresh pages (about half the speed on this machine). The distributed deployment
 and TransferQueue both keep the data in other processes (2 storage units each), so their
 figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
 Distributed systems, named by control socket + how big buffers move (the ``via`` column
@@ -52,7 +55,7 @@ def gbytes(data: dict[str, np.ndarray]) -> float:
     return sum(v.nbytes for v in data.values()) / 2**30
 
 
-def bench_ours(dp, data: dict[str, np.ndarray], iters: int) -> tuple[float, float]:
+def bench_ours(dp, data: dict[str, np.ndarray], iters: int) -> tuple[float, float, float]:
     fields, n = list(data), len(next(iter(data.values())))
     put_t, get_t = [], []
     for i in range(iters):
@@ -66,10 +69,10 @@ def bench_ours(dp, data: dict[str, np.ndarray], iters: int) -> tuple[float, floa
         del got
         dp.clear(f"b{i}")
         gc.collect()
-    return min(put_t), min(get_t)
+    return min(put_t), min(get_t), put_t[0]
 
 
-def bench_tq(data: dict[str, np.ndarray], iters: int) -> tuple[float, float] | str:
+def bench_tq(data: dict[str, np.ndarray], iters: int) -> tuple[float, float, float] | str:
     try:
         import ray
         import torch
@@ -98,7 +101,7 @@ def bench_tq(data: dict[str, np.ndarray], iters: int) -> tuple[float, float] | s
             gc.collect()
     finally:
         tq.close()
-    return min(put_t), min(get_t)
+    return min(put_t), min(get_t), put_t[0]
 
 
 def get_meta_latency(dp, calls: int = 2000) -> tuple[float, float]:
@@ -124,7 +127,7 @@ def main() -> None:
     args = ap.parse_args()
     systems = [x for x in args.systems.split(",") if x]
     shapes = {"small": SHAPES["small"]} if args.small else SHAPES
-    print(f"{'shape':8} {'system':13} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9}  via")
+    print(f"{'shape':8} {'system':13} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9} {'cold put':>9}  via")
     ratios = []
     for name, (b, f, s) in shapes.items():
         data = payload(b, f, s)
@@ -147,12 +150,13 @@ def main() -> None:
             if isinstance(r, str):
                 print(f"{name:8} {system:13} {r}", flush=True)
             else:
-                print(f"{name:8} {system:13} {gb:6.3f} {gb / r[0]:9.2f} {gb / r[1]:9.2f}  {via.get(system, '')}",
-                      flush=True)
+                print(f"{name:8} {system:13} {gb:6.3f} {gb / r[0]:9.2f} {gb / r[1]:9.2f} {gb / r[2]:9.2f}"
+                      f"  {via.get(system, '')}", flush=True)
         if not isinstance(results["transferqueue"], str):
             for system in systems:
-                (dp_, dg), (tp, tg) = results[system], results["transferqueue"]
-                ratios.append(f"{name}: {system}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}")
+                (dp_, dg, dc), (tp, tg, tc) = results[system], results["transferqueue"]
+                ratios.append(f"{name}: {system}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}"
+                              f" (cold put x{tc / dc:.2f})")
         del data
         gc.collect()
     for line in ratios:

@@ -1,15 +1,19 @@
 """The same-host shared-memory path of the distributed data plane (asyncflow.queue.shm).
 
-Checked: big puts/gets go through /dev/shm segments and return exactly the data; each put
-slice is one segment owned by its unit until the last of its rows is dropped (counted
-here by hand); nothing is left in /dev/shm after clear, shutdown, a killed unit or a client
-that died before sending; a foreign name or ref cannot make a unit read another file;
-save during a deferred clear writes only live rows. A hypothesis test mixes sizes across
-the threshold with clears, frame-only puts and out-of-order (exported) gets.
+Checked: big puts/gets go through /dev/shm segments and return exactly the data; a put's
+part on each unit is one segment owned by the unit until the last of its rows is dropped
+(counted here by hand); nothing is left in /dev/shm after clear, shutdown, a killed unit or
+a client that died before sending; a foreign name or ref cannot make a unit read another
+file; save during a deferred clear writes only live rows. Recycling: a cleared segment is
+reused by a later put only once no process maps it (the unit's own views, a reader's get),
+is cut to size, expires, and respects its size floor and budget. A hypothesis test mixes
+sizes across the threshold with clears, frame-only puts, out-of-order (exported) gets and
+recycling, and checks that no array a get returned ever changes.
 """
 
 from __future__ import annotations
 
+import gc
 import itertools
 import os
 import signal
@@ -56,13 +60,29 @@ def client(dep):
 
 
 @pytest.fixture(scope="module")
+def recycling():
+    """Units that recycle segments from MIN bytes on (the client is told in the test)."""
+    old = os.environ.get("ASYNCFLOW_DP_SHM_RECYCLE_MIN")
+    os.environ["ASYNCFLOW_DP_SHM_RECYCLE_MIN"] = str(MIN)
+    try:
+        d = launch(SCHEMA, n_storage=2, token="tok")
+    finally:
+        if old is None:
+            del os.environ["ASYNCFLOW_DP_SHM_RECYCLE_MIN"]
+        else:
+            os.environ["ASYNCFLOW_DP_SHM_RECYCLE_MIN"] = old
+    yield d
+    d.shutdown()
+
+
+@pytest.fixture(scope="module")
 def dep():
     d = launch(SCHEMA, n_storage=2, token="tok")
     yield d
     d.shutdown()
 
 
-def test_big_puts_use_one_segment_per_slice_freed_at_the_last_drop():
+def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
     before = ours()
     d = launch(SCHEMA, n_storage=2, token="tok")
     dp = client(d)
@@ -71,22 +91,25 @@ def test_big_puts_use_one_segment_per_slice_freed_at_the_last_drop():
         prefixes = dp._core._shm_prefix
         x = np.arange(200 * 64, dtype=np.float32).reshape(200, 64)
         rows = dp.put({"x": x}, partition="big")
-        assert rows == list(range(200))  # slices 0-63 | 64-127 | 128-191 (16 KB each) | 192-199 (2 KB)
-        assert len(files(prefixes, "s")) == 3  # the 2 KB slice (< MIN) went as frames
+        # unit 0 holds rows 0-63 and 128-191 (32 KB), unit 1 rows 64-127 and 192-199 (18 KB): one segment each
+        assert rows == list(range(200)) and len(files(prefixes, "s")) == 2
         more = dp.put({"x": x[:20]}, partition="more")  # rows 200-219: 5 KB, on unit 1 after 192-199
         small = dp.put({"x": x[:10]}, partition="more")  # rows 220-229: 2.5 KB: frames
-        assert len(files(prefixes, "s")) == 4 and more == list(range(200, 220))
+        assert len(files(prefixes, "s")) == 3 and more == list(range(200, 220))
         meta, got = dp.get_batch("t", ["x"], n=200, partition="big")
         assert meta.rows == rows and np.array_equal(got["x"], x)
         # rows 192-229: one slice on unit 1 over three blocks: stacked, 9.5 KB, exported
         span = dp.get_data(BatchMeta("big", list(range(192, 230)), ["x"]))["x"]
         assert np.array_equal(span, np.concatenate([x[192:], x[:20], x[:10]]))
         assert files(prefixes, "x") == []  # the client unlinked the export once mapped
-        dp.clear_rows(rows[:63])  # row 63 still lives in the first segment
-        assert len(files(prefixes, "s")) == 4
-        assert dp.get_data(BatchMeta("big", [63], ["x"]))["x"].tolist() == [x[63].tolist()]
-        dp.clear_rows([63])
-        assert settled(prefixes, "s", 3)
+        dp.clear_rows(rows[:64])  # unit 0's segment still holds rows 128-191
+        dp.clear_rows(rows[130:140])
+        time.sleep(0.3)  # the drops reached the units (see settled)
+        assert len(files(prefixes, "s")) == 3
+        got_back = dp.get_data(BatchMeta("big", [129, 140, 191], ["x"]))["x"]
+        assert np.array_equal(got_back, x[[129, 140, 191]])
+        dp.clear_rows(rows[128:130] + rows[140:192])
+        assert settled(prefixes, "s", 2)
         kept = got["x"]  # a mapping outlives the unlink
         dp.clear("big")
         dp.clear("more")
@@ -202,9 +225,10 @@ _part = itertools.count()
     st.tuples(st.just("clear"), st.integers(0, 3), st.booleans()),  # which live put; whole partition?
     st.tuples(st.just("get"), st.integers(0, 3), st.booleans()),  # which live put; or every live row?
 ), min_size=1, max_size=12))
-def test_random_sizes_across_the_threshold_with_clears(dep, ops):
-    dp = client(dep)
-    prefixes = dp._core._shm_prefix
+def test_random_sizes_across_the_threshold_with_clears(recycling, ops):
+    dp = client(recycling)
+    dp._core.recycle_min_bytes = MIN
+    held: list[tuple[np.ndarray, np.ndarray]] = []  # (array a get returned, its values): never rewritten
     live: list[tuple[str, list[int], np.ndarray, list]] = []
     try:
         for op, k, flag in ops:
@@ -226,6 +250,7 @@ def test_random_sizes_across_the_threshold_with_clears(dep, ops):
                     names = ["x", "ids"] if ids is not None else ["x"]
                     got = dp.get_data(BatchMeta(part, rows, names))
                     assert np.array_equal(got["x"], x)
+                    held.append((got["x"], x.copy()))
                     if ids is not None:
                         assert all(np.array_equal(g, i) for g, i in zip(got["ids"], ids))
                 elif flag:
@@ -235,9 +260,90 @@ def test_random_sizes_across_the_threshold_with_clears(dep, ops):
                     half = len(rows) // 2
                     dp.clear_rows(rows[:half])
                     live[k % len(live)] = (part, rows[half:], x[half:], None if ids is None else ids[half:])
+            assert all(np.array_equal(a, v) for a, v in held)
+        prefixes = dp._core._shm_prefix
         assert files(prefixes, "x") == []
     finally:
         for part, *_ in live:
             dp.clear(part)
         dp.disconnect()
-    assert settled(prefixes, "", 0)  # every segment freed at its last row, none exported left
+    assert prefixes == [] or settled(prefixes, "s", 0)  # every segment freed (or recycled) at its last row
+    assert prefixes == [] or files(prefixes, "c") + files(prefixes, "x") == []  # none left behind
+
+
+def test_unit_recycles_a_cleared_segment_only_when_no_process_maps_it():
+    unit = shm.ShmUnit(recycle_bytes=64 << 20)
+    try:
+        big = np.arange(shm.RECYCLE_MIN // 8 + 8, dtype=np.int64)  # just over RECYCLE_MIN bytes
+        _, refs = shm.write_segment(unit.prefix, "c", [big])
+        views, owned = unit.adopt(refs, [])
+        unit.hold(owned, 1)
+        unit.read_by(owned, os.getpid())  # a get sent this process refs into it
+        held = shm.map_refs([[owned, 0, big.nbytes]], [], unit.prefix)[0]
+        unit.release(owned)
+        assert files([unit.prefix], "s") == [] and len(files([unit.prefix], "r")) == 1
+        assert unit.lease(big.nbytes, os.getpid()) is None  # the unit's own views still map it
+        del views
+        gc.collect()
+        assert unit.lease(big.nbytes, os.getpid()) is None  # this process (a reader) still maps it
+        assert np.frombuffer(held, np.int64)[-1] == big[-1]
+        del held
+        gc.collect()
+        assert unit.lease(big.nbytes + 1, os.getpid()) is None  # none big enough
+        assert unit.lease("x", os.getpid()) is None and unit.lease(big.nbytes, -3) is None
+        name = unit.lease(big.nbytes - 32, 4321)
+        assert name.startswith(f"{unit.prefix}c4321-") and files([unit.prefix], "r") == []
+        assert time.time() - os.stat(os.path.join(shm.SHM_DIR, name)).st_mtime < 30  # not stale for the sweep
+        small = np.arange(shm.RECYCLE_MIN // 8, dtype=np.int64)[::-1].copy()
+        name2, refs2 = shm.write_segment(unit.prefix, "c", [small], leased=name)
+        assert name2 == name and os.stat(os.path.join(shm.SHM_DIR, name)).st_size == small.nbytes  # cut to size
+        views, owned = unit.adopt(refs2, [])
+        assert np.array_equal(np.frombuffer(views[0], np.int64), small)
+        unit.hold(owned, 1)
+        del views
+        unit.release(owned)
+        assert len(files([unit.prefix], "r")) == 1
+        unit.sweep(time.monotonic() + shm.RECYCLE_IDLE_S + 1)  # kept too long unleased: unlinked
+        assert files([unit.prefix]) == []
+        # below RECYCLE_MIN, or over the budget: unlinked at once
+        for seg, budget in ((np.zeros(1000, np.int64), 64 << 20), (big, big.nbytes - 1)):
+            unit.recycle_bytes = budget
+            _, refs = shm.write_segment(unit.prefix, "c", [seg])
+            views, owned = unit.adopt(refs, [])
+            unit.hold(owned, 1)
+            unit.release(owned)
+            assert files([unit.prefix]) == []
+    finally:
+        unit.close()
+
+
+def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritten():
+    schema = Schema([Field("y", "float32", (1 << 15,))])  # 128 KiB a row: 160 rows, 20 MiB
+    before = ours()
+    d = launch(schema, n_storage=1)
+    dp = d.client()
+    try:
+        inodes = lambda kind: {os.stat(os.path.join(shm.SHM_DIR, n)).st_ino for n in files(prefixes, kind)}
+        y = np.random.default_rng(0).standard_normal((160, 1 << 15), dtype=np.float32)
+        dp.put({"y": y}, partition="a")
+        prefixes = dp._core._shm_prefix
+        first = inodes("s")
+        kept = dp.get_data(BatchMeta("a", list(range(64)), ["y"]))["y"]  # a view of the segment
+        assert not kept.flags.owndata
+        dp.clear("a")
+        assert settled(prefixes, "r", 1) and files(prefixes, "s") == []
+        dp.put({"y": -y}, partition="b")  # the cleared segment is still mapped here: a new one
+        assert np.array_equal(kept, y[:64]) and inodes("r") == first and not inodes("s") & first
+        second = inodes("s")
+        del kept
+        gc.collect()
+        dp.clear("b")
+        assert settled(prefixes, "r", 2)
+        dp.put({"y": 2 * y}, partition="c")  # now either can be reused
+        assert len(files(prefixes, "r")) == 1 and inodes("s") <= first | second
+        _, got = dp.get_batch("t", ["y"], n=160, partition="c")
+        assert np.array_equal(got["y"], 2 * y)
+    finally:
+        dp.disconnect()
+        d.shutdown()
+    assert ours() - before == set()

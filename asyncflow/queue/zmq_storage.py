@@ -17,7 +17,8 @@ Shared memory (:mod:`asyncflow.queue.shm`, same host only): a ``write`` whose he
 carries ``shm`` refs adopts the client's segment as the storage of those rows (counted
 per stored ``(row, field)``, unlinked when the last is dropped). A ``gather`` from a
 client that asks for ``shm`` answers a block slice that lives in a segment as a ref (no
-byte moves), and writes any other rows into one export segment when they are at least
+byte moves; the client's pid, sent with the request, is remembered so that the segment is
+not recycled while that process maps it, see ``shm_lease``), and writes any other rows into one export segment when they are at least
 the client's threshold (sent with the request), else frames. ``save`` writes only the rows the
 controller names as live (rows cleared while leased keep their bytes until ``unpin``,
 but are not part of the state).
@@ -55,7 +56,8 @@ class StorageServer(_Server):
         self.ops.update(write=self.write, gather=self.gather, drop=self.drop, save=self.save, load=self.load,
                         nbytes=lambda h, f: self.storage.nbytes(),
                         shm_hello=lambda h, f: None if self.shm is None else self.shm.hello(),
-                        shm_probe=lambda h, f: self._shm().probe(_args(h, "shm")[0]))
+                        shm_probe=lambda h, f: self._shm().probe(_args(h, "shm")[0]),
+                        shm_lease=lambda h, f: self._shm().lease(*_args(h, "n", "pid")))
 
     def _shm(self) -> shm.ShmUnit:
         if self.shm is None:
@@ -111,9 +113,9 @@ class StorageServer(_Server):
             rest = [name for name in names if views[name] is None]
             stacked = assemble(self.schema, self.storage.gather(rows, rest))
             return encode_columns({n: stacked[n] if views[n] is None else views[n][0] for n in names})
-        return self._gather_shm(rows, names, views, int(limit))
+        return self._gather_shm(rows, names, views, int(limit), header["a"].get("pid"))
 
-    def _gather_shm(self, rows: list, names: list[str], views: dict, limit: int) -> tuple[dict, list]:
+    def _gather_shm(self, rows: list, names: list[str], views: dict, limit: int, pid: Any) -> tuple[dict, list]:
         """Reply with refs: block slices in place, other rows exported (or framed if small)."""
         spec, items = [], []  # item: ("ref", ref) | ("frame", array) | ("rows", [row arrays])
         for name in names:
@@ -122,6 +124,8 @@ class StorageServer(_Server):
                 view, loc = views[name]
                 spec.append([name, "f", view.dtype.str, list(view.shape)])
                 items.append(("ref", [loc[0], loc[1], view.nbytes]) if loc else ("frame", view))
+                if loc:
+                    self.shm.read_by(loc[0], pid)  # never recycled while that process maps it
                 continue
             values = self.storage.gather(rows, [name])[name]
             if f.ragged:
