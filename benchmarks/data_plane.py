@@ -25,8 +25,9 @@ prints what the client's handshake chose per storage unit):
   ``--shm-min`` bytes (``asyncflow.queue.shm``), frames below;
 * ``tcp`` / ``ipc``: shared memory off (``use_shm=False``): every byte in ZeroMQ frames,
   what a client on another host gets.
-Then ``get_meta`` latency of a client in this process against the controller process
-(non-blocking, 1 row, 2000 calls): p50/p99.
+First, ``get_meta`` latency of a client in this process against the controller process
+(non-blocking, 1 row, 2000 calls): p50/p99, measured before any throughput run, while no
+Ray is running (TransferQueue's Ray start-up, measured, doubles it for ~20 s).
 
 TransferQueue is optional (``pip install -e .[bench]``); without it that column is skipped
 with a message. It starts Ray with 8 logical CPUs (its actors ask for one each).
@@ -127,6 +128,11 @@ def main() -> None:
     args = ap.parse_args()
     systems = [x for x in args.systems.split(",") if x]
     shapes = {"small": SHAPES["small"]} if args.small else SHAPES
+    dep = launch(Schema([Field("x", "int64")]), n_storage=2)
+    try:
+        p50, p99 = get_meta_latency(dep.client())
+    finally:
+        dep.shutdown()
     print(f"{'shape':8} {'system':13} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9} {'cold put':>9}  via")
     ratios = []
     for name, (b, f, s) in shapes.items():
@@ -161,11 +167,6 @@ def main() -> None:
         gc.collect()
     for line in ratios:
         print(line)
-    dep = launch(Schema([Field("x", "int64")]), n_storage=2)
-    try:
-        p50, p99 = get_meta_latency(dep.client())
-    finally:
-        dep.shutdown()
     print(f"get_meta latency, client process -> controller process: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
 
 

@@ -21,12 +21,12 @@ Names and lifetimes (every segment name starts with the unit's prefix):
   failed or unanswered write (a no-op once renamed). A client that dies between writing and
   sending leaves a ``c`` file: the unit unlinks ``c`` and ``x`` files older than
   :data:`STALE_S` (checked every few seconds).
-* ``<prefix>s<n>``: owned by the unit, counted per stored ``(row, field)``; unlinked when
-  the last one is dropped (clear, load, shutdown). Mappings that clients still hold stay
-  valid (POSIX), so a get's arrays outlive a later clear, as they do with frames.
+* ``<prefix>s<n>``: owned by the unit, counted per stored ``(row, field)``; recycled or
+  unlinked when the last one is dropped (clear, load, shutdown). Mappings that clients
+  still hold stay valid (POSIX), so a get's arrays outlive a later clear, as they do with
+  frames (a recycled segment is never rewritten while a reader maps it, below).
 * ``<prefix>x<n>``: written by the unit for one get reply (rows that are not one slice of
   a stored segment); the client unlinks it as soon as it has mapped it.
-
 * ``<prefix>r<n>``: a cleared ``s`` segment kept for reuse (*recycled*, below).
 
 Recycling: writing a fresh ``/dev/shm`` file allocates and zeroes every page on the put's
