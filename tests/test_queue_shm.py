@@ -347,3 +347,22 @@ def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritte
         dp.disconnect()
         d.shutdown()
     assert ours() - before == set()
+
+
+def test_a_get_refuses_a_segment_recycled_while_it_was_being_mapped(monkeypatch):
+    unit = shm.ShmUnit()
+    try:
+        _, refs = shm.write_segment(unit.prefix, "c", [np.arange(16, dtype=np.int64)])
+        views, owned = unit.adopt(refs, [])
+        mapped = shm._map
+
+        def then_recycled(name):  # the rows are cleared between the client's open and its check
+            out = mapped(name)
+            os.rename(os.path.join(shm.SHM_DIR, name), os.path.join(shm.SHM_DIR, f"{unit.prefix}r99"))
+            return out
+
+        monkeypatch.setattr(shm, "_map", then_recycled)
+        with pytest.raises(ValueError, match="cleared while being read"):
+            shm.map_refs([[owned, 0, 128]], [], unit.prefix)
+    finally:
+        unit.close()

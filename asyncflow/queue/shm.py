@@ -198,13 +198,20 @@ def _views(refs: Sequence[Any], maps: dict[str, tuple], frames: Sequence[Any]) -
 
 def map_refs(refs: Sequence[Any], frames: Sequence[Any], prefix: str) -> list[Any]:
     """Client side of a get: map every segment named in ``refs`` (names under ``prefix``
-    only), unlink export segments at once, and return the buffers in order."""
+    only), unlink export segments at once, and return the buffers in order.
+
+    After mapping, the name must still be the file we mapped: a stored segment is renamed
+    (``r``) the moment its rows are cleared, before it can be recycled, so a mapping that
+    passes this check was made while the rows were live, and from then on the unit sees
+    it in ``/proc/<pid>/maps`` and never hands the file out for rewriting."""
     maps = {}
     for ref in refs:
         if ref is not None and ref[0] not in maps:
             name = _check_name(ref[0], prefix)
             try:
                 maps[name] = _map(name)
+                if os.stat(os.path.join(SHM_DIR, name)).st_ino != maps[name][2]:
+                    raise FileNotFoundError(name)
             except FileNotFoundError:
                 raise ValueError("rows were cleared while being read (their shared memory is gone)") from None
             if name[len(prefix):].startswith("x"):
