@@ -307,7 +307,7 @@ def test_unit_recycles_a_cleared_segment_only_when_no_process_maps_it():
         assert files([unit.prefix]) == []
         # below RECYCLE_MIN, or over the budget: unlinked at once
         for seg, budget in ((np.zeros(1000, np.int64), 64 << 20), (big, big.nbytes - 1)):
-            unit.recycle_bytes = budget
+            unit.recycler.budget = budget
             _, refs = shm.write_segment(unit.prefix, "c", [seg])
             views, owned = unit.adopt(refs, [])
             unit.hold(owned, 1)

@@ -23,6 +23,7 @@ Modules, one role each:
 * :mod:`~asyncflow.queue.zmq_launch` starts it (child processes, or a command line)
 * :mod:`~asyncflow.queue.leases`     pins that keep a ``get_batch``'s rows until read
 * :mod:`~asyncflow.queue.shm`        same-host shared memory for big buffers (segments, lifetimes)
+* :mod:`~asyncflow.queue.shm_recycle` reuse of cleared segments, never under a reader
 * :mod:`~asyncflow.queue.zmq_async`  its client: one asyncio core with every ``DataPlane`` method
 * :mod:`~asyncflow.queue.zmq_client` the synchronous client the roles use: a thin wrapper
   that runs the async core on a private event-loop thread (both picklable)
