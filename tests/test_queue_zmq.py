@@ -7,7 +7,10 @@ plane or need a capacity start their own small deployment.
 
 from __future__ import annotations
 
+import os
 import pickle
+import subprocess
+import sys
 import threading
 import time
 
@@ -239,3 +242,26 @@ def test_storage_unit_sends_a_put_block_back_without_stacking():
         assert gather([13, 14])[0]["v"].tolist() == block[3:5].tolist()
     finally:
         unit.ctx.destroy(linger=0)
+
+
+def test_launch_does_not_run_the_callers_main_script_in_the_servers(tmp_path):
+    """A spawned child would re-import the caller's script (in a training script: torch,
+    transformers, seconds per server); the servers need none of it."""
+    marks = tmp_path / "imports.txt"
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os\n"
+        f"open({str(marks)!r}, 'a').write(__name__ + '\\n')\n"
+        "from asyncflow.queue import Field, Schema\n"
+        "from asyncflow.queue.zmq_launch import launch\n"
+        "if __name__ == '__main__':\n"
+        "    dep = launch(Schema([Field('x', 'int64')]), n_storage=2)\n"
+        "    c = dep.client()\n"
+        "    print(c.put({'x': [1, 2, 3]}, partition=0))\n"
+        "    c.disconnect()\n"
+        "    dep.shutdown()\n")
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[0, 1, 2]"
+    assert marks.read_text().split() == ["__main__"]  # not "__mp_main__" once per server
