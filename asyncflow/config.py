@@ -226,8 +226,8 @@ class TrainConfig(_Section):
 class ResourcesConfig(_Section):
     threads_per_role: int = Field(1, gt=0, description="torch threads of each role process (stream/async).")
     sync_threads: int = Field(0, ge=0, description="torch threads of the colocated sync worker (0 = all cores).")
-    data_plane: Literal["ray", "zmq"] = Field(
-        "ray", description="ray launcher: the data plane as a Ray actor, or distributed over ZeroMQ (controller + storage units).")
+    data_plane: Literal["auto", "ray", "zmq"] = Field("auto", description="ray launcher: zmq (controller + storage "
+        "units, one host), ray (one actor, any cluster), auto (zmq when every Ray node is this machine).")
     storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
 
 

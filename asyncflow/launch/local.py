@@ -21,7 +21,7 @@ class LocalLauncher:
         # room for every trainer rank's call at once (they wait for each other in collectives)
         self._pool = ThreadPoolExecutor(66, thread_name_prefix="local-launcher")
 
-    def data_plane(self, schema, kind: str = "ray", storage_units: int = 2):
+    def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
         """The in-process data plane (``kind`` only matters to the Ray launcher)."""
         return DataPlane(schema)
 

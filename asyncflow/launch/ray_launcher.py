@@ -12,9 +12,12 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
   the dashboard's task table, which this job does not use (its timeline is ``trace.json``).
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
-* ``resources.data_plane=zmq`` swaps the data-plane actor for the distributed ZeroMQ data
-  plane (:mod:`asyncflow.queue.zmq_launch`: a controller + ``resources.storage_units``
-  storage units as child processes of the driver); roles get its picklable client.
+* The data plane (``resources.data_plane``): ``zmq`` is the distributed ZeroMQ data plane
+  (:mod:`asyncflow.queue.zmq_launch`: a controller + ``resources.storage_units`` storage
+  units as child processes of the driver, bound to loopback; roles get its picklable
+  client); ``ray`` is one threaded actor holding an in-process ``DataPlane`` (calls go
+  through Ray's RPC), which works across the nodes of a Ray cluster; ``auto`` (the
+  default) takes ``zmq`` when every Ray node is this machine, else ``ray``.
 """
 
 from __future__ import annotations
@@ -158,7 +161,14 @@ class RayLauncher:
             self._owns = True
         self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
 
-    def data_plane(self, schema, kind: str = "ray", storage_units: int = 2):
+    def one_host(self) -> bool:
+        """Every alive node of the Ray cluster is this machine (a local instance)."""
+        here = ray.util.get_node_ip_address()
+        return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
+
+    def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
+        if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
+            kind = "zmq" if self.one_host() else "ray"
         if kind == "zmq":
             from asyncflow.queue.zmq_launch import launch
 
