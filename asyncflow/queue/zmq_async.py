@@ -7,20 +7,20 @@ sockets, the schema fetched with ``hello`` and the loop thread are created lazil
 process that uses the copy, and again after a fork). There are no module-level clients.
 
 Wire: the core talks to a :class:`~asyncflow.queue.zmq_server.ControllerServer` (row ids)
-and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)`` (blocks of
-64 consecutive ids, round-robin), so a put sends each unit its rows (its contiguous
+and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)`` (blocks
+of 64 consecutive ids, round-robin), so a put sends each unit its rows (its contiguous
 slices, views of the validated arrays: no copy) and a get asks each unit for its rows in
 one request, all units at once, then places each slice in ``meta.rows`` order. One DEALER
-socket per server per core, shared by every coroutine: each request carries an id and the loop's reader callback
-on the socket hands each reply to the coroutine waiting for that id, so any number of
-calls (e.g. several ``get_meta`` parked on the server) wait at once without holding each
-other up. Blocking happens server-side, so timeouts and ``close`` behave exactly as in
-process. On one host, a unit's part of a put of at least ``shm_min_bytes`` goes through
-one shared-memory segment instead of frames (written into a cleared segment the unit
-recycles when it is at least ``recycle_min_bytes``), and gets answer with segment refs
-(:mod:`asyncflow.queue.shm`; probed per unit at connect; ``use_shm=False`` or
-``ASYNCFLOW_DP_SHM=0`` turns it off). Below the threshold, or without shared memory, each
-contiguous slice is one message of frames.
+socket per server per core, shared by every coroutine: each request carries an id and the
+loop's reader callback on the socket hands each reply to the coroutine waiting for that
+id, so any number of calls (e.g. several ``get_meta`` parked on the server) wait at once
+without holding each other up. Blocking happens server-side, so timeouts and ``close``
+behave exactly as in process. On one host, a unit's part of a put of at least
+``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
+cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
+answer with segment refs (:mod:`asyncflow.queue.shm`; probed per unit at connect;
+``use_shm=False`` or ``ASYNCFLOW_DP_SHM=0`` turns it off). Below the threshold, or without
+shared memory, each contiguous slice is one message of frames.
 
 Invariants:
 

@@ -109,9 +109,16 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
             raise RuntimeError(f"data plane {what} did not start")
         return parent.recv()
 
-    pipes = [start(_run_storage, msg, bind(k), token) for k in range(n_storage)]  # start together
-    endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)]
-    endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity), "controller")
+    try:
+        pipes = [start(_run_storage, msg, bind(k), token) for k in range(n_storage)]  # start together
+        endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)]
+        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity), "controller")
+    except BaseException:
+        for p in procs:  # none is left behind by a launch that failed
+            p.terminate()
+            p.join(5)
+        sweep_pids([p.pid for p in procs])
+        raise
     return Deployment(endpoint, token, procs)
 
 
@@ -127,7 +134,9 @@ def _without_main() -> Iterator[None]:
     try:
         yield
     finally:
-        if main is not None:
+        if main is None:
+            del sys.modules["__main__"]
+        else:
             sys.modules["__main__"] = main
 
 

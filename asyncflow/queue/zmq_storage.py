@@ -14,14 +14,15 @@ set of rows is stacked as before. Blocks are immutable (read-only frames), so a 
 as good as a copy; it keeps its block alive only until ZeroMQ has sent it.
 
 Shared memory (:mod:`asyncflow.queue.shm`, same host only): a ``write`` whose header
-carries ``shm`` refs adopts the client's segment as the storage of those rows (counted
-per stored ``(row, field)``, unlinked when the last is dropped). A ``gather`` from a
-client that asks for ``shm`` answers a block slice that lives in a segment as a ref (no
-byte moves; the client's pid, sent with the request, is remembered so that the segment is
-not recycled while that process maps it, see ``shm_lease``), and writes any other rows into one export segment when they are at least
-the client's threshold (sent with the request), else frames. ``save`` writes only the rows the
-controller names as live (rows cleared while leased keep their bytes until ``unpin``,
-but are not part of the state).
+carries ``shm`` refs adopts the client's segment as the storage of those rows (counted per
+stored ``(row, field)``, recycled or unlinked when the last is dropped; ``shm_lease``
+hands a recycled one to a client's next big put). A ``gather`` from a client that asks for
+``shm`` answers a block slice that lives in a segment as a ref (no byte moves; the
+client's pid, sent with the request, is remembered so that the segment is not recycled
+while that process maps it), and writes any other rows into one export segment when they
+are at least the client's threshold (sent with the request), else frames. ``save`` writes
+only the rows the controller names as live (rows cleared while leased keep their bytes
+until ``unpin``, but are not part of the state).
 """
 
 from __future__ import annotations
