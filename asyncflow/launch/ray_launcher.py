@@ -3,8 +3,8 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 
 * Starts a local Ray instance sized to this machine, or connects to ``RAY_ADDRESS``.
 * Resource requests are fractional CPUs that never add up to more than exist (a 2-core
-  machine runs rollout and trainer with 1 CPU each; a reward worker (``reward.placement=separate``), the data plane and
-  the weight store ask for 0).
+  machine runs rollout and trainer with 1 CPU each; a reward worker
+  (``reward.placement=separate``), the data plane and the weight store ask for 0).
 * A data-parallel trainer's ranks are actor processes joined by ``torch.distributed``
   (gloo) at a rendezvous address with a free port chosen by rank 0 (``dp_rendezvous``).
 * Actors report no task events to Ray (``enable_task_events=False``): every data-plane and

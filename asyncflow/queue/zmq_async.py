@@ -350,20 +350,11 @@ class AsyncZmqDataPlane:
 
 def _concat_spec(columns: Mapping[str, Any], spans: list[tuple[int, int]]) -> tuple[list[list], list[Any]]:
     """As :func:`encode_columns` of the rows in ``spans`` one after another, without
-    concatenating: each buffer is the list of its parts (written back to back)."""
-    spec: list[list] = []
-    buffers: list[Any] = []
-    for name, value in columns.items():
-        if isinstance(value, np.ndarray):
-            parts = [value[i:j] for i, j in spans]
-            spec.append([name, "f", value.dtype.str, [sum(len(p) for p in parts), *value.shape[1:]]])
-            buffers.append(parts)
-        else:
-            parts = [np.asarray(r) for i, j in spans for r in value[i:j]]
-            dtype = parts[0].dtype if parts else np.dtype(np.int64)
-            spec.append([name, "r", dtype.str, [len(parts)]])
-            buffers += [[p.astype(dtype, copy=False) for p in parts], np.array([len(p) for p in parts], np.int64)]
-    return spec, buffers
+    concatenating: each buffer is the list of its per-span parts (written back to back)."""
+    parts = [encode_columns({k: v[i:j] for k, v in columns.items()}) for i, j in spans]
+    spec = [[name, kind, dtype, [sum(p[0][c][3][0] for p in parts), *shape[1:]]]
+            for c, (name, kind, dtype, shape) in enumerate(parts[0][0])]
+    return spec, [[p[1][b] for p in parts] for b in range(len(parts[0][1]))]
 
 
 async def _all(calls: Sequence[Any]) -> list[Any]:

@@ -251,8 +251,8 @@ class GroupScorer:
     the slowest of its calls (by arithmetic, for 8 calls of 100-300 ms: a last answer that
     finishes well after the others adds ~0.2 s, one call, instead of ~0.28 s, the expected
     slowest of 8; the bench's answers of one prompt share a length and finish together, so
-    it measured no change there). A local function is called at once too; a batched one once per group, when its
-    last answer is added. ``submit(key, items)`` = ``open`` + ``add`` of every answer.
+    it measured no change there). A local function is called at once too; a batched one
+    once per group, when its last answer is added. ``submit(key, items)`` = ``open`` + ``add`` of every answer.
     ``cancel(key)`` forgets a group (restarted or expired): its queued calls are not sent
     and results of calls in flight are ignored. ``ready(wait_s)`` returns the groups whose
     every answer is added and scored, as ``(key, rewards)`` with rewards in answer order.
