@@ -29,6 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, long-tailed), b (+ remote reward latency)")
     b.add_argument("--modes", default="sync,stream,async,async:2",
                    help="comma list of modes; async:K runs async with staleness bound K")
+    b.add_argument("--repeat", type=int, default=2,
+                   help="runs of each mode (and of each role alone); each row shows the fastest (default 2)")
     b.add_argument("--out", default=None, help="write the results as JSON here (default: the bench folder)")
     b.add_argument("--quality", action="store_true",
                    help="instead: held-out accuracy of sync and async after the same number of samples")
@@ -89,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             from asyncflow.bench import run_bench
 
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
-                      modes=args.modes.split(","), out=args.out, quality=args.quality)
+                      modes=args.modes.split(","), out=args.out, quality=args.quality,
+                      repeat=args.repeat)
             return 0
         if args.command in ("profile", "plan"):
             return _planner(args, cfg)

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from asyncflow.cli import main
-from asyncflow.config import load_config
+from asyncflow.config import ConfigError, load_config
 from asyncflow.workflow.driver import train
 
 pytestmark = pytest.mark.slow
@@ -65,7 +65,7 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
     cfg = load_config(None, ["launcher=local", "warmstart.enabled=false", f"run_dir={tmp_path}",
                              "train.prompts_per_step=4", "rollout.group_size=4", "train.micro_prompts=2",
                              "rollout.longtail_long=16"])
-    report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "async:2"])
+    report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "async:2"], repeat=1)
     out = capsys.readouterr().out
     assert "vs sync" in out and "limited by" in out and "async:2" in out and "cores" in out
     rows = {r["mode"]: r for r in report["rows"]}
@@ -114,7 +114,7 @@ def test_async_on_ray_with_the_ray_actor_data_plane_and_two_trainer_ranks(tmp_pa
 
 def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same_threads(monkeypatch, tmp_path):
     """Rollout's solo time depends on how it is fed (step by step for stream, continuously
-    for async); the trainer's does not, so both modes' bounds use its faster solo time."""
+    for async); the trainer's work does not, so both modes' bounds use its faster solo time."""
     import asyncflow.bench.solo as solo
     from asyncflow.bench import _workload
 
@@ -129,5 +129,61 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
     by = {r["mode"]: r for r in rows}
     assert by["async"]["solo_s"] == {"rollout": 1.0, "actor": 4.0}  # not the continuous run's 5.0
     assert by["async"]["bound"] == pytest.approx(samples / 4.0) and by["async"]["bound_limit"] == "actor"
+    assert by["async"]["solo_runs"] == [{"rollout": 1.0, "actor": 5.0}]  # every solo run is kept
     assert by["stream"]["solo_s"] == {"rollout": 2.0, "actor": 4.0}
     assert by["async"]["efficiency"] == pytest.approx(100.0 / (samples / 4.0))
+
+
+def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many_solo_tries(monkeypatch, tmp_path):
+    """--repeat 2: two rounds of (sync, its solo, async, its solo); each row keeps its mode's
+    fastest run and lists every run; each kind of solo runs once a round, the fastest counts."""
+    import asyncflow.bench.solo as solo
+    from asyncflow.bench import _workload
+
+    solo_calls = []
+
+    def measure(vcfg, md, steps, threads, cont):
+        solo_calls.append((threads, cont))
+        order.append("solo")
+        return {"rollout": 1.0, "actor": 4.0 if len(solo_calls) <= 2 else 5.0}  # round 1 faster
+
+    monkeypatch.setattr(solo, "measure_roles", measure)
+    order, speeds = [], iter([100.0, 300.0, 120.0, 250.0])
+
+    def fake_train(vcfg, **kw):
+        order.append(vcfg.mode)
+        return {"steady_samples_per_s": next(speeds), "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
+                "cpu": {}, "max_staleness": 0, "run_dir": ""}
+
+    cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
+    launcher = type("L", (), {"cpus": 2})()
+    rows = _workload(cfg, "a", ["sync", "async"], 5, "", launcher, tmp_path, fake_train, repeat=2)
+    assert order == ["sync", "solo", "async", "solo"] * 2
+    by = {r["mode"]: r for r in rows}
+    assert by["sync"]["runs"] == [100.0, 120.0] and by["sync"]["samples_per_s"] == 120.0
+    assert by["async"]["runs"] == [300.0, 250.0] and by["async"]["samples_per_s"] == 300.0
+    assert solo_calls == [(2, False), (1, True)] * 2
+    assert [r["actor"] for r in by["async"]["solo_runs"]] == [4.0, 5.0]  # every solo run is kept
+    samples = 4 * cfg.batch_size
+    assert by["async"]["bound"] == pytest.approx(samples / 4.0)  # the faster of its two solo trainers
+    assert by["async"]["efficiency"] == pytest.approx(300.0 / (samples / 4.0))
+    assert by["sync"]["bound"] == pytest.approx(samples / (1.0 + 4.0))  # sync: the sum of its phases
+
+
+def test_bench_runs_its_preset_step_unless_the_config_sets_one(monkeypatch, tmp_path):
+    import asyncflow.bench as bench
+    import asyncflow.launch as launch
+    import asyncflow.tasks as tasks
+
+    seen = []
+    monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
+    monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
+    monkeypatch.setattr(bench, "_workload", lambda cfg, w, modes, steps, *a: seen.append(
+        (cfg.train.prompts_per_step, steps)) or [])
+    monkeypatch.setattr(bench, "format_table", lambda report: "")
+    bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), workloads=["a"])
+    bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}", "train.prompts_per_step=16"]),
+                    workloads=["a"], samples=512)
+    assert seen == [(bench.PROMPTS_PER_STEP, bench.SAMPLES // (bench.PROMPTS_PER_STEP * 8)), (16, 4)]
+    with pytest.raises(ConfigError, match="--repeat must be >= 1"):
+        bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), workloads=["a"], repeat=0)
