@@ -187,3 +187,9 @@ def test_bench_runs_its_preset_step_unless_the_config_sets_one(monkeypatch, tmp_
     assert seen == [(bench.PROMPTS_PER_STEP, bench.SAMPLES // (bench.PROMPTS_PER_STEP * 8)), (16, 4)]
     with pytest.raises(ConfigError, match="--repeat must be >= 1"):
         bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), workloads=["a"], repeat=0)
+
+
+def test_bench_repeat_below_one_is_a_one_line_error(capsys, tmp_path):
+    assert main(["bench", "--repeat", "0", "launcher=local", f"run_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "asyncflow: error: bench --repeat must be >= 1, got 0"
