@@ -40,7 +40,7 @@ import json
 import time
 from pathlib import Path
 
-from asyncflow.config import RunConfig
+from asyncflow.config import ConfigError, RunConfig
 
 WORKLOADS = {
     "a": {"rollout": {"gen_len": "longtail"}},
@@ -58,8 +58,6 @@ def parse_mode(spec: str) -> tuple[str, int | None]:
     """``"async:2"`` -> ``("async", 2)``: a mode, optionally with its staleness bound."""
     mode, _, k = spec.partition(":")
     if mode not in ("sync", "stream", "async") or (k and (mode != "async" or not k.isdigit())):
-        from asyncflow.config import ConfigError
-
         raise ConfigError(f"unknown bench mode {spec!r} (modes: sync, stream, async, async:K with K the staleness)")
     return mode, int(k) if k else None
 
@@ -85,18 +83,12 @@ def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = N
 
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
-        from asyncflow.config import ConfigError
-
         raise ConfigError(f"unknown workload {bad} (workloads: a, b)")
     for spec in modes:
         parse_mode(spec)
     if repeat < 1:
-        from asyncflow.config import ConfigError
-
         raise ConfigError(f"bench --repeat must be >= 1, got {repeat}")
     if cfg.algorithm.name == "ppo" and not quality:
-        from asyncflow.config import ConfigError
-
         raise ConfigError("asyncflow bench has no solo timing of the PPO critic role yet: bench another "
                           "algorithm.name, or compare learning with --quality")
     root = Path(cfg.run_dir).expanduser() / f"bench-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -134,12 +126,13 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
     # kind): this machine's speed drifts by +-15% over minutes, so a bound measured
     # minutes away from its runs would be off by as much; interleaved, each round's
     # runs and solos share the machine's speed of the moment.
+    vcfgs = {mode: _variant(cfg, w, mode, steps, str(root)) for mode in modes}  # modes: specs, e.g. "async:2"
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     solos: dict[tuple, list[dict]] = {}
     for i in range(repeat):
         solo_done = set()
         for mode in modes:
-            vcfg = _variant(cfg, w, mode, steps, str(root))  # mode: a bench spec, e.g. "async:2"
+            vcfg = vcfgs[mode]
             of = f" (round {i + 1} of {repeat})" if repeat > 1 else ""
             print(f"[bench] workload {w} ({WORKLOAD_TEXT[w]}): {mode}{of} ...", flush=True)
             s = train(vcfg, launcher=launcher, evaluate=False)
@@ -160,8 +153,7 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
         best = max(runs[mode], key=lambda r: r["samples_per_s"])
         rows.append({**best, "runs": [r["samples_per_s"] for r in runs[mode]],
                      "max_staleness": max(r["max_staleness"] for r in runs[mode])})
-        vcfg = _variant(cfg, w, mode, steps, str(root))
-        keys.append((vcfg, solo_key(vcfg)))
+        keys.append((vcfgs[mode], solo_key(vcfgs[mode])))
     samples = (steps - 1) * cfg.batch_size
     for row, (vcfg, key) in zip(rows, keys):
         # Only rollout's work depends on how it is fed (step by step or continuously); every
