@@ -229,6 +229,13 @@ class ResourcesConfig(_Section):
     data_plane: Literal["auto", "ray", "zmq"] = Field("auto", description="ray launcher: zmq (controller + storage "
         "units, one host), ray (one actor, any cluster), auto (zmq when every Ray node is this machine).")
     storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
+    pin_cores: Literal["auto", "on", "off"] = Field("auto", description="stream/async: each compute role computes on "
+        "cores of its own (trainer first; when they fit). auto: with a local Ray instance the launcher started.")
+
+    @field_validator("pin_cores", mode="before")
+    @classmethod
+    def _on_off(cls, v: Any) -> Any:
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v  # YAML reads on/off as bools
 
 
 class RunConfig(_Section):

@@ -133,6 +133,65 @@ def test_data_parallel_trainer_fields_and_cpu_shares():
                                                           ("actor", 0.6667), ("actor.1", 0.6667)]
 
 
+def test_core_pinning_gives_each_compute_worker_cores_of_its_own_trainer_first():
+    from asyncflow.workflow.worker import plan_workers
+
+    def cores(overrides, ncpu, ids):
+        return {s.name: s.cores for s in plan_workers(load_config(None, overrides), ncpu, ids)}
+
+    assert cores([], 2, [0, 1]) == {"rollout": (1,), "actor": (0,)}
+    assert cores(["algorithm.kl_coef=0.01"], 4, [0, 1, 2, 3]) == {"rollout": (2,), "reference": (1,), "actor": (0,)}
+    assert cores(["train.dp=2", "reward.placement=separate"], 4, [0, 1, 2, 3]) == {
+        "rollout": (2,), "reward": (), "actor": (0,), "actor.1": (1,)}  # a reward worker computes no model
+    assert cores(["resources.threads_per_role=2"], 4, [4, 5, 6, 7]) == {"rollout": (6, 7), "actor": (4, 5)}
+    assert cores(["mode=sync"], 2, [0, 1]) == {"colocated": ()}  # its one worker uses every core
+    assert cores([], 2, None) == {"rollout": (), "actor": ()}  # pin_cores off (or auto, not pinnable)
+    with pytest.warns(UserWarning, match="oversubscribe"):  # 3 compute workers do not fit 2 cores: none pinned
+        assert cores(["train.dp=2"], 2, [0, 1]) == {"rollout": (), "actor": (), "actor.1": ()}
+
+
+def test_pin_cores_auto_pins_only_a_machine_the_launcher_owns():
+    import os
+
+    from asyncflow.workflow.cores import pinnable_cores
+
+    owner, guest = type("L", (), {"owns_host": True})(), type("L", (), {"owns_host": False})()
+    here = sorted(os.sched_getaffinity(0))
+    assert pinnable_cores(load_config(None, []), owner) == here
+    assert pinnable_cores(load_config(None, []), guest) is None  # RAY_ADDRESS, local threads
+    assert pinnable_cores(load_config(None, ["resources.pin_cores=on"]), guest) == here
+    assert pinnable_cores(load_config(None, ["resources.pin_cores=off"]), owner) is None
+    assert pinnable_cores(load_config(None, ["mode=sync", "resources.pin_cores=on"]), owner) is None
+    with pytest.raises(ConfigError, match="resources.pin_cores"):
+        load_config(None, ["resources.pin_cores=sometimes"])
+
+
+def test_pin_thread_pins_the_calling_thread_only():
+    import os
+    import threading
+
+    from asyncflow.workflow.cores import pin_thread
+
+    here = os.sched_getaffinity(0)
+    one = min(here)
+    seen = {}
+
+    def body():
+        pin_thread((one,))
+        seen["thread"] = os.sched_getaffinity(0)
+        child = threading.Thread(target=lambda: seen.setdefault("child", os.sched_getaffinity(0)))
+        child.start()
+        child.join()
+
+    t = threading.Thread(target=body)
+    t.start()
+    t.join()
+    assert seen == {"thread": {one}, "child": {one}}  # threads it starts inherit its cores
+    assert os.sched_getaffinity(0) == here  # the caller's other threads are untouched
+    pin_thread(())  # no cores: a no-op
+    assert os.sched_getaffinity(0) == here
+
+
 def test_yaml_file_and_overrides(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("mode: stream\ntrain:\n  steps: 7\n  lr: 0.01\n")

@@ -9,6 +9,7 @@ JSONL, a summary, and a checkpoint that Hugging Face loads back.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -36,6 +37,10 @@ def test_default_async_job_on_ray_learns_and_leaves_a_run_folder(tmp_path, capsy
     assert summary["samples"] == 16 * 16 * 8
     assert summary["heldout_acc_after"] - summary["heldout_acc_before"] >= 0.05, summary
     assert 0 <= summary["max_staleness"] <= 1
+    cores = sorted(os.sched_getaffinity(0))  # pin_cores=auto: Ray started here, so each role got a core
+    assert summary["pinned"] == ({"actor": [cores[0]], "rollout": [cores[1]]} if len(cores) >= 2 else {})
+    if len(cores) >= 2:
+        assert f"pinned cores       rollout [{cores[1]}], actor [{cores[0]}]" in out
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 17))
     assert "heldout_acc" in metrics[7]
@@ -119,7 +124,7 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
     from asyncflow.bench import _workload
 
     solos = {(1, False): {"rollout": 2.0, "actor": 4.0}, (1, True): {"rollout": 1.0, "actor": 5.0}}
-    monkeypatch.setattr(solo, "measure_roles", lambda vcfg, md, steps, threads, cont: dict(solos[(threads, cont)]))
+    monkeypatch.setattr(solo, "measure_roles", lambda vcfg, md, steps, threads, cont, cores: dict(solos[(threads, cont)]))
     summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
                "cpu": {}, "max_staleness": 0, "run_dir": ""}
     cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
@@ -142,7 +147,7 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
 
     solo_calls = []
 
-    def measure(vcfg, md, steps, threads, cont):
+    def measure(vcfg, md, steps, threads, cont, cores):
         solo_calls.append((threads, cont))
         order.append("solo")
         return {"rollout": 1.0, "actor": 4.0 if len(solo_calls) <= 2 else 5.0}  # round 1 faster

@@ -28,7 +28,9 @@ alone (this machine's speed drifts by +-15% over minutes: runs and solos measure
 same round share it). A row shows the mode's fastest run against a bound from the
 fastest solo runs (interference only ever adds time, and each mode and each kind of solo
 run gets the same number of tries). Every role but rollout gets its fastest solo run on
-the same threads in any round: only rollout's work depends on how the mode feeds it.
+the same threads (and pinned cores) in any round: only rollout's work depends on how the mode
+feeds it. A role pinned to cores of its own in a mode's runs (``resources.pin_cores``, on by
+default with the local Ray instance the bench starts) is pinned to them alone too.
 
 ``--quality`` instead trains the default example in ``sync`` and ``async`` for the same
 number of samples and reports held-out accuracy before and after each.
@@ -117,10 +119,16 @@ def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = N
 
 def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int = 1) -> list[dict]:
     from asyncflow.bench.solo import bound, measure_roles
+    from asyncflow.workflow.cores import pinnable_cores
+    from asyncflow.workflow.worker import plan_workers
 
-    def solo_key(vcfg) -> tuple[int, bool]:  # (threads per role, continuous rollout)
+    def role_cores(vcfg) -> dict[str, tuple[int, ...]]:  # each role's cores in the mode's runs (if pinned)
+        specs = plan_workers(vcfg, launcher.cpus, pinnable_cores(vcfg, launcher))
+        return {role: spec.cores for spec in specs[::-1] for role in spec.roles if spec.cores}  # rank 0 last: wins
+
+    def solo_key(vcfg) -> tuple[int, bool, tuple]:  # (threads per role, continuous rollout, pinned cores)
         threads = (vcfg.resources.sync_threads or launcher.cpus) if vcfg.mode == "sync" else vcfg.resources.threads_per_role
-        return threads, vcfg.mode == "async"
+        return threads, vcfg.mode == "async", tuple(sorted(role_cores(vcfg).items()))
 
     # Each round runs every mode, each followed by its roles alone (once per round and
     # kind): this machine's speed drifts by +-15% over minutes, so a bound measured
@@ -143,8 +151,9 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
             if key not in solo_done:
                 solo_done.add(key)
                 print(f"[bench] workload {w}: roles alone on {key[0]} thread(s), "
-                      f"{'continuous' if key[1] else 'step-by-step'} rollout{of} ...", flush=True)
-                solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, *key))
+                      f"{'continuous' if key[1] else 'step-by-step'} rollout{', pinned' if key[2] else ''}{of} ...",
+                      flush=True)
+                solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, key[0], key[1], dict(key[2])))
     # the fastest of each: other load only ever adds time, and every mode and role got as many
     # tries (a bound from a disturbed solo run would flatter every efficiency)
     solo_cache = {key: {role: min(r[role] for r in rs) for role in rs[0]} for key, rs in solos.items()}
@@ -157,13 +166,13 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
     samples = (steps - 1) * cfg.batch_size
     for row, (vcfg, key) in zip(rows, keys):
         # Only rollout's work depends on how it is fed (step by step or continuously); every
-        # other role gets its fastest solo run on the same threads, whichever way rollout was
+        # other role gets its fastest solo run on the same threads and cores, whichever way rollout was
         # fed. The continuous solo trainer is slower on the same number of steps (8.3-11.6 s
         # against 6.7-8.6 s step by step, in the same rounds: rows in completion order make
         # costlier micro-batches, its thread CPU time per step doubles on some steps), so a
         # bound from it alone would flatter async by 20-65%.
         seconds = {role: t if role == "rollout" else
-                   min(c[role] for k, c in solo_cache.items() if k[0] == key[0] and role in c)
+                   min(c[role] for k, c in solo_cache.items() if (k[0], k[2]) == (key[0], key[2]) and role in c)
                    for role, t in solo_cache[key].items()}
         b, limit = bound(vcfg.mode, seconds, samples)
         row.update(solo_s=seconds, solo_runs=solos[key], bound=b, bound_limit=limit,

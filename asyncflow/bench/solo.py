@@ -15,6 +15,9 @@ role running, weights never swapped):
   time, one thread per role: ``N / max(t_role)``.
 * ``async``: as ``stream``, but rollout and reward stream continuously across steps.
 
+A role pinned to cores of its own in the mode's runs (``resources.pin_cores``) is pinned to
+the same cores in its solo run, so both sides of the ratio compute on the same footing.
+
 What the bound leaves out is exactly what the mode pays in the pipeline: data-plane
 round trips between processes, weight export/transfer/swap, waiting at the staleness
 bound, and two processes sharing memory bandwidth.
@@ -22,9 +25,25 @@ bound, and two processes sharing memory bandwidth.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 
 from asyncflow.config import RunConfig
+
+
+@contextlib.contextmanager
+def _pinned(cores):
+    """Run the calling thread on ``cores`` (if any) inside the block; restore it after."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, set(cores))
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 class _Solo:
@@ -78,28 +97,35 @@ class _Solo:
         self.w.stop()
 
 
-def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool) -> dict[str, float]:
+def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool,
+                  cores: dict[str, tuple[int, ...]] | None = None) -> dict[str, float]:
     """Seconds each role needs alone for steps ``1 .. steps-1``, one after another in this
-    process (step 0 warms up kernels and caches and is not timed, as in the pipeline runs)."""
+    process (step 0 warms up kernels and caches and is not timed, as in the pipeline runs);
+    each role computes on ``cores[role]`` when given (its cores in the mode's runs)."""
     import torch
 
     s = _Solo(cfg, model_dir, steps, threads, continuous)
     middle = s.roles[1:-1]  # reward (and reference)
+    on = (cores or {}).get
     try:
         if continuous:  # async: each role streams across steps
-            seconds = {"rollout": (s.generate(0), s.timed(s.generate, 1, steps))[1]}
+            with _pinned(on("rollout")):
+                seconds = {"rollout": (s.generate(0), s.timed(s.generate, 1, steps))[1]}
             for name in middle:
-                s.consume(name, 0)
-                seconds[name] = s.timed(lambda v, n=name: s.consume(n, v), 1, steps)
+                with _pinned(on(name)):
+                    s.consume(name, 0)
+                    seconds[name] = s.timed(lambda v, n=name: s.consume(n, v), 1, steps)
         else:  # sync / stream: one step's batch at a time, phase after phase
             seconds = dict.fromkeys(["rollout", *middle], 0.0)
             for v in range(steps):
                 phases = [("rollout", s.generate)] + [(n, lambda v, n=n: s.consume(n, v)) for n in middle]
                 for name, phase in phases:
-                    t = s.timed(phase, v, v + 1)
+                    with _pinned(on(name)):
+                        t = s.timed(phase, v, v + 1)
                     seconds[name] += t if v else 0.0
-        s.train(0)
-        seconds["actor"] = s.timed(s.train, 1, steps)
+        with _pinned(on("actor")):
+            s.train(0)
+            seconds["actor"] = s.timed(s.train, 1, steps)
         return seconds
     finally:
         s.close()

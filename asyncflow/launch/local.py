@@ -18,6 +18,7 @@ from asyncflow.queue import DataPlane
 class LocalLauncher:
     def __init__(self) -> None:
         self.cpus = os.cpu_count() or 1
+        self.owns_host = False  # roles share this process (and its GIL): pin_cores=auto does not pin
         # room for every trainer rank's call at once (they wait for each other in collectives)
         self._pool = ThreadPoolExecutor(66, thread_name_prefix="local-launcher")
 

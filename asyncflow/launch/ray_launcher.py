@@ -2,6 +2,8 @@
 are threaded actors. ``ray.remote`` is applied here, at launch, never on the classes.
 
 * Starts a local Ray instance sized to this machine, or connects to ``RAY_ADDRESS``.
+* ``owns_host``: this launcher started a local instance, so the machine is the job's and
+  ``resources.pin_cores=auto`` pins each compute role to cores of its own.
 * Resource requests are fractional CPUs that never add up to more than exist (a 2-core
   machine runs rollout and trainer with 1 CPU each; a reward worker
   (``reward.placement=separate``), the data plane and the weight store ask for 0).
@@ -149,6 +151,7 @@ class RayWeightStore:
 class RayLauncher:
     def __init__(self, num_cpus: int | None = None):
         self._owns = False
+        self.owns_host = False  # a local instance started here: the machine is the job's (resources.pin_cores)
         self._deployments: list = []  # ZeroMQ data planes started by data_plane()
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
@@ -158,6 +161,7 @@ class RayLauncher:
                 ray.init(address=address, **kwargs)
             else:
                 ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
+                self.owns_host = True
             self._owns = True
         self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
 

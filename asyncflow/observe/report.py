@@ -184,7 +184,7 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
         "reward_fn": {k: v for k, v in (totals["stats"].get("reward") or rollout).items()
                       if k.startswith(("reward_", "score_")) and k != "reward_errors"},
-        "run_dir": str(run_dir), "checkpoint": ckpt, **dyn,
+        "run_dir": str(run_dir), "checkpoint": ckpt, "pinned": totals.get("pinned", {}), **dyn,
     }
 
 
@@ -199,6 +199,8 @@ def format_summary(s: dict) -> str:
         cores = (f"cpu (cores)        {cpu['cores']:.2f} used on the machine: "
                  + ", ".join(f"{k} {v:.2f}" for k, v in cpu["roles"].items()) + f", other {cpu['other']:.2f} "
                  "(after step 1)\n")
+    if s.get("pinned"):  # resources.pin_cores: where each compute role's compute thread ran
+        cores += "pinned cores       " + ", ".join(f"{k} {v}" for k, v in s["pinned"].items()) + "\n"
     ws = s["init"]
     init = ""
     if ws.get("source") == "warmstart":

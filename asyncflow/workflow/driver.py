@@ -124,7 +124,7 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
                 log.write(json.dumps(m) + "\n")
                 log.flush()
                 progress.update(m)
-        totals = meter.finish()
+        totals = {**meter.finish(), "pinned": job.pinned()}
         write_run_trace(job.spans(), run_dir / "trace.json")
         acc1 = job.evaluate() if evaluate else None
         ckpt = job.save(str(run_dir / "checkpoint"))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from asyncflow.config import RunConfig
 from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.worker import Worker, plan_workers
 
 
@@ -26,9 +27,9 @@ class Job:
         self.cfg, self.launcher = cfg, launcher
         self.dp = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
         self.weights = launcher.weight_store()
-        self.specs = plan_workers(cfg, launcher.cpus)
+        self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher))
         self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.dp, self.weights, s.threads,
-                                               s.rank) for s in self.specs}
+                                               s.rank, s.cores) for s in self.specs}
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles] \
             if cfg.mode != "sync" else [self.trainer]  # the trainer's workers, rank 0 first
@@ -105,6 +106,10 @@ class Job:
         for w in self.workers.values():
             out.update(self.launcher.call(w, "stats"))
         return out
+
+    def pinned(self) -> dict[str, list[int]]:
+        """The cores each pinned worker's compute thread may run on (asked of the worker)."""
+        return {s.name: self.launcher.call(self.workers[s.name], "affinity") for s in self.specs if s.cores}
 
     def spans(self) -> dict:
         out: dict = {}

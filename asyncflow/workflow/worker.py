@@ -15,11 +15,12 @@ The compute roles (rollout, actor, and reference / critic when the algorithm nee
 share the CPUs: each requests ``min(1, ncpu / n_compute)``, so the requests never add up
 to more than ``ncpu``; rewards are computed inside rollout (``reward.placement=rollout``,
 the default), or by a reward worker of their own that requests no CPU (``separate``).
+
 ``train.dp = N`` gives the actor N workers (``actor``, ``actor.1``, ...: one rank each,
 counted as N compute roles; more compute roles than CPUs is warned about, not refused); the
 job joins them (``dp_address`` on rank 0, then ``join_dp`` on every rank) before the first
-step. PPO's critic
-(:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy as backbone.
+step. PPO's critic (:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy.
+Core pinning (``resources.pin_cores``): :mod:`asyncflow.workflow.cores`.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from asyncflow.config import RunConfig
+from asyncflow.workflow.cores import assign_cores, pin_thread, run_pinned
 
 
 @dataclass
@@ -42,6 +44,7 @@ class WorkerSpec:
     threads: int
     cpus: float  # resource request for the launcher (may be fractional)
     rank: int = 0  # the actor's data-parallel rank (train.dp > 1)
+    cores: tuple[int, ...] = ()  # pinned to these CPU cores (empty: not pinned)
 
 
 def rewards_in_rollout(cfg: RunConfig) -> bool:
@@ -49,8 +52,13 @@ def rewards_in_rollout(cfg: RunConfig) -> bool:
     return cfg.reward.placement == "rollout" or cfg.algorithm.dynamic_sampling
 
 
-def plan_workers(cfg: RunConfig, ncpu: int | None = None) -> list[WorkerSpec]:
-    ncpu = ncpu or os.cpu_count() or 1
+def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | None = None) -> list[WorkerSpec]:
+    """The workers of ``cfg``'s mode on ``ncpu`` CPUs; pinned to ``cores`` (:func:`assign_cores`) if given."""
+    specs = _plan(cfg, ncpu or os.cpu_count() or 1)
+    return assign_cores(specs, cores) if cores and cfg.mode != "sync" else specs
+
+
+def _plan(cfg: RunConfig, ncpu: int) -> list[WorkerSpec]:
     extra = (["reference"] if cfg.algorithm.kl_coef > 0 else []) + (["critic"] if cfg.algorithm.name == "ppo" else [])
     reward = [] if rewards_in_rollout(cfg) else ["reward"]
     if cfg.mode == "sync":
@@ -83,7 +91,7 @@ class Worker:
     """Roles of one process; the launcher calls its methods (directly or as a Ray actor)."""
 
     def __init__(self, cfg: RunConfig, roles: list[str], model_dir: str, dp, weights, threads: int,
-                 rank: int = 0):
+                 rank: int = 0, cores: tuple[int, ...] = ()):
         import torch
 
         from asyncflow.engines.allocator import keep_heap
@@ -95,7 +103,9 @@ class Worker:
         torch.set_num_threads(threads)
         keep_heap()  # no page faults per step (they were ~10% of a solo trainer step)
         torch.manual_seed(cfg.seed)
-        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute")
+        self.cores = tuple(cores)  # the compute thread and the role loops run here (see pin_thread)
+        self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=pin_thread,
+                                           initargs=(self.cores,))
         self._order = threading.Condition()  # steps enter the compute queue in order (see _in_order)
         self._expect = 0
         self.cfg, self.dp = cfg, dp
@@ -265,9 +275,13 @@ class Worker:
         for name, role in self.roles.items():
             if name == "actor":
                 continue
-            th = threading.Thread(target=role.run, args=(self._stop,), name=name, daemon=True)
+            th = threading.Thread(target=run_pinned, args=(self.cores, role.run, self._stop), name=name, daemon=True)
             th.start()
             self._threads.append(th)
+
+    def affinity(self) -> list[int]:
+        """The cores this worker's compute thread may run on."""
+        return self._on_compute(lambda: sorted(os.sched_getaffinity(0)))
 
     def _on_compute(self, fn, *args):
         """Run ``fn`` on this worker's one compute thread.
