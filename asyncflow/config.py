@@ -213,6 +213,8 @@ class TrainConfig(_Section):
     max_tokens_per_micro: int | None = Field(
         None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
                                 "rows x longest row <= budget (None = one pass per streamed micro-batch).")
+    split_padding: int = Field(128, ge=0, description="Without max_tokens_per_micro: cut a micro-batch (longest rows "
+                               "first) into passes wherever a cut saves this many padded tokens (0 = one pass).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
     dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer (stream/async): each trains a "
                                                "token-balanced share of every micro-batch; gradients are summed, so "

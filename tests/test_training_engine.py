@@ -15,7 +15,7 @@ from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.losses import LOSS_AGGS
 from asyncflow.config import ConfigError, load_config
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
-from asyncflow.engines.training import TrainEngine, merge_metrics, token_budget_split
+from asyncflow.engines.training import TrainEngine, merge_metrics, padding_split, token_budget_split
 
 torch.set_num_threads(1)
 PAD, BOS, EOS = 0, 1, 2
@@ -30,6 +30,35 @@ def test_token_budget_split_hand_computed():
     assert token_budget_split([25, 3, 3], 5) == [[0], [1], [2]]
     assert token_budget_split([2, 1], None) == [[0, 1]]
     assert token_budget_split([], 8) == []
+
+
+def test_padding_split_cuts_only_where_it_saves_padded_tokens():
+    # 6 rows x 50 = 300 padded tokens; cut after the two long rows: 2 x 50 + 4 x 10 = 140.
+    assert padding_split([10, 50, 10, 10, 50, 10], 60) == [[1, 4], [0, 2, 3, 5]]
+    assert padding_split([10, 50, 10, 10, 50, 10], 161) == [[1, 4, 0, 2, 3, 5]]  # saving 160 < 161
+    # 100 | 40 40 | 8 8 8: 600 -> 100 + 5 x 40 = 300 (saves 300), then 200 -> 80 + 24 (saves 96).
+    assert padding_split([8, 40, 8, 40, 8, 100], 30) == [[5], [1, 3], [0, 2, 4]]
+    assert padding_split([14, 15, 14, 15], 8) == [[1, 3, 0, 2]]  # similar rows: one pass (saves 2)
+    assert padding_split([3, 9, 4], 0) == [[0, 1, 2]]  # off: one pass, original order
+    assert padding_split([], 8) == [] and padding_split([7], 8) == [[0]]
+
+
+def test_padding_split_gradient_equals_one_big_batch(tok):
+    prompts, responses = _ragged(tok)
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    assert len(padding_split(lengths, 4)) >= 2
+    cur = TrainEngine(build_tiny_model(tok, seed=0), pad_id=PAD).logprobs(prompts, responses)
+    rng = np.random.default_rng(1)
+    extras = {"logprobs": [lp + rng.uniform(-0.3, 0.3, lp.shape).astype(np.float32) for lp in cur],
+              "advantages": rng.normal(size=len(prompts)).astype(np.float32)}
+    loss = Algorithm(loss_agg="token-mean").loss(len(prompts), sum(len(r) for r in responses))
+    grads = []
+    for split in (0, 4):
+        model = build_tiny_model(tok, seed=0)
+        TrainEngine(model, pad_id=PAD, split_padding=split).forward_backward(prompts, responses, extras, loss)
+        grads.append(_grads(model))
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5, msg=n)
 
 
 def test_merge_metrics_weights_rows():

@@ -23,6 +23,10 @@ This is exact: every loss normalises by the step's totals (sequences, or tokens 
 forward/backward over all rows (tested for every ``loss_agg``). Streaming granularity (how
 many groups the actor fetches at once) and compute granularity (the budget) are thus
 independent: a micro-batch of long answers runs as several small chunks.
+Padding split (``split_padding``, without a budget): a micro-batch is cut, longest rows
+first, only where a cut saves that many padded tokens (:func:`padding_split`), so a few long
+answers among short ones no longer pad every row to their length, and similar rows stay
+one pass. Exact for the same reason.
 
 Precision (``dtype``): ``float32``, or ``bfloat16`` as mixed precision: the parameters,
 their gradients and the AdamW states stay float32 (master weights), the forward runs under
@@ -134,6 +138,30 @@ def token_budget_split(lengths: Sequence[int], max_tokens: int | None) -> list[l
     return chunks
 
 
+def padding_split(lengths: Sequence[int], min_saving: int) -> list[list[int]]:
+    """Row indices (longest first) cut into passes wherever a cut saves at least
+    ``min_saving`` padded tokens: a pass costs about ``rows x longest row`` tokens plus a
+    fixed overhead, so a micro-batch of a few long rows and many short ones runs as two
+    passes, and one of similar rows stays one pass. ``0`` = one pass, original order.
+
+    >>> padding_split([10, 50, 10, 10, 50, 10], 60)  # 6 x 50 = 300 -> 2 x 50 + 4 x 10 = 140
+    [[1, 4], [0, 2, 3, 5]]
+    """
+    if not min_saving or len(lengths) < 2:
+        return [list(range(len(lengths)))] if len(lengths) else []
+    rest = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    chunks: list[list[int]] = []
+    while len(rest) > 1:
+        widths = [lengths[i] for i in rest]
+        n, full = len(rest), len(rest) * widths[0]
+        cost, cut = min((j * widths[0] + (n - j) * widths[j], j) for j in range(1, n))
+        if full - cost < min_saving:
+            break
+        chunks.append(rest[:cut])
+        rest = rest[cut:]
+    return chunks + [rest]
+
+
 def take_rows(value, idx: list[int]):
     """Rows ``idx`` of a per-row value (numpy array, list or tuple); anything else as is."""
     if isinstance(value, np.ndarray):
@@ -224,7 +252,7 @@ class TrainEngine:
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
-                 dtype: str = "float32", fsdp: bool = False, collective=None):
+                 dtype: str = "float32", fsdp: bool = False, collective=None, split_padding: int = 0):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
         self.fsdp, self.collective = fsdp, collective
@@ -232,6 +260,7 @@ class TrainEngine:
             shard(self.model)
         self.dtype = dtype
         self.max_tokens_per_micro = max_tokens_per_micro
+        self.split_padding = 0 if fsdp else split_padding  # FSDP: every rank runs the same passes
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
@@ -255,6 +284,8 @@ class TrainEngine:
 
     def _chunks(self, prompts, responses) -> list[list[int]]:
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        if self.max_tokens_per_micro is None and self.split_padding:
+            return padding_split(lengths, self.split_padding)
         return token_budget_split(lengths, self.max_tokens_per_micro)
 
     def _forward(self, batch: TokenBatch, entropy: bool = False) -> torch.Tensor:

@@ -150,7 +150,8 @@ class Worker:
             ref_model = copy.deepcopy(self.model).eval()
             self.roles["reference"] = ReferenceRole(TrainEngine(
                 ref_model, tok.pad_token_id, temperature=r.temperature,
-                max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype), dp)
+                max_tokens_per_micro=t.max_tokens_per_micro,
+                split_padding=t.split_padding, dtype=cfg.model.dtype), dp)
         if "critic" in roles:
             import copy
 
@@ -162,7 +163,8 @@ class Worker:
             lm = self.model if list(roles) == ["critic"] else copy.deepcopy(self.model)
             engine = CriticEngine(lm, tok.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
                                   grad_clip=t.grad_clip, schedule=_lr_schedule(cfg),
-                                  max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype)
+                                  max_tokens_per_micro=t.max_tokens_per_micro, split_padding=t.split_padding,
+                                  dtype=cfg.model.dtype)
             self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a, r.max_new_tokens), cfg.batch_size,
                                               epochs=a.critic_epochs)
         self.started = time.perf_counter()
@@ -185,7 +187,8 @@ class Worker:
             self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
         engine = TrainEngine(self.model, self.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg),
-                             max_tokens_per_micro=t.max_tokens_per_micro, dtype=cfg.model.dtype,
+                             max_tokens_per_micro=t.max_tokens_per_micro, split_padding=t.split_padding,
+                             dtype=cfg.model.dtype,
                              collective=self.group, fsdp=fsdp)
         publish = self.weights.publish if (self.weights is not None and cfg.mode != "sync" and self.rank == 0) \
             else None
