@@ -11,8 +11,9 @@ free. ``sync`` is never pinned: its one worker uses every core in every phase.
 
 ``auto`` (the default) pins only where the machine is the job's: the Ray launcher on a
 local instance it started (``launcher.owns_host``). Measured on 2 cores
-(``benchmarks/pinning.py``): ``async`` 1.12x on the compute-bound bench workload and 1.04x
-with the remote reward, every interleaved pair faster pinned.
+(``benchmarks/ab.py resources.pin_cores=off resources.pin_cores=on``): ``async`` 1.12x on
+the compute-bound bench workload and 1.04x with the remote reward, each of 4 interleaved
+pairs faster pinned.
 """
 
 from __future__ import annotations

@@ -1,0 +1,72 @@
+"""A/B of one config change on ``async``, in interleaved pairs: does it pay?
+
+Runs ``async`` on the bench workloads (the bench preset: steps of 32 prompts x 8 answers,
+4096 samples a run) with the ``base`` overrides and the ``new`` overrides, in interleaved
+pairs on one local Ray instance (the order alternates from pair to pair, so the machine's
+drift favours neither side), and prints each run's steady samples/s, the trainer's and
+rollout's busy fraction and CPU, the CPU outside the roles, and the new/base ratio of every
+pair and of the means.
+
+    python benchmarks/ab.py resources.pin_cores=off resources.pin_cores=on --pairs 4
+    python benchmarks/ab.py train.split_padding=0 train.split_padding=128 --pairs 3 --workloads a
+
+Each side is one argument of space-separated ``key=value`` overrides (quote several).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("base", help="overrides of the baseline, e.g. 'resources.pin_cores=off'")
+    ap.add_argument("new", help="overrides of the change, e.g. 'resources.pin_cores=on'")
+    ap.add_argument("--pairs", type=int, default=4, help="interleaved base/new pairs per workload")
+    ap.add_argument("--workloads", nargs="+", default=["a", "b"], choices=["a", "b"])
+    ap.add_argument("--samples", type=int, default=4096, help="samples per run")
+    ap.add_argument("--run-dir", default="runs/ab")
+    args = ap.parse_args()
+
+    from asyncflow.bench import PROMPTS_PER_STEP, _variant
+    from asyncflow.config import load_config
+    from asyncflow.launch import get_launcher
+    from asyncflow.tasks import prepare_model
+    from asyncflow.workflow.driver import train
+
+    sides = {"base": args.base.split(), "new": args.new.split()}
+    cfgs = {side: load_config(None, [f"train.prompts_per_step={PROMPTS_PER_STEP}", f"run_dir={args.run_dir}", *o])
+            for side, o in sides.items()}  # a bad override fails here, before any run
+    prepare_model(cfgs["base"], args.run_dir)  # warm-start once (cached), before any timing
+    launcher = get_launcher("ray")
+    try:
+        for wl in args.workloads:
+            speeds: dict[str, list[float]] = {"base": [], "new": []}
+            print(f"\nworkload {wl}: async, steps of {PROMPTS_PER_STEP} prompts, {args.samples} samples a run; "
+                  f"base: {args.base}; new: {args.new}")
+            print(f"{'pair':>4} {'side':>5} {'samples/s':>10} {'actor busy':>11} {'rollout busy':>13} "
+                  f"{'actor cpu':>10} {'rollout cpu':>12} {'other cpu':>10}  pinned")
+            for i in range(args.pairs):
+                for side in (("base", "new") if i % 2 == 0 else ("new", "base")):
+                    cfg = cfgs[side]
+                    steps = max(2, args.samples // cfg.batch_size)
+                    s = train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=launcher, evaluate=False)
+                    speeds[side].append(s["steady_samples_per_s"])
+                    cpu = s["cpu"] or {}
+                    roles, busy = cpu.get("roles", {}), s["busy"]
+                    print(f"{i + 1:>4} {side:>5} {s['steady_samples_per_s']:>10.1f} {busy.get('actor', 0):>11.0%} "
+                          f"{busy.get('rollout', 0):>13.0%} {roles.get('actor', 0):>10.2f} "
+                          f"{roles.get('rollout', 0):>12.2f} {cpu.get('other') or 0:>10.2f}  {s['pinned'] or '-'}",
+                          flush=True)
+            ratios = [n / b for n, b in zip(speeds["new"], speeds["base"])]
+            mean_new, mean_base = statistics.mean(speeds["new"]), statistics.mean(speeds["base"])
+            print(f"workload {wl}: new/base per pair " + " ".join(f"{r:.2f}" for r in ratios)
+                  + f"; means {mean_new:.1f} / {mean_base:.1f} = {mean_new / mean_base:.2f}x; "
+                  f"pairs faster with new: {sum(r > 1 for r in ratios)} of {len(ratios)}", flush=True)
+    finally:
+        launcher.shutdown()
+
+
+if __name__ == "__main__":
+    main()
