@@ -170,7 +170,7 @@ def test_pin_thread_pins_the_calling_thread_only():
     import os
     import threading
 
-    from asyncflow.workflow.cores import pin_thread
+    from asyncflow.workflow.cores import pin_thread, pinned
 
     here = os.sched_getaffinity(0)
     one = min(here)
@@ -189,6 +189,9 @@ def test_pin_thread_pins_the_calling_thread_only():
     assert seen == {"thread": {one}, "child": {one}}  # threads it starts inherit its cores
     assert os.sched_getaffinity(0) == here  # the caller's other threads are untouched
     pin_thread(())  # no cores: a no-op
+    assert os.sched_getaffinity(0) == here
+    with pinned((one,)):  # the bench's solo runs: pinned inside the block, restored after
+        assert os.sched_getaffinity(0) == {one}
     assert os.sched_getaffinity(0) == here
 
 

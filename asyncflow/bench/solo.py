@@ -25,25 +25,10 @@ bound, and two processes sharing memory bandwidth.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
 
 from asyncflow.config import RunConfig
-
-
-@contextlib.contextmanager
-def _pinned(cores):
-    """Run the calling thread on ``cores`` (if any) inside the block; restore it after."""
-    if not cores:
-        yield
-        return
-    before = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, set(cores))
-    try:
-        yield
-    finally:
-        os.sched_setaffinity(0, before)
+from asyncflow.workflow.cores import pinned
 
 
 class _Solo:
@@ -109,10 +94,10 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
     on = (cores or {}).get
     try:
         if continuous:  # async: each role streams across steps
-            with _pinned(on("rollout")):
+            with pinned(on("rollout")):
                 seconds = {"rollout": (s.generate(0), s.timed(s.generate, 1, steps))[1]}
             for name in middle:
-                with _pinned(on(name)):
+                with pinned(on(name)):
                     s.consume(name, 0)
                     seconds[name] = s.timed(lambda v, n=name: s.consume(n, v), 1, steps)
         else:  # sync / stream: one step's batch at a time, phase after phase
@@ -120,10 +105,10 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
             for v in range(steps):
                 phases = [("rollout", s.generate)] + [(n, lambda v, n=n: s.consume(n, v)) for n in middle]
                 for name, phase in phases:
-                    with _pinned(on(name)):
+                    with pinned(on(name)):
                         t = s.timed(phase, v, v + 1)
                     seconds[name] += t if v else 0.0
-        with _pinned(on("actor")):
+        with pinned(on("actor")):
             s.train(0)
             seconds["actor"] = s.timed(s.train, 1, steps)
         return seconds

@@ -18,6 +18,7 @@ pairs faster pinned.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -67,3 +68,17 @@ def run_pinned(cores, fn, *args):
     """``fn(*args)`` on the calling thread pinned to ``cores`` (a thread's target)."""
     pin_thread(cores)
     return fn(*args)
+
+
+@contextlib.contextmanager
+def pinned(cores):
+    """The calling thread on ``cores`` (if any) inside the block, as it was after it."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    pin_thread(cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
