@@ -23,6 +23,7 @@ This is exact: every loss normalises by the step's totals (sequences, or tokens 
 forward/backward over all rows (tested for every ``loss_agg``). Streaming granularity (how
 many groups the actor fetches at once) and compute granularity (the budget) are thus
 independent: a micro-batch of long answers runs as several small chunks.
+
 Padding split (``split_padding``, without a budget): a micro-batch is cut, longest rows
 first, only where a cut saves that many padded tokens (:func:`padding_split`), so a few long
 answers among short ones no longer pad every row to their length, and similar rows stay

@@ -19,7 +19,7 @@ the default), or by a reward worker of their own that requests no CPU (``separat
 ``train.dp = N`` gives the actor N workers (``actor``, ``actor.1``, ...: one rank each,
 counted as N compute roles; more compute roles than CPUs is warned about, not refused); the
 job joins them (``dp_address`` on rank 0, then ``join_dp`` on every rank) before the first
-step. PPO's critic (:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy.
+step. PPO's critic (:mod:`~asyncflow.workflow.critic`) gets its own copy of the initial policy as backbone.
 Core pinning (``resources.pin_cores``): :mod:`asyncflow.workflow.cores`.
 """
 
@@ -74,6 +74,13 @@ def _plan(cfg: RunConfig, ncpu: int) -> list[WorkerSpec]:
     specs += [WorkerSpec(name, [name], t, share) for name in extra]
     specs += [WorkerSpec(f"actor.{i}" if i else "actor", ["actor"], t, share, rank=i) for i in range(cfg.train.dp)]
     return specs
+
+
+def _passes(cfg: RunConfig) -> dict:
+    """How every training engine (actor, reference, critic) runs its forward/backward passes."""
+    t = cfg.train
+    return {"max_tokens_per_micro": t.max_tokens_per_micro, "split_padding": t.split_padding,
+            "dtype": cfg.model.dtype}
 
 
 def _lr_schedule(cfg: RunConfig):
@@ -149,9 +156,7 @@ class Worker:
 
             ref_model = copy.deepcopy(self.model).eval()
             self.roles["reference"] = ReferenceRole(TrainEngine(
-                ref_model, tok.pad_token_id, temperature=r.temperature,
-                max_tokens_per_micro=t.max_tokens_per_micro,
-                split_padding=t.split_padding, dtype=cfg.model.dtype), dp)
+                ref_model, tok.pad_token_id, temperature=r.temperature, **_passes(cfg)), dp)
         if "critic" in roles:
             import copy
 
@@ -162,9 +167,7 @@ class Worker:
             # the policy's weights as backbone; a copy unless this worker hosts the critic alone
             lm = self.model if list(roles) == ["critic"] else copy.deepcopy(self.model)
             engine = CriticEngine(lm, tok.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
-                                  grad_clip=t.grad_clip, schedule=_lr_schedule(cfg),
-                                  max_tokens_per_micro=t.max_tokens_per_micro, split_padding=t.split_padding,
-                                  dtype=cfg.model.dtype)
+                                  grad_clip=t.grad_clip, schedule=_lr_schedule(cfg), **_passes(cfg))
             self.roles["critic"] = CriticRole(engine, dp, Algorithm.from_config(a, r.max_new_tokens), cfg.batch_size,
                                               epochs=a.critic_epochs)
         self.started = time.perf_counter()
@@ -187,9 +190,7 @@ class Worker:
             self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
         engine = TrainEngine(self.model, self.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                              grad_clip=t.grad_clip, temperature=r.temperature, schedule=_lr_schedule(cfg),
-                             max_tokens_per_micro=t.max_tokens_per_micro, split_padding=t.split_padding,
-                             dtype=cfg.model.dtype,
-                             collective=self.group, fsdp=fsdp)
+                             collective=self.group, fsdp=fsdp, **_passes(cfg))
         publish = self.weights.publish if (self.weights is not None and cfg.mode != "sync" and self.rank == 0) \
             else None
         self.roles["actor"] = ActorRole(engine, self.dp, cfg.batch_size, r.group_size, t.micro_prompts,
