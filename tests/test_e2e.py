@@ -128,7 +128,8 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
     from asyncflow.bench import _workload
 
     solos = {(1, False): {"rollout": 2.0, "actor": 4.0}, (1, True): {"rollout": 1.0, "actor": 5.0}}
-    monkeypatch.setattr(solo, "measure_roles", lambda vcfg, md, steps, threads, cont, cores: dict(solos[(threads, cont)]))
+    monkeypatch.setattr(solo, "measure_roles",
+                        lambda vcfg, md, steps, threads, cont, cores, cpu=None: dict(solos[(threads, cont)]))
     summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
                "cpu": {}, "max_staleness": 0, "run_dir": ""}
     cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
@@ -143,6 +144,40 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
     assert by["async"]["efficiency"] == pytest.approx(100.0 / (samples / 4.0))
 
 
+def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tmp_path):
+    """The limiting role's busy fraction x its share of that time on a core x its CPU per
+    sample alone / in the run x its solo run's wall / CPU, from the solo run that set the bound."""
+    import asyncflow.bench.solo as solo
+    from asyncflow.bench import _workload, format_table
+
+    solos = {(1, False): ({"rollout": 2.0, "actor": 4.0}, {"rollout": 1.9, "actor": 3.6}),
+             (1, True): ({"rollout": 1.0, "actor": 5.0}, {"rollout": 0.9, "actor": 4.8})}
+
+    def measure(vcfg, md, steps, threads, cont, cores, cpu=None):
+        seconds, used = solos[(threads, cont)]
+        cpu.update(used)
+        return dict(seconds)
+
+    monkeypatch.setattr(solo, "measure_roles", measure)
+    summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "cpu": {},
+               "busy": {"rollout": 0.8, "actor": 0.9}, "on_cpu": {"rollout": 0.9, "actor": 0.95},
+               "busy_cpu_s": {"rollout": 2.0, "actor": 4.5}, "steady_samples": 500,
+               "max_staleness": 0, "run_dir": ""}
+    cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
+    launcher = type("L", (), {"cpus": 2})()
+    rows = _workload(cfg, "a", ["stream", "async"], 5, "", launcher, tmp_path, lambda *a, **k: summary)
+    samples = 4 * cfg.batch_size  # steps 1..4 timed
+    row = rows[1]
+    assert row["cpu_per_sample"] == pytest.approx({"rollout": 2.0 / 500, "actor": 4.5 / 500})
+    # the bound is the step-by-step solo trainer's 4.0 s (CPU 3.6 s), not the continuous one's
+    g = row["gap"]
+    assert g["role"] == "actor" and g["busy"] == 0.9 and g["on_cpu"] == 0.95
+    assert g["work"] == pytest.approx((3.6 / samples) / (4.5 / 500)) and g["solo"] == pytest.approx(4.0 / 3.6)
+    text = format_table({"samples": samples, "cpus": 2, "rows": rows})
+    assert (f"a async   {row['efficiency']:>4.0%} ~ actor busy 90% x on a core 95% x work "
+            f"{g['work']:.0%} x solo 111%") in text
+
+
 def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many_solo_tries(monkeypatch, tmp_path):
     """--repeat 2: two rounds of (sync, its solo, async, its solo); each row keeps its mode's
     fastest run and lists every run; each kind of solo runs once a round, the fastest counts."""
@@ -151,7 +186,7 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
 
     solo_calls = []
 
-    def measure(vcfg, md, steps, threads, cont, cores):
+    def measure(vcfg, md, steps, threads, cont, cores, cpu=None):
         solo_calls.append((threads, cont))
         order.append("solo")
         return {"rollout": 1.0, "actor": 4.0 if len(solo_calls) <= 2 else 5.0}  # round 1 faster

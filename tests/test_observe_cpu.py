@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from asyncflow.observe.report import cpu_use, machine_cpu_s
+from asyncflow.observe.report import busy_cpu_seconds, cpu_use, machine_cpu_s, on_cpu
 
 
 def test_cpu_use_counts_each_process_once_and_the_rest_as_other():
@@ -35,6 +35,32 @@ def test_machine_cpu_grows_with_work():
     for i in range(2_000_000):  # ~0.1 s of CPU
         x += i
     assert machine_cpu_s() > a
+
+
+def test_on_cpu_is_cpu_over_wall_of_the_compute_sections_between_snapshots():
+    before = {"actor": {"busy_s": 1.0, "busy_cpu_s": 0.9}, "rollout": {"busy_s": 2.0, "busy_cpu_s": 2.0}}
+    after = {"actor": {"busy_s": 5.0, "busy_cpu_s": 4.5}, "rollout": {"busy_s": 2.0, "busy_cpu_s": 2.0},
+             "reward": {"busy_s": 1.0}}  # a role without CPU accounting is left out
+    # actor: (4.5 - 0.9) / (5 - 1) = 0.9; rollout computed nothing in the window: left out
+    assert on_cpu(before, after) == pytest.approx({"actor": 0.9})
+    assert busy_cpu_seconds(before, after) == pytest.approx({"actor": 3.6, "rollout": 0.0})
+
+
+def test_a_role_counts_the_cpu_its_thread_got_in_its_compute_sections():
+    import time
+
+    from asyncflow.workflow.role import Role
+
+    role = Role()
+    with role.work():
+        time.sleep(0.2)  # computing nothing: wall, no CPU
+    assert role.busy_s >= 0.2 and role.busy_cpu_s < 0.05
+    with role.work():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.1:  # computing: CPU
+            pass
+    assert role.busy_cpu_s >= 0.1 and role.busy_cpu_s <= role.busy_s
+    assert role.stats()["busy_cpu_s"] == role.busy_cpu_s
 
 
 FAULTS = """

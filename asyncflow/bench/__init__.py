@@ -32,6 +32,15 @@ the same threads (and pinned cores) in any round: only rollout's work depends on
 feeds it. A role pinned to cores of its own in a mode's runs (``resources.pin_cores``, on by
 default with the local Ray instance the bench starts) is pinned to them alone too.
 
+Under the table, each ``stream``/``async`` row's efficiency is split into four measured
+factors of its limiting role (:func:`gap_factors`; their product is the efficiency):
+how much of the run it was busy (the rest it waited on the pipeline), how much of that
+busy time its thread was on a core (the rest other threads and processes ran there),
+its CPU per sample alone over in the run (the same work costing more or less CPU: a
+neighbour on the shared caches, the order rows arrive in, the machine's own drift), and
+its solo run's wall over CPU. On 2 cores the first says whether the pipeline waits, the
+second what the services and helper threads take from the role's core.
+
 ``--quality`` instead trains the default example in ``sync`` and ``async`` for the same
 number of samples and reports held-out accuracy before and after each.
 """
@@ -137,6 +146,7 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
     vcfgs = {mode: _variant(cfg, w, mode, steps, str(root)) for mode in modes}  # modes: specs, e.g. "async:2"
     runs: dict[str, list[dict]] = {mode: [] for mode in modes}
     solos: dict[tuple, list[dict]] = {}
+    solo_cpu: dict[tuple, list[dict]] = {}  # CPU seconds of each role's thread in the same solo runs
     for i in range(repeat):
         solo_done = set()
         for mode in modes:
@@ -146,6 +156,7 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
             s = train(vcfg, launcher=launcher, evaluate=False)
             runs[mode].append({"workload": w, "mode": mode, "samples_per_s": s["steady_samples_per_s"],
                                "tokens_per_s": s["steady_tokens_per_s"], "wall_s": s["wall_s"], "busy": s["busy"],
+                               "on_cpu": s.get("on_cpu", {}), "cpu_per_sample": _per_sample(s),
                                "cpu": s["cpu"], "max_staleness": s["max_staleness"], "run_dir": s["run_dir"]})
             key = solo_key(vcfg)
             if key not in solo_done:
@@ -153,7 +164,10 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
                 print(f"[bench] workload {w}: roles alone on {key[0]} thread(s), "
                       f"{'continuous' if key[1] else 'step-by-step'} rollout{', pinned' if key[2] else ''}{of} ...",
                       flush=True)
-                solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, key[0], key[1], dict(key[2])))
+                used: dict[str, float] = {}
+                solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, key[0], key[1], dict(key[2]),
+                                                               cpu=used))
+                solo_cpu.setdefault(key, []).append(used)
     # the fastest of each: other load only ever adds time, and every mode and role got as many
     # tries (a bound from a disturbed solo run would flatter every efficiency)
     solo_cache = {key: {role: min(r[role] for r in rs) for role in rs[0]} for key, rs in solos.items()}
@@ -177,10 +191,40 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
         b, limit = bound(vcfg.mode, seconds, samples)
         row.update(solo_s=seconds, solo_runs=solos[key], bound=b, bound_limit=limit,
                    efficiency=row["samples_per_s"] / b)
+        if vcfg.mode != "sync" and key[0] == 1:  # one thread per role: its thread's CPU is the role's
+            run = next(((k, i) for k, rs in solos.items() for i, r in enumerate(rs)
+                        if (k[0], k[2]) == (key[0], key[2]) and r.get(limit) == seconds[limit]), None)
+            solo_used = solo_cpu.get(run[0], [])[run[1]].get(limit) if run else None
+            row["gap"] = gap_factors(row, limit, seconds[limit], solo_used, samples)
     sync = next((r for r in rows if r["mode"] == "sync"), None)
     for row in rows:
         row["vs_sync"] = row["samples_per_s"] / sync["samples_per_s"] if sync else None
     return rows
+
+
+def _per_sample(summary: dict) -> dict[str, float]:
+    """CPU seconds per sample each role's thread spent computing (steady window)."""
+    n = summary.get("steady_samples") or 0
+    return {role: c / n for role, c in summary.get("busy_cpu_s", {}).items()} if n else {}
+
+
+def gap_factors(row: dict, role: str, solo_s: float, solo_cpu_s: float | None, samples: int) -> dict | None:
+    """Why a mode's run falls short of its bound, as four measured factors whose product is
+    its efficiency (up to the role's wall clock against the run's, ~1):
+
+    * ``busy``: the limiting ``role``'s busy fraction in the run (the rest it waited);
+    * ``on_cpu``: the share of its busy time its thread was on a core (the rest: preempted);
+    * ``work``: CPU seconds per sample alone / in the run (below 1: the same work cost more
+      CPU in the pipeline: caches shared with a neighbour, micro-batches in completion order
+      against the solo run's, weight export);
+    * ``solo``: the solo run's wall / its CPU (above 1: the solo run was preempted too).
+
+    None when a figure is missing (a role on several threads, a solo run without CPU)."""
+    busy, on, run_cpu = row["busy"].get(role), row.get("on_cpu", {}).get(role), row.get("cpu_per_sample", {}).get(role)
+    if not (busy and on and run_cpu and solo_cpu_s and samples):
+        return None
+    return {"role": role, "busy": busy, "on_cpu": on, "work": solo_cpu_s / samples / run_cpu,
+            "solo": solo_s / solo_cpu_s}
 
 
 def _quality(cfg, launcher, root, train) -> dict:
@@ -218,6 +262,14 @@ def format_table(report: dict) -> str:
         cores = "".join(f"{cpu[k]:>7.2f}" if cpu.get(k) is not None else f"{'-':>7}" for k in ("cores", "other"))
         lines.append(f"{r['workload']:<3}{r['mode']:<8}{r['samples_per_s']:>10.1f}{r['tokens_per_s']:>10.0f}{ratio:>9}"
                      f"{r['bound']:>9.1f}  {r['bound_limit']:<14}{r['efficiency']:>6.0%}  {busy}{cores}")
+    gaps = [r for r in report["rows"] if r.get("gap")]
+    if gaps:
+        lines.append("efficiency = busy x on a core x CPU/sample alone/in the run x solo wall/CPU "
+                     "(the limiting role's; see asyncflow.bench.gap_factors):")
+        for r in gaps:
+            g = r["gap"]
+            lines.append(f"  {r['workload']} {r['mode']:<8}{r['efficiency']:>4.0%} ~ {g['role']} busy {g['busy']:.0%} "
+                         f"x on a core {g['on_cpu']:.0%} x work {g['work']:.0%} x solo {g['solo']:.0%}")
     if any(len(r.get("runs", ())) > 1 for r in report["rows"]):
         lines.append("every run (samples/s): " + "; ".join(
             f"{r['workload']} {r['mode']} " + " ".join(f"{x:.1f}" for x in r["runs"]) for r in report["rows"]))

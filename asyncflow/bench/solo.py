@@ -18,6 +18,9 @@ role running, weights never swapped):
 A role pinned to cores of its own in the mode's runs (``resources.pin_cores``) is pinned to
 the same cores in its solo run, so both sides of the ratio compute on the same footing.
 
+Each solo run also reports the CPU seconds each role's thread got in its compute sections
+(``cpu``), for the bench's split of an efficiency into its factors.
+
 What the bound leaves out is exactly what the mode pays in the pipeline: data-plane
 round trips between processes, weight export/transfer/swap, waiting at the staleness
 bound, and two processes sharing memory bandwidth.
@@ -83,34 +86,48 @@ class _Solo:
 
 
 def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool,
-                  cores: dict[str, tuple[int, ...]] | None = None) -> dict[str, float]:
+                  cores: dict[str, tuple[int, ...]] | None = None, cpu: dict | None = None) -> dict[str, float]:
     """Seconds each role needs alone for steps ``1 .. steps-1``, one after another in this
     process (step 0 warms up kernels and caches and is not timed, as in the pipeline runs);
-    each role computes on ``cores[role]`` when given (its cores in the mode's runs)."""
+    each role computes on ``cores[role]`` when given (its cores in the mode's runs).
+    ``cpu`` (a dict, if given) receives the CPU seconds each role's thread got in its
+    compute sections over the same steps (:attr:`Role.busy_cpu_s`)."""
     import torch
 
     s = _Solo(cfg, model_dir, steps, threads, continuous)
     middle = s.roles[1:-1]  # reward (and reference)
     on = (cores or {}).get
+    seconds: dict[str, float] = {}
+    used = cpu if cpu is not None else {}
+
+    def timed(name: str, fn, first: int, last: int) -> None:
+        role = s.w.roles[name]
+        with pinned(on(name)):
+            c = role.busy_cpu_s
+            seconds[name] = seconds.get(name, 0.0) + s.timed(fn, first, last)
+            used[name] = used.get(name, 0.0) + role.busy_cpu_s - c
+
     try:
         if continuous:  # async: each role streams across steps
             with pinned(on("rollout")):
-                seconds = {"rollout": (s.generate(0), s.timed(s.generate, 1, steps))[1]}
+                s.generate(0)
+            timed("rollout", s.generate, 1, steps)
             for name in middle:
                 with pinned(on(name)):
                     s.consume(name, 0)
-                    seconds[name] = s.timed(lambda v, n=name: s.consume(n, v), 1, steps)
+                timed(name, lambda v, n=name: s.consume(n, v), 1, steps)
         else:  # sync / stream: one step's batch at a time, phase after phase
-            seconds = dict.fromkeys(["rollout", *middle], 0.0)
             for v in range(steps):
                 phases = [("rollout", s.generate)] + [(n, lambda v, n=n: s.consume(n, v)) for n in middle]
                 for name, phase in phases:
-                    with pinned(on(name)):
-                        t = s.timed(phase, v, v + 1)
-                    seconds[name] += t if v else 0.0
+                    if v:
+                        timed(name, phase, v, v + 1)
+                    else:
+                        with pinned(on(name)):
+                            phase(v)
         with pinned(on("actor")):
             s.train(0)
-            seconds["actor"] = s.timed(s.train, 1, steps)
+        timed("actor", s.train, 1, steps)
         return seconds
     finally:
         s.close()

@@ -2,7 +2,9 @@
 
 Busy fraction of a role = seconds it spent computing / wall seconds of the RL phase,
 from two snapshots of the workers' counters (so warm-up and evaluation before the first
-step are not counted).
+step are not counted). *On a core* (``on_cpu``): the share of that computing time the
+role's thread actually ran (CPU seconds / wall seconds of its compute sections); the rest
+it was preempted by other threads and processes on its core.
 
 CPU use (``cpu`` in the summary, same window): ``cores`` = cores the whole machine kept
 busy (``/proc/stat``: every process, not only this job's; ``None`` where it is absent),
@@ -80,6 +82,24 @@ def busy_fractions(before: dict, after: dict) -> dict[str, float]:
     return out
 
 
+def on_cpu(before: dict, after: dict) -> dict[str, float]:
+    """Per role: the fraction of its computing time its thread was on a core (CPU seconds
+    in its compute sections / their wall seconds; below 1: others ran there meanwhile)."""
+    out = {}
+    for role, s in after.items():
+        b = before.get(role, {})
+        busy = s.get("busy_s", 0.0) - b.get("busy_s", 0.0)
+        if "busy_cpu_s" in s and busy > 0:
+            out[role] = (s["busy_cpu_s"] - b.get("busy_cpu_s", 0.0)) / busy
+    return out
+
+
+def busy_cpu_seconds(before: dict, after: dict) -> dict[str, float]:
+    """Per role: CPU seconds its thread got in its compute sections between two snapshots."""
+    return {role: s["busy_cpu_s"] - before.get(role, {}).get("busy_cpu_s", 0.0)
+            for role, s in after.items() if "busy_cpu_s" in s}
+
+
 def machine_cpu_s() -> float | None:
     """CPU seconds the machine has spent busy since boot (all cores), or None."""
     try:
@@ -152,6 +172,7 @@ class RunMeter:
         return {"samples": self.samples, "tokens": self.tokens, "wall_s": wall, "stats": stats,
                 "steady_samples": self.samples - s1, "steady_tokens": self.tokens - k1,
                 "steady_wall_s": steady_wall, "busy": busy_fractions(stats1, stats),
+                "on_cpu": on_cpu(stats1, stats), "busy_cpu_s": busy_cpu_seconds(stats1, stats),
                 "cpu": cpu_use(stats1, stats, (c1, cpu), steady_wall)}
 
 
@@ -177,7 +198,9 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
         "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
         "steady_samples_per_s": totals["steady_samples"] / s_wall if s_wall else 0.0,
         "steady_tokens_per_s": totals["steady_tokens"] / s_wall if s_wall else 0.0,
-        "busy": totals["busy"], "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
+        "steady_samples": totals["steady_samples"],
+        "busy": totals["busy"], "on_cpu": totals.get("on_cpu", {}), "busy_cpu_s": totals.get("busy_cpu_s", {}),
+        "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "rollout_decode_steps": rollout.get("decode_steps", 0),
         "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
@@ -194,6 +217,8 @@ def format_summary(s: dict) -> str:
         d = (s["heldout_acc_after"] - s["heldout_acc_before"]) * 100
         acc = f"held-out accuracy  {s['heldout_acc_before']:.1%} -> {s['heldout_acc_after']:.1%} ({d:+.1f} points)\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
+    oncpu = "  ".join(f"{k} {v:.0%}" for k, v in s.get("on_cpu", {}).items())
+    oncpu = f"on a core          {oncpu} of the busy time (the rest: preempted)\n" if oncpu else ""
     cpu, cores = s["cpu"], ""
     if cpu["cores"] is not None:
         cores = (f"cpu (cores)        {cpu['cores']:.2f} used on the machine: "
@@ -217,6 +242,6 @@ def format_summary(s: dict) -> str:
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
-            f"busy fraction      {busy} (after step 1)\n" + cores +
+            f"busy fraction      {busy} (after step 1)\n" + oncpu + cores +
             f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
             f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, trace.json, checkpoint/)\n")

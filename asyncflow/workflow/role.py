@@ -2,6 +2,10 @@
 
 ``busy_s`` counts seconds spent computing (inside :meth:`Role.work` sections), not
 waiting on the data plane or on weights; ``busy_s / wall`` is the role's busy fraction.
+``busy_cpu_s`` counts the CPU time the thread running those sections got in them
+(``time.thread_time``; torch's intra-op helper threads not included): ``busy_cpu_s /
+busy_s`` below 1 is time the role meant to compute but was not on a core (other threads
+and processes ran there).
 Each section is also kept as a span ``(wall-clock start, seconds)`` (the first
 ``MAX_SPANS``) for the run's timeline trace.
 """
@@ -23,18 +27,20 @@ class Role:
 
     def __init__(self) -> None:
         self.busy_s = 0.0
+        self.busy_cpu_s = 0.0
         self.items = 0  # rows produced
         self.error: BaseException | None = None
         self.spans: list[tuple[float, float]] = []
 
     @contextmanager
     def work(self):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         try:
             yield
         finally:
             d = time.perf_counter() - t
             self.busy_s += d
+            self.busy_cpu_s += time.thread_time() - c
             if len(self.spans) < MAX_SPANS:
                 self.spans.append((time.time() - d, d))  # wall clock: comparable across processes
 
@@ -70,4 +76,4 @@ class Role:
             raise
 
     def stats(self) -> dict:
-        return {"busy_s": self.busy_s, "items": self.items}
+        return {"busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s, "items": self.items}
