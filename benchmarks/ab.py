@@ -4,8 +4,9 @@ Runs ``async`` on the bench workloads (the bench preset: steps of 32 prompts x 8
 4096 samples a run) with the ``base`` overrides and the ``new`` overrides, in interleaved
 pairs on one local Ray instance (the order alternates from pair to pair, so the machine's
 drift favours neither side), and prints each run's steady samples/s, the trainer's and
-rollout's busy fraction and CPU, the CPU outside the roles, and the new/base ratio of every
-pair and of the means.
+rollout's busy fraction, the share of it each was on its core (actor/rollout; unlike
+samples/s, it does not move with the machine's speed), their CPU, the CPU outside the
+roles, and the new/base ratio of every pair and of the means.
 
     python benchmarks/ab.py resources.pin_cores=off resources.pin_cores=on --pairs 4
     python benchmarks/ab.py train.split_padding=0 train.split_padding=128 --pairs 3 --workloads a
@@ -46,7 +47,7 @@ def main() -> None:
             print(f"\nworkload {wl}: async, steps of {PROMPTS_PER_STEP} prompts, {args.samples} samples a run; "
                   f"base: {args.base}; new: {args.new}")
             print(f"{'pair':>4} {'side':>5} {'samples/s':>10} {'actor busy':>11} {'rollout busy':>13} "
-                  f"{'actor cpu':>10} {'rollout cpu':>12} {'other cpu':>10}  pinned")
+                  f"{'on a core':>10} {'actor cpu':>10} {'rollout cpu':>12} {'other cpu':>10}  pinned")
             for i in range(args.pairs):
                 for side in (("base", "new") if i % 2 == 0 else ("new", "base")):
                     cfg = cfgs[side]
@@ -54,9 +55,10 @@ def main() -> None:
                     s = train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=launcher, evaluate=False)
                     speeds[side].append(s["steady_samples_per_s"])
                     cpu = s["cpu"] or {}
-                    roles, busy = cpu.get("roles", {}), s["busy"]
+                    roles, busy, on = cpu.get("roles", {}), s["busy"], s.get("on_cpu", {})
+                    on_core = f"{on.get('actor', 0):.0%}/{on.get('rollout', 0):.0%}"
                     print(f"{i + 1:>4} {side:>5} {s['steady_samples_per_s']:>10.1f} {busy.get('actor', 0):>11.0%} "
-                          f"{busy.get('rollout', 0):>13.0%} {roles.get('actor', 0):>10.2f} "
+                          f"{busy.get('rollout', 0):>13.0%} {on_core:>10} {roles.get('actor', 0):>10.2f} "
                           f"{roles.get('rollout', 0):>12.2f} {cpu.get('other') or 0:>10.2f}  {s['pinned'] or '-'}",
                           flush=True)
             ratios = [n / b for n, b in zip(speeds["new"], speeds["base"])]
