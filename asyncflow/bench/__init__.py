@@ -168,9 +168,18 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
                 solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, key[0], key[1], dict(key[2]),
                                                                cpu=used))
                 solo_cpu.setdefault(key, []).append(used)
-    # the fastest of each: other load only ever adds time, and every mode and role got as many
-    # tries (a bound from a disturbed solo run would flatter every efficiency)
-    solo_cache = {key: {role: min(r[role] for r in rs) for role in rs[0]} for key, rs in solos.items()}
+    def fastest(role: str, key: tuple) -> tuple[float, float | None]:
+        """(seconds, CPU seconds) of ``role``'s fastest solo run that may bound a mode of
+        solo kind ``key``. Only rollout's work depends on how it is fed (step by step or
+        continuously); every other role takes its fastest run on the same threads and cores,
+        whichever way rollout was fed. (Before the padding split the continuous solo trainer
+        was 20-65% slower on the same steps, rows in completion order making costlier
+        micro-batches; a bound from it alone flattered async.) The fastest, because other
+        load only ever adds time and every mode and kind got as many tries."""
+        keys = [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
+        return min(((r[role], used.get(role)) for k in keys for r, used in zip(solos[k], solo_cpu[k]) if role in r),
+                   key=lambda t: t[0])
+
     rows, keys = [], []
     for mode in modes:
         best = max(runs[mode], key=lambda r: r["samples_per_s"])
@@ -179,23 +188,13 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
         keys.append((vcfgs[mode], solo_key(vcfgs[mode])))
     samples = (steps - 1) * cfg.batch_size
     for row, (vcfg, key) in zip(rows, keys):
-        # Only rollout's work depends on how it is fed (step by step or continuously); every
-        # other role gets its fastest solo run on the same threads and cores, whichever way rollout was
-        # fed. The continuous solo trainer is slower on the same number of steps (8.3-11.6 s
-        # against 6.7-8.6 s step by step, in the same rounds: rows in completion order make
-        # costlier micro-batches, its thread CPU time per step doubles on some steps), so a
-        # bound from it alone would flatter async by 20-65%.
-        seconds = {role: t if role == "rollout" else
-                   min(c[role] for k, c in solo_cache.items() if (k[0], k[2]) == (key[0], key[2]) and role in c)
-                   for role, t in solo_cache[key].items()}
+        picked = {role: fastest(role, key) for role in solos[key][0]}
+        seconds = {role: t for role, (t, _) in picked.items()}
         b, limit = bound(vcfg.mode, seconds, samples)
         row.update(solo_s=seconds, solo_runs=solos[key], bound=b, bound_limit=limit,
                    efficiency=row["samples_per_s"] / b)
         if vcfg.mode != "sync" and key[0] == 1:  # one thread per role: its thread's CPU is the role's
-            run = next(((k, i) for k, rs in solos.items() for i, r in enumerate(rs)
-                        if (k[0], k[2]) == (key[0], key[2]) and r.get(limit) == seconds[limit]), None)
-            solo_used = solo_cpu.get(run[0], [])[run[1]].get(limit) if run else None
-            row["gap"] = gap_factors(row, limit, seconds[limit], solo_used, samples)
+            row["gap"] = gap_factors(row, limit, *picked[limit], samples)
     sync = next((r for r in rows if r["mode"] == "sync"), None)
     for row in rows:
         row["vs_sync"] = row["samples_per_s"] / sync["samples_per_s"] if sync else None

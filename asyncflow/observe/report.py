@@ -85,13 +85,8 @@ def busy_fractions(before: dict, after: dict) -> dict[str, float]:
 def on_cpu(before: dict, after: dict) -> dict[str, float]:
     """Per role: the fraction of its computing time its thread was on a core (CPU seconds
     in its compute sections / their wall seconds; below 1: others ran there meanwhile)."""
-    out = {}
-    for role, s in after.items():
-        b = before.get(role, {})
-        busy = s.get("busy_s", 0.0) - b.get("busy_s", 0.0)
-        if "busy_cpu_s" in s and busy > 0:
-            out[role] = (s["busy_cpu_s"] - b.get("busy_cpu_s", 0.0)) / busy
-    return out
+    busy = {role: s.get("busy_s", 0.0) - before.get(role, {}).get("busy_s", 0.0) for role, s in after.items()}
+    return {role: cpu / busy[role] for role, cpu in busy_cpu_seconds(before, after).items() if busy[role] > 0}
 
 
 def busy_cpu_seconds(before: dict, after: dict) -> dict[str, float]:
