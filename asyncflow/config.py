@@ -233,6 +233,8 @@ class ResourcesConfig(_Section):
     storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
     pin_cores: Literal["auto", "on", "off"] = Field("auto", description="stream/async: each compute role computes on "
         "cores of its own (trainer first; when they fit). auto: with a local Ray instance the launcher started.")
+    device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the built-in engines compute: "
+        "cpu, cuda, or cuda:N (launcher=local). launcher=ray: each compute role asks Ray for its share of the GPUs.")
 
     @field_validator("pin_cores", mode="before")
     @classmethod
@@ -290,6 +292,12 @@ class RunConfig(_Section):
                              "finishes): set reward.placement=rollout")
         if self.train.dp > 1:
             self._check_dp()
+        if self.resources.device != "cpu" and self.train.dp > 1:
+            raise ValueError(f"resources.device={self.resources.device} with train.dp={self.train.dp}: data-parallel "
+                             f"trainer ranks run on CPU only so far; set train.dp=1 or resources.device=cpu")
+        if self.resources.device.startswith("cuda:") and self.launcher == "ray":
+            raise ValueError(f"resources.device={self.resources.device}: on Ray each role gets its GPU from Ray; "
+                             f"set resources.device=cuda")
         if self.train.micro_prompts > self.train.prompts_per_step:
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")

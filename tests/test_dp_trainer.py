@@ -194,12 +194,13 @@ def _torch_rank(rank: int, address: str, out: str) -> None:
 
 def _forked(target, *args) -> None:
     """Run ``target(rank, address, *args)`` in 2 forked processes (spawn would re-import
-    torch in each child: ~20 s on a loaded machine) joined at a fresh tcp:// address."""
+    torch in each child: ~20 s on a loaded machine) joined at a fresh tcp:// address.
+    With CUDA, autograd's device threads refuse to run in a forked child: spawn there."""
     import multiprocessing as mp
 
     from asyncflow.engines.collective import free_address
 
-    address, ctx = free_address(), mp.get_context("fork")
+    address, ctx = free_address(), mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     procs = [ctx.Process(target=target, args=(r, address, *args)) for r in range(2)]
     for p in procs:
         p.start()

@@ -61,7 +61,8 @@ def test_sync_local_job_learns(tmp_path):
 
 
 def r_cpus(report):
-    return report["cpus"] + 0.05  # (/proc/stat ticks: a little rounding)
+    # /proc/stat ticks against a wall-clock window: a little rounding, up to 16.21 seen on 16 cores
+    return report["cpus"] * 1.02 + 0.05
 
 
 def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
@@ -75,7 +76,8 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
     assert "vs sync" in out and "limited by" in out and "async:2" in out and "cores" in out
     if len(os.sched_getaffinity(0)) >= 2:  # async:2's roles, and their solo runs, each on a core of its own
         assert "roles alone on 1 thread(s), continuous rollout, pinned" in out
-        sync_solo = [line for line in out.splitlines() if "roles alone on 2 thread(s)" in line]
+        sync_threads = os.cpu_count()  # resources.sync_threads=0: every core of the machine
+        sync_solo = [line for line in out.splitlines() if f"roles alone on {sync_threads} thread(s)" in line]
         assert sync_solo and "pinned" not in sync_solo[0]  # sync is never pinned
     rows = {r["mode"]: r for r in report["rows"]}
     assert rows["async:2"]["max_staleness"] <= 2

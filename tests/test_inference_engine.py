@@ -27,6 +27,9 @@ torch.set_num_threads(1)
 
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 ATOL = 1e-4
+# the same checks on a CUDA GPU (resources.device=cuda), where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
 @pytest.fixture(scope="module")
@@ -96,9 +99,10 @@ def test_build_tiny_model_deterministic_and_small(tok):
 # --------------------------------------------------------------------------- inference engine
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_generate_logprobs_match_full_recompute(tok, temperature):
-    model = build_tiny_model(tok, seed=0)
+def test_generate_logprobs_match_full_recompute(tok, temperature, device):
+    model = build_tiny_model(tok, seed=0).to(device)
     eng = InferenceEngine(model, eos_id=EOS, pad_id=PAD, max_batch=64, seed=0)
     reqs = [Request(i, p) for i, p in enumerate(_prompts(tok, TEXTS))]
     out = eng.generate(reqs, SamplingParams(temperature=temperature, max_new_tokens=8))
@@ -257,14 +261,14 @@ def test_greedy_generation_equals_hf_generate(tok):
 # --------------------------------------------------------------------------- partial rollout
 
 
-def _rollout_with_swap(tok, recompute: bool):
+def _rollout_with_swap(tok, recompute: bool, device: str = "cpu"):
     """Decode with seed-0 weights, swap in seed-1 weights mid-flight, finish.
 
     Returns (completions by key, tokens generated under the old weights per key).
     """
-    model = build_tiny_model(tok, seed=0).eval()
-    new_weights = _snapshot(build_tiny_model(tok, seed=1))
-    g = torch.Generator().manual_seed(0)
+    model = build_tiny_model(tok, seed=0).eval().to(device)
+    new_weights = _snapshot(build_tiny_model(tok, seed=1))  # host tensors, as the weight store holds them
+    g = torch.Generator(device).manual_seed(0)
     batch = GenerationBatch(model, eos_id=EOS, pad_id=PAD, sampling=SamplingParams(1.0, max_new_tokens=9), generator=g)
     prompts = _prompts(tok, TEXTS)
     done = []
@@ -288,11 +292,12 @@ def _rollout_with_swap(tok, recompute: bool):
     return {c.key: c for c in done}, old_counts
 
 
-def test_partial_rollout_logprobs_follow_the_weights_that_produced_them(tok):
-    out, n_old = _rollout_with_swap(tok, recompute=True)
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_rollout_logprobs_follow_the_weights_that_produced_them(tok, device):
+    out, n_old = _rollout_with_swap(tok, recompute=True, device=device)
     assert sorted(out) == [0, 1, 2, 3, 4]
-    old_te = TrainEngine(build_tiny_model(tok, seed=0), pad_id=PAD)
-    new_te = TrainEngine(build_tiny_model(tok, seed=1), pad_id=PAD)
+    old_te = TrainEngine(build_tiny_model(tok, seed=0).to(device), pad_id=PAD)
+    new_te = TrainEngine(build_tiny_model(tok, seed=1).to(device), pad_id=PAD)
     straddled = 0
     for k, c in out.items():
         lp_old = old_te.logprobs([c.prompt_ids], [c.response_ids])[0]

@@ -261,7 +261,8 @@ def test_launch_does_not_run_the_callers_main_script_in_the_servers(tmp_path):
         "    c.disconnect()\n"
         "    dep.shutdown()\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": os.getcwd()})
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                             [os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])])})
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[0, 1, 2]"
     assert marks.read_text().split() == ["__main__"]  # not "__mp_main__" once per server

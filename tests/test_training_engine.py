@@ -137,11 +137,15 @@ def test_token_budget_logprobs_keep_row_order(tok):
 # --------------------------------------------------------------------------- bf16
 
 BF16_ATOL = 0.02  # measured: <= 0.004 (train) and <= 0.008 (generation vs recompute) on this model
+# the same checks on a CUDA GPU (resources.device=cuda), where there is one
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])]
 
 
-def test_bf16_logprobs_close_to_fp32_and_train_step_runs(tok):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_logprobs_close_to_fp32_and_train_step_runs(tok, device):
     prompts, responses = _ragged(tok)
-    model = build_tiny_model(tok, seed=0)
+    model = build_tiny_model(tok, seed=0).to(device)
     fp32 = TrainEngine(model, pad_id=PAD).logprobs(prompts, responses)
     te = TrainEngine(model, pad_id=PAD, lr=1e-2, dtype="bfloat16")
     bf16 = te.logprobs(prompts, responses)
@@ -155,7 +159,7 @@ def test_bf16_logprobs_close_to_fp32_and_train_step_runs(tok):
     te.forward_backward(prompts, responses, extras, loss)
     g16 = torch.cat([p.grad.flatten() for p in model.parameters()])
     assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
-    ref = build_tiny_model(tok, seed=0)
+    ref = build_tiny_model(tok, seed=0).to(device)
     TrainEngine(ref, pad_id=PAD).forward_backward(prompts, responses, extras, loss)
     g32 = torch.cat([p.grad.flatten() for p in ref.parameters()])
     assert float(torch.nn.functional.cosine_similarity(g16, g32, dim=0)) > 0.99
@@ -165,11 +169,12 @@ def test_bf16_logprobs_close_to_fp32_and_train_step_runs(tok):
     assert all(v.dtype == np.float32 for v in te.export_weights().values())
 
 
-def test_bf16_generation_logprobs_match_recompute(tok):
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_generation_logprobs_match_recompute(tok, device):
     from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams
 
     prompts, _ = _ragged(tok)
-    model = build_tiny_model(tok, seed=0)
+    model = build_tiny_model(tok, seed=0).to(device)
     eng = InferenceEngine(model, eos_id=EOS, pad_id=PAD, max_batch=4, dtype="bfloat16")
     out = eng.generate([Request(i, p) for i, p in enumerate(prompts)], SamplingParams(1.0, max_new_tokens=8))
     rec = TrainEngine(model, pad_id=PAD, dtype="bfloat16").logprobs([c.prompt_ids for c in out],

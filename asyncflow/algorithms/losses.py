@@ -82,18 +82,19 @@ def clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_hig
 
 
 def pad_rows(rows, mask: torch.Tensor) -> torch.Tensor:
-    """List of 1-D arrays -> ``[B, R]`` float tensor matching ``mask`` (0 past each row)."""
-    out = torch.zeros_like(mask)
+    """List of 1-D arrays -> ``[B, R]`` float tensor matching ``mask`` (0 past each row; on
+    ``mask``'s device, filled on the host and copied once)."""
+    out = torch.zeros(mask.shape, dtype=mask.dtype)
     for i, r in enumerate(rows):
         r = np.array(r, dtype=np.float32)[: mask.shape[1]]  # a copy: data-plane buffers are read-only
         out[i, : len(r)] = torch.from_numpy(r)
-    return out
+    return out.to(mask.device)
 
 
 def advantages_tensor(adv, mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence ``[B]`` array (broadcast) or per-token rows -> ``[B, R]``."""
     if isinstance(adv, np.ndarray) and adv.ndim == 1 and adv.dtype != object:
-        return torch.as_tensor(adv, dtype=torch.float32)[:, None].expand_as(mask)
+        return torch.as_tensor(adv, dtype=torch.float32, device=mask.device)[:, None].expand_as(mask)
     return pad_rows(adv, mask)
 
 

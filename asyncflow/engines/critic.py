@@ -24,6 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from asyncflow.engines.device import model_device
 from asyncflow.engines.training import TokenBatch, TrainEngine
 
 
@@ -36,6 +37,7 @@ class ValueModel(torch.nn.Module):
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
         torch.nn.init.zeros_(self.head.weight)
         torch.nn.init.zeros_(self.head.bias)
+        self.head.to(model_device(lm))  # beside the backbone (resources.device)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
@@ -62,8 +64,8 @@ class CriticEngine(TrainEngine):
         """Per response token values, one float32 row per response."""
         was_training = self.model.training
         self.model.eval()
-        batch = TokenBatch.build(prompts, responses, self.pad_id)
-        v = token_values(self.model, batch)
+        batch = TokenBatch.build(prompts, responses, self.pad_id, self.device)
+        v = token_values(self.model, batch).cpu()
         self.model.train(was_training)
         return [v[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
 

@@ -30,6 +30,9 @@ Invariants
   start version), so a continued answer shows which tokens came from which weights.
 * ``dtype="bfloat16"`` runs every forward under bf16 autocast (the KV cache is then bf16),
   as the training engine does; sampling and log-probs use float32 logits.
+* Device: the batch's tensors and KV cache live on the model's device (CPU or a GPU,
+  :mod:`asyncflow.engines.device`); prompts are padded on the host and copied once per
+  prefill; tokens and log-probs come back as Python lists.
 * ``min_new_tokens`` masks EOS until reached (a benchmark device that forces answer
   lengths); the recorded log-prob stays the unmasked policy's, as training recomputes it.
   ``max_new_tokens`` stops the row.
@@ -48,6 +51,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncflow.engines.device import model_device
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
 __all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Request", "SamplingParams",
@@ -69,6 +73,7 @@ class GenerationBatch:
     def __init__(self, model: torch.nn.Module, eos_id: int, pad_id: int, sampling: SamplingParams,
                  generator: torch.Generator | None = None, dtype: str = "float32"):
         self.model = model
+        self.device = model_device(model)
         self.dtype = dtype
         self.eos_id = eos_id
         self.pad_id = pad_id
@@ -102,6 +107,7 @@ class GenerationBatch:
         for i, r in enumerate(requests):
             ids[i, L - lens[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
             mask[i, L - lens[i]:] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
@@ -109,14 +115,14 @@ class GenerationBatch:
         new_rows = [_Row(req=r, version=self.version) for r in requests]
         for r in requests:
             r.version = self.version
-        next_pos = torch.tensor(lens, dtype=torch.long)
+        next_pos = torch.tensor(lens, dtype=torch.long, device=self.device)
         self._merge(new_rows, cache, mask, next_pos)
         return self._sample_and_append(logits, first=len(self.rows) - len(new_rows))
 
     def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
         if not self.rows:
             self.rows, self.cache, self.mask, self.next_pos = rows, cache, mask, next_pos
-            self.next_tok = torch.zeros(len(rows), dtype=torch.long)
+            self.next_tok = torch.zeros(len(rows), dtype=torch.long, device=self.device)
             return
         T_old, T_new = self.mask.shape[1], mask.shape[1]
         T = max(T_old, T_new)
@@ -126,7 +132,7 @@ class GenerationBatch:
                 setattr(layer_old, name, torch.cat([_left_pad(a, T, dim=2), _left_pad(b, T, dim=2)], 0))
         self.mask = torch.cat([_left_pad(self.mask, T, dim=1), _left_pad(mask, T, dim=1)], 0)
         self.next_pos = torch.cat([self.next_pos, next_pos])
-        self.next_tok = torch.cat([self.next_tok, torch.zeros(len(rows), dtype=torch.long)])
+        self.next_tok = torch.cat([self.next_tok, torch.zeros(len(rows), dtype=torch.long, device=self.device)])
         self.rows = self.rows + rows
 
     def _keep(self, keep: list[int]) -> None:
@@ -135,7 +141,7 @@ class GenerationBatch:
         if not keep:
             self.rows, self.cache, self.mask, self.next_pos, self.next_tok = [], None, None, None, None
             return
-        idx = torch.tensor(keep, dtype=torch.long)
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         self.mask = self.mask[idx]
         self.next_pos, self.next_tok = self.next_pos[idx], self.next_tok[idx]
@@ -153,7 +159,7 @@ class GenerationBatch:
         """Decode one token for every row; return the rows that finished."""
         if not self.rows:
             return []
-        self.mask = torch.cat([self.mask, torch.ones((len(self.rows), 1), dtype=torch.long)], 1)
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
         out = self._forward(input_ids=self.next_tok[:, None], attention_mask=self.mask,
                             position_ids=self.next_pos[:, None], past_key_values=self.cache)
         self.next_pos = self.next_pos + 1
@@ -214,6 +220,7 @@ class GenerationBatch:
         for i, row in enumerate(self.rows):
             seq = row.req.prompt_ids + row.out[:-1]  # the last sampled token is the next input
             ids[i, T - len(seq):] = torch.tensor(seq, dtype=torch.long)
+        ids = ids.to(self.device)
         pos = (self.mask.cumsum(1) - 1).clamp(min=0)
         self.cache = DynamicCache()
         self._forward(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache)
@@ -221,7 +228,7 @@ class GenerationBatch:
     def _forward(self, **kw):
         from asyncflow.engines.training import autocast
 
-        with autocast(self.dtype):
+        with autocast(self.dtype, self.device):
             return self.model(use_cache=True, **kw)
 
 
@@ -278,7 +285,7 @@ class InferenceEngine:
         self.eos_id, self.pad_id = eos_id, pad_id
         self.max_batch = max_batch
         self.version = 0
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(model_device(model)).manual_seed(seed)
         self.busy_slots = 0  # accumulated rows decoded (for slot-utilisation metrics)
         self.total_slots = 0
 

@@ -46,6 +46,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncflow.engines.device import model_device
+
 
 @dataclass
 class TokenBatch:
@@ -64,7 +66,9 @@ class TokenBatch:
     entropy: torch.Tensor | None = None  # [B, R] per-token entropy, set when the loss asks for it
 
     @staticmethod
-    def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int) -> "TokenBatch":
+    def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
+              device: torch.device | str = "cpu") -> "TokenBatch":
+        """Padded on the host, then copied to ``device`` (the model's) in one go per tensor."""
         B = len(prompts)
         plen = [len(p) for p in prompts]
         rlen = [len(r) for r in responses]
@@ -80,13 +84,16 @@ class TokenBatch:
             att[i, : len(seq)] = 1
             targets[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
             mask[i, : len(r)] = 1.0
+        if torch.device(device).type != "cpu":
+            ids, att, targets, mask = (t.to(device, non_blocking=True) for t in (ids, att, targets, mask))
         return TokenBatch(ids, att, plen, rlen, targets, mask)
 
     def gather_index(self) -> torch.Tensor:
         """Index into the time axis of logits predicting each response token: [B, R]."""
         R = self.targets.shape[1]
-        base = torch.as_tensor(self.prompt_lens, dtype=torch.long)[:, None] - 1
-        idx = base + torch.arange(R)[None, :]
+        dev = self.targets.device
+        base = torch.as_tensor(self.prompt_lens, dtype=torch.long, device=dev)[:, None] - 1
+        idx = base + torch.arange(R, device=dev)[None, :]
         return idx.clamp(max=self.input_ids.shape[1] - 1)
 
 
@@ -256,6 +263,7 @@ class TrainEngine:
                  dtype: str = "float32", fsdp: bool = False, collective=None, split_padding: int = 0):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
+        self.device = model_device(model)  # batches are built there (resources.device)
         self.fsdp, self.collective = fsdp, collective
         if fsdp:
             shard(self.model)
@@ -275,9 +283,9 @@ class TrainEngine:
         self.model.eval()
         out: list[np.ndarray] = [np.zeros(0, np.float32)] * len(prompts)
         for idx in self._chunks(prompts, responses):
-            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
-            with autocast(self.dtype):
-                logp = token_logprobs(self.model, batch, self.temperature)
+            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id, self.device)
+            with autocast(self.dtype, self.device):
+                logp = token_logprobs(self.model, batch, self.temperature).float().cpu()
             for j, i in enumerate(idx):
                 out[i] = logp[j, : batch.response_lens[j]].float().numpy().astype(np.float32)
         self.model.train(was_training)
@@ -301,8 +309,8 @@ class TrainEngine:
         need_entropy = getattr(loss_fn, "needs_entropy", False)
         parts = []
         for idx in self._chunks(prompts, responses):
-            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id)
-            with autocast(self.dtype):
+            batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id, self.device)
+            with autocast(self.dtype, self.device):
                 out = self._forward(batch, need_entropy)
             loss, metrics = loss_fn(out, batch, {k: take_rows(v, idx) for k, v in extras.items()})
             loss.backward()

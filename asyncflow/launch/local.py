@@ -11,6 +11,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from asyncflow.config import ConfigError
 from asyncflow.engines.weights import WeightStore
 from asyncflow.queue import DataPlane
 
@@ -21,6 +22,18 @@ class LocalLauncher:
         self.owns_host = False  # roles share this process (and its GIL): pin_cores=auto does not pin
         # room for every trainer rank's call at once (they wait for each other in collectives)
         self._pool = ThreadPoolExecutor(66, thread_name_prefix="local-launcher")
+
+    gpus = 0  # roles share this process: resources.device names the GPU itself
+
+    @staticmethod
+    def check_device(device: str) -> None:
+        """``device`` must exist in this process (the roles run here)."""
+        from asyncflow.engines.device import resolve_device
+
+        try:
+            resolve_device(device)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
         """The in-process data plane (``kind`` only matters to the Ray launcher)."""

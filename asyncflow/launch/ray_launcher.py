@@ -29,6 +29,7 @@ import os
 
 import ray
 
+from asyncflow.config import ConfigError
 from asyncflow.engines.weights import WeightStore
 from asyncflow.queue import DataPlane
 from asyncflow.queue.wire import pack_columns, unpack_columns
@@ -164,6 +165,13 @@ class RayLauncher:
                 self.owns_host = True
             self._owns = True
         self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
+        self.gpus = int(ray.cluster_resources().get("GPU", 0))
+
+    def check_device(self, device: str) -> None:
+        """A GPU job needs GPUs in the cluster (Ray detects a node's GPUs when it starts)."""
+        if device != "cpu" and not self.gpus:
+            raise ConfigError(f"resources.device={device}, but the Ray cluster has no GPU "
+                              f"(ray.cluster_resources() lists none): set resources.device=cpu")
 
     def one_host(self) -> bool:
         """Every alive node of the Ray cluster is this machine (a local instance)."""
@@ -191,7 +199,7 @@ class RayLauncher:
         return self.call(rank0, "dp_address")
 
     def spawn(self, spec, cls, *args):
-        return ray.remote(cls).options(num_cpus=spec.cpus, max_concurrency=4, name=None,
+        return ray.remote(cls).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_concurrency=4, name=None,
                                        enable_task_events=False).remote(*args)
 
     def submit(self, handle, method: str, *args):

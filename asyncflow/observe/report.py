@@ -188,6 +188,7 @@ def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: st
     samples, tokens, wall, s_wall = totals["samples"], totals["tokens"], totals["wall_s"], totals["steady_wall_s"]
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
+        "device": cfg.resources.device,
         "init": init, "heldout_acc_before": acc0, "heldout_acc_after": acc1,
         "samples": samples, "tokens": tokens, "wall_s": wall,
         "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
@@ -234,7 +235,8 @@ def format_summary(s: dict) -> str:
         o = s["overprovision"]
         acc += (f"over-provisioning  {o['extra_groups']} extra groups: {o['groups_carried']} stragglers carried "
                 f"over, {o['groups_restarted']} restarted ({o['answers_discarded']} answers thrown away)\n")
-    return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}) ==\n" + init + acc +
+    on = f" on {s['device']}" if s.get("device", "cpu") != "cpu" else ""
+    return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}){on} ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
             f"busy fraction      {busy} (after step 1)\n" + oncpu + cores +

@@ -105,6 +105,14 @@ def check_model_folder(path: str) -> str:
     return str(p)
 
 
+def _warmstart_device(cfg) -> str:
+    """SFT runs on ``resources.device`` when this process sees that GPU (a Ray driver may not)."""
+    import torch
+
+    dev = cfg.resources.device
+    return dev if dev != "cpu" and torch.cuda.is_available() else "cpu"
+
+
 def prepare_model(cfg, run_dir: Path, progress: Callable | None = None) -> tuple[str, dict[str, Any]]:
     """Return the folder every worker loads the initial policy from, and how it was made.
 
@@ -119,7 +127,7 @@ def prepare_model(cfg, run_dir: Path, progress: Callable | None = None) -> tuple
 
         _, _, info = load_or_warm_start(Path(cfg.warmstart.cache_dir).expanduser(), task=task,
                                         model_dims=cfg.model.dims(), target_acc=cfg.warmstart.target_acc,
-                                        seed=cfg.seed, progress=progress)
+                                        seed=cfg.seed, progress=progress, device=_warmstart_device(cfg))
         return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
     from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 

@@ -277,8 +277,12 @@ def load_or_warm_start(
     eval_n: int = 500,
     max_steps: int = 5000,
     progress: ProgressFn | None = None,
+    device: str = "cpu",
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
     """Return a warm-started (model, tokenizer, info), from ``cache_dir`` when possible.
+
+    ``device`` is where SFT runs (the model comes back on the CPU). It is not part of the
+    cache key: a model warm-started on a GPU serves CPU runs too, and the other way round.
 
     ``info`` holds ``accuracy``, ``steps``, ``seconds`` (of the original SFT run), the
     cache ``key`` and ``path``, and ``cached`` (True when loaded from disk).
@@ -301,12 +305,15 @@ def load_or_warm_start(
     if (folder / "info.json").exists():
         return _load_entry(folder)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, **recipe["model_dims"])
+    model = build_tiny_model(tokenizer, seed=seed, **recipe["model_dims"]).to(device)
     result = sft(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,
     )
     info = {**asdict(result), "key": key, "recipe": recipe}
+    model.cpu()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()  # the run's roles get the GPU memory back
     _save_entry(folder, model, tokenizer, info)
     return model.eval(), tokenizer, {**info, "path": str(folder), "cached": False}
 

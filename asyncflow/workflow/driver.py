@@ -91,6 +91,10 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
     from asyncflow.tasks import build_task, load_model, prepare_model
     from asyncflow.workflow.job import Job
 
+    if cfg.resources.device != "cpu" and cfg.launcher == "local":  # before a warm-start, not after it
+        from asyncflow.launch.local import LocalLauncher
+
+        LocalLauncher.check_device(cfg.resources.device)
     run_dir = run_dir or make_run_dir(cfg)
     progress = Progress(cfg.train.steps, enabled=cfg.progress)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)

@@ -25,9 +25,11 @@ from asyncflow.workflow.worker import Worker, plan_workers
 class Job:
     def __init__(self, cfg: RunConfig, launcher, model_dir: str):
         self.cfg, self.launcher = cfg, launcher
+        if cfg.resources.device != "cpu":
+            launcher.check_device(cfg.resources.device)
         self.dp = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
         self.weights = launcher.weight_store()
-        self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher))
+        self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
         self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.dp, self.weights, s.threads,
                                                s.rank, s.cores) for s in self.specs}
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"

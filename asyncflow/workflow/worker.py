@@ -45,6 +45,7 @@ class WorkerSpec:
     cpus: float  # resource request for the launcher (may be fractional)
     rank: int = 0  # the actor's data-parallel rank (train.dp > 1)
     cores: tuple[int, ...] = ()  # pinned to these CPU cores (empty: not pinned)
+    gpus: float = 0.0  # GPU request for the launcher (resources.device=cuda on Ray)
 
 
 def rewards_in_rollout(cfg: RunConfig) -> bool:
@@ -52,9 +53,16 @@ def rewards_in_rollout(cfg: RunConfig) -> bool:
     return cfg.reward.placement == "rollout" or cfg.algorithm.dynamic_sampling
 
 
-def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | None = None) -> list[WorkerSpec]:
-    """The workers of ``cfg``'s mode on ``ncpu`` CPUs; pinned to ``cores`` (:func:`assign_cores`) if given."""
+def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | None = None,
+                 ngpu: int = 0) -> list[WorkerSpec]:
+    """The workers of ``cfg``'s mode on ``ncpu`` CPUs; pinned to ``cores`` (:func:`assign_cores`) if given.
+    With ``resources.device=cuda`` the compute workers share ``ngpu`` GPUs as they share the
+    CPUs; a vLLM / SGLang rollout worker gets its share whatever the device."""
     specs = _plan(cfg, ncpu or os.cpu_count() or 1)
+    on_gpu = [s for s in specs if s.cpus > 0 and (cfg.resources.device != "cpu" or
+                                                  ("rollout" in s.roles and cfg.rollout.engine != "builtin"))]
+    for s in on_gpu if ngpu else []:
+        s.gpus = min(1.0, round(ngpu / len(on_gpu), 4))  # Ray's fractional GPUs: 4 decimals
     return assign_cores(specs, cores) if cores and cfg.mode != "sync" else specs
 
 
@@ -102,6 +110,7 @@ class Worker:
         import torch
 
         from asyncflow.engines.allocator import keep_heap
+        from asyncflow.engines.device import resolve_device
         from asyncflow.engines.inference import InferenceEngine, SamplingParams
         from asyncflow.engines.training import TrainEngine
         from asyncflow.engines.weights import WeightSubscriber
@@ -117,6 +126,7 @@ class Worker:
         self._expect = 0
         self.cfg, self.dp = cfg, dp
         self.model, self.tokenizer = load_model(model_dir)
+        self.model.to(resolve_device(cfg.resources.device))  # every engine below computes where its model is
         self.task = build_task(cfg)
         self.roles: dict = {}
         self._threads: list[threading.Thread] = []
