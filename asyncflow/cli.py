@@ -34,6 +34,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=None, help="write the results as JSON here (default: the bench folder)")
     b.add_argument("--quality", action="store_true",
                    help="instead: held-out accuracy of sync and async after the same number of samples")
+    b.add_argument("--seeds", default=None,
+                   help="--quality: comma list of seeds, each trained in both modes (default: the config's seed)")
     for name, text in (("profile", "measure this machine's per-role cost curves (JSON, under a minute)"),
                        ("plan", "choose mode, threads, micro-batch and staleness by simulation")):
         q = sub.add_parser(name, help=text)
@@ -66,6 +68,13 @@ def _split(config: str | None, overrides: list[str]) -> tuple[str | None, list[s
     return config, overrides
 
 
+def _seeds(text: str | None) -> list[int] | None:
+    try:
+        return [int(x) for x in text.split(",")] if text else None
+    except ValueError:
+        raise ConfigError(f"bench --seeds takes a comma list of integers, e.g. 0,1,2; got {text!r}") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download at run time
@@ -92,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
                       modes=args.modes.split(","), out=args.out, quality=args.quality,
-                      repeat=args.repeat)
+                      repeat=args.repeat, seeds=_seeds(args.seeds))
             return 0
         if args.command in ("profile", "plan"):
             return _planner(args, cfg)

@@ -25,7 +25,7 @@ def _one_line(msg: str) -> None:
 def test_defaults_load():
     cfg = load_config()
     assert isinstance(cfg, RunConfig)
-    assert cfg.mode == "async" and cfg.train.steps == 40 and cfg.rollout.group_size == 8
+    assert cfg.mode == "async" and cfg.train.steps == 120 and cfg.rollout.group_size == 8
     assert cfg.batch_size == cfg.train.prompts_per_step * cfg.rollout.group_size == 128
     assert cfg.effective_staleness == cfg.staleness == 1
     assert load_config(None, []) == cfg

@@ -239,3 +239,35 @@ def test_bench_repeat_below_one_is_a_one_line_error(capsys, tmp_path):
     assert main(["bench", "--repeat", "0", "launcher=local", f"run_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "asyncflow: error: bench --repeat must be >= 1, got 0"
+
+
+def test_bench_quality_trains_both_modes_per_seed_and_prints_the_means(monkeypatch, tmp_path, capsys):
+    import asyncflow.bench as bench
+    import asyncflow.launch as launch
+    import asyncflow.tasks as tasks
+    import asyncflow.workflow.driver as driver
+
+    acc = {(0, "sync"): (0.714, 0.872), (0, "async"): (0.714, 0.886),
+           (1, "sync"): (0.680, 0.750), (1, "async"): (0.680, 0.770)}
+    runs = []
+
+    def fake_train(cfg, launcher=None):
+        runs.append((cfg.seed, cfg.mode))
+        before, after = acc[cfg.seed, cfg.mode]
+        return {"mode": cfg.mode, "samples": 5120, "heldout_acc_before": before, "heldout_acc_after": after,
+                "samples_per_s": 500.0, "wall_s": 10.0, "max_staleness": int(cfg.mode == "async")}
+
+    monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
+    monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
+    monkeypatch.setattr(driver, "train", fake_train)
+    report = bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), quality=True,
+                             seeds=[0, 1])
+    assert runs == [(0, "sync"), (0, "async"), (1, "sync"), (1, "async")]
+    assert [q["seed"] for q in report["quality"]] == [0, 0, 1, 1]
+    out = capsys.readouterr().out
+    # by hand: sync (87.2 + 75.0) / 2 = 81.1, gains 15.8 and 7.0 -> 11.4; async 82.8, 17.2 and 9.0 -> 13.1
+    assert "mean  sync    after 81.1%, gain +11.4 points (seeds +15.8, +7.0)" in out
+    assert "mean  async   after 82.8%, gain +13.1 points (seeds +17.2, +9.0)" in out
+    assert "async - sync after: +1.4, +2.0 points (mean +1.7)" in out
+    assert main(["bench", "--quality", "--seeds", "0,x", "launcher=local", f"run_dir={tmp_path}"]) == 2
+    assert "--seeds takes a comma list of integers" in capsys.readouterr().err

@@ -42,7 +42,9 @@ its solo run's wall over CPU. On 2 cores the first says whether the pipeline wai
 second what the services and helper threads take from the role's core.
 
 ``--quality`` instead trains the default example in ``sync`` and ``async`` for the same
-number of samples and reports held-out accuracy before and after each.
+number of samples and reports held-out accuracy before and after each; ``--seeds 0,1,2``
+does so for each seed (each its own warm-start) and prints the mean of each mode and of
+``async`` minus ``sync``: one seed's RL gain is not the example's (they differ by 10 points).
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def _variant(cfg: RunConfig, workload: str, spec: str, steps: int, run_dir: str)
 
 def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = None,
               workloads=("a", "b"), modes=("sync", "stream", "async", "async:2"), out: str | None = None,
-              quality: bool = False, repeat: int = 2) -> dict:
+              quality: bool = False, repeat: int = 2, seeds: list[int] | None = None) -> dict:
     from asyncflow.launch import get_launcher
     from asyncflow.tasks import prepare_model
     from asyncflow.workflow.driver import train
@@ -108,7 +110,7 @@ def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = N
     launcher = get_launcher(cfg.launcher)
     try:
         if quality:
-            report = _quality(cfg, launcher, root, train)
+            report = _quality(cfg, launcher, root, train, seeds or [cfg.seed])
         else:
             if "prompts_per_step" not in cfg.train.model_fields_set:  # the preset, unless the config chose
                 cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": PROMPTS_PER_STEP})})
@@ -226,20 +228,39 @@ def gap_factors(row: dict, role: str, solo_s: float, solo_cpu_s: float | None, s
             "solo": solo_s / solo_cpu_s}
 
 
-def _quality(cfg, launcher, root, train) -> dict:
+def _quality(cfg, launcher, root, train, seeds: list[int]) -> dict:
     report = {"quality": []}
-    for mode in ("sync", "async"):
-        data = cfg.model_dump()
-        data.update(mode=mode, progress=False, run_dir=str(root))
-        print(f"[bench] quality: {mode} ...", flush=True)
-        s = train(RunConfig.model_validate(data), launcher=launcher)
-        report["quality"].append({k: s[k] for k in ("mode", "samples", "heldout_acc_before", "heldout_acc_after",
-                                                     "samples_per_s", "wall_s", "max_staleness")})
-    print("\nmode    samples  held-out before -> after   samples/s")
-    for q in report["quality"]:
-        print(f"{q['mode']:<7} {q['samples']:>7}  {q['heldout_acc_before']:>14.1%} -> {q['heldout_acc_after']:.1%}"
-              f"   {q['samples_per_s']:>9.1f}")
+    for seed in seeds:
+        for mode in ("sync", "async"):
+            data = cfg.model_dump()
+            data.update(mode=mode, progress=False, run_dir=str(root), seed=seed)
+            print(f"[bench] quality: seed {seed}, {mode} ...", flush=True)
+            s = train(RunConfig.model_validate(data), launcher=launcher)
+            report["quality"].append({"seed": seed, **{k: s[k] for k in (
+                "mode", "samples", "heldout_acc_before", "heldout_acc_after", "samples_per_s", "wall_s",
+                "max_staleness")}})
+    print(format_quality(report))
     return report
+
+
+def format_quality(report: dict) -> str:
+    """One line per run; with several seeds, each mode's mean and ``async - sync`` per seed."""
+    q = report["quality"]
+    lines = ["", "seed  mode    samples  held-out before -> after   samples/s"]
+    lines += [f"{r['seed']:>4}  {r['mode']:<7} {r['samples']:>7}  {r['heldout_acc_before']:>14.1%} -> "
+              f"{r['heldout_acc_after']:.1%}   {r['samples_per_s']:>9.1f}" for r in q]
+    seeds = sorted({r["seed"] for r in q})
+    if len(seeds) > 1:
+        after = {(r["seed"], r["mode"]): r["heldout_acc_after"] for r in q}
+        gain = {(r["seed"], r["mode"]): r["heldout_acc_after"] - r["heldout_acc_before"] for r in q}
+        for mode in ("sync", "async"):
+            lines.append(f"mean  {mode:<7} after {sum(after[s, mode] for s in seeds) / len(seeds):.1%}, "
+                         f"gain {sum(gain[s, mode] for s in seeds) / len(seeds) * 100:+.1f} points "
+                         f"(seeds {', '.join(f'{gain[s, mode] * 100:+.1f}' for s in seeds)})")
+        diff = [(after[s, "async"] - after[s, "sync"]) * 100 for s in seeds]
+        lines.append(f"async - sync after: {', '.join(f'{d:+.1f}' for d in diff)} points "
+                     f"(mean {sum(diff) / len(diff):+.1f})")
+    return "\n".join(lines)
 
 
 def format_table(report: dict) -> str:
