@@ -9,6 +9,14 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")])])
+def device(request):
+    """A test taking ``device`` runs on the CPU and, where there is one, on a CUDA GPU
+    (``resources.device=cuda``)."""
+    return request.param
+
+
 @pytest.fixture
 def model_dir(tmp_path):
     """A tiny random model + the char tokenizer saved with ``save_pretrained`` (a model.path)."""

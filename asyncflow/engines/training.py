@@ -84,9 +84,7 @@ class TokenBatch:
             att[i, : len(seq)] = 1
             targets[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
             mask[i, : len(r)] = 1.0
-        if torch.device(device).type != "cpu":
-            ids, att, targets, mask = (t.to(device, non_blocking=True) for t in (ids, att, targets, mask))
-        return TokenBatch(ids, att, plen, rlen, targets, mask)
+        return TokenBatch(ids.to(device), att.to(device), plen, rlen, targets.to(device), mask.to(device))
 
     def gather_index(self) -> torch.Tensor:
         """Index into the time axis of logits predicting each response token: [B, R]."""
