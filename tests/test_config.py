@@ -153,10 +153,10 @@ def test_core_pinning_gives_each_compute_worker_cores_of_its_own_trainer_first()
 def test_pin_cores_auto_pins_only_a_machine_the_launcher_owns():
     import os
 
-    from asyncflow.workflow.cores import pinnable_cores
+    from asyncflow.workflow.cores import physical_first, pinnable_cores
 
     owner, guest = type("L", (), {"owns_host": True})(), type("L", (), {"owns_host": False})()
-    here = sorted(os.sched_getaffinity(0))
+    here = physical_first(sorted(os.sched_getaffinity(0)))
     assert pinnable_cores(load_config(None, []), owner) == here
     assert pinnable_cores(load_config(None, []), guest) is None  # RAY_ADDRESS, local threads
     assert pinnable_cores(load_config(None, ["resources.pin_cores=on"]), guest) == here
@@ -164,6 +164,17 @@ def test_pin_cores_auto_pins_only_a_machine_the_launcher_owns():
     assert pinnable_cores(load_config(None, ["mode=sync", "resources.pin_cores=on"]), owner) is None
     with pytest.raises(ConfigError, match="resources.pin_cores"):
         load_config(None, ["resources.pin_cores=sometimes"])
+
+
+def test_physical_first_puts_one_thread_of_each_physical_core_before_any_sibling():
+    from asyncflow.workflow.cores import physical_first
+
+    # siblings numbered next to each other (0,1 one core; 2,3 another) and split (0,2; 1,3)
+    assert physical_first([0, 1, 2, 3], {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}) == [0, 2, 1, 3]
+    assert physical_first([0, 1, 2, 3], {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}) == [0, 1, 2, 3]
+    # a sibling outside the allowed cores does not count; no topology: the order stays
+    assert physical_first([1, 2, 3], {1: (0, 1), 2: (2, 3), 3: (2, 3)}) == [1, 2, 3]
+    assert physical_first([3, 5], {}) == [3, 5]
 
 
 def test_pin_thread_pins_the_calling_thread_only():

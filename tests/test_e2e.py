@@ -178,6 +178,9 @@ def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tm
     text = format_table({"samples": samples, "cpus": 2, "rows": rows})
     assert (f"a async   {row['efficiency']:>4.0%} ~ actor busy 90% x on a core 95% x work "
             f"{g['work']:.0%} x solo 111%") in text
+    assert "NOTE" not in text  # a CPU run's bound stands
+    gpu = format_table({"samples": samples, "cpus": 2, "rows": rows, "device": "cuda"})
+    assert "NOTE resources.device=cuda: the roles share the GPU" in gpu and "not a bound here" in gpu
 
 
 def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many_solo_tries(monkeypatch, tmp_path):

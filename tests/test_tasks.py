@@ -7,12 +7,16 @@ import torch
 
 from asyncflow.engines.tiny import build_char_tokenizer
 from asyncflow.tasks.addition import AdditionTask, Problem
+from asyncflow.tasks import warmstart
 from asyncflow.tasks.warmstart import (
+    SFTResult,
     decode_responses,
     encode_prompts,
+    eval_due,
     evaluate,
     load_or_warm_start,
     sft_tensors,
+    warmup_lr,
 )
 
 torch.set_num_threads(1)
@@ -93,7 +97,9 @@ def test_encode_prompts_left_pads_and_decode_cuts_at_eos():
 # --------------------------------------------------------------------------- warm-start
 
 
-WARM = dict(target_acc=0.3, eval_every=10, max_steps=120, batch_size=256, eval_n=20, seed=0)
+# lr 3e-3 without warmup (the first recipe) reaches 30% on one-digit addition in tens of steps
+WARM = dict(target_acc=0.3, eval_every=10, max_steps=120, batch_size=256, eval_n=20, seed=0, lr=3e-3,
+            warmup_steps=0, near_every=10)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +149,34 @@ def test_explicit_default_dims_hit_the_same_cache_entry(warm):
     cache, task, _, _, info, _ = warm
     _, _, info3 = load_or_warm_start(cache, task=task, model_dims={"hidden_size": 128}, **WARM)
     assert info3["cached"] is True and info3["key"] == info["key"]
+
+
+def test_warmup_lr_ramps_linearly_then_holds():
+    assert [warmup_lr(1e-3, s, 4) for s in range(6)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3, 1e-3, 1e-3])
+    assert warmup_lr(1e-3, 0, 100) == pytest.approx(1e-5)
+    assert warmup_lr(1e-3, 49, 100) == pytest.approx(5e-4)
+    assert warmup_lr(3e-3, 0, 0) == 3e-3  # no warmup: the full rate from the first step
+
+
+def test_evaluations_come_every_near_every_steps_once_half_the_target_is_reached():
+    # every 25 steps, every 5 from an accuracy of 0.325 (half of 0.65) on
+    assert [s for s in range(1, 60) if eval_due(s, 0.3, 0.65, 25, 5)] == [25, 50]
+    assert [s for s in range(1, 30) if eval_due(s, 0.325, 0.65, 25, 5)] == [5, 10, 15, 20, 25]
+    assert [s for s in range(1, 60) if eval_due(s, 0.6, 0.65, 25, None)] == [25, 50]  # off (the default)
+
+
+def test_warmup_is_part_of_the_cache_key(warm, monkeypatch, tmp_path):
+    _, task, _, _, info, _ = warm
+    ran = []
+    monkeypatch.setattr(warmstart, "sft", lambda *a, **k: ran.append(k["warmup_steps"]) or SFTResult(0.5, 1, 0.0))
+    _, _, other = load_or_warm_start(tmp_path, task=task, **{**WARM, "warmup_steps": 10})
+    assert ran == [10] and other["cached"] is False and other["key"] != info["key"]
+    assert other["recipe"]["sft"]["warmup_steps"] == 10
+    # the options are off by default and then stay out of the key: entries cached before
+    # they existed still match
+    _, _, plain = load_or_warm_start(tmp_path / "plain", task=task)
+    assert set(plain["recipe"]["sft"]) == {"target_acc", "seed", "lr", "batch_size", "eval_every", "eval_n",
+                                           "max_steps"}
 
 
 def test_unknown_model_dims_rejected(tmp_path):

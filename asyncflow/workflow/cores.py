@@ -3,7 +3,8 @@
 In ``stream``/``async`` each compute worker (one requesting CPU: rollout, the trainer's
 ranks, reference, critic) gets ``threads`` cores of its own when they all fit
 (:func:`assign_cores`: the trainer's ranks first, the usual bottleneck, then the others,
-rollout last). The worker runs its compute thread and its roles' loop threads (and the
+rollout last), on distinct physical cores first (:func:`physical_first`: two hyperthreads
+of one core share its execution units). The worker runs its compute thread and its roles' loop threads (and the
 threads those start) there (:func:`pin_thread`), so two roles never share a core or migrate
 between cores. The process's other threads (Ray's, the weight prefetch) and the services
 (data plane, weight store, driver, Ray's daemons) are not pinned: they run where a core is
@@ -55,7 +56,36 @@ def pinnable_cores(cfg: RunConfig, launcher) -> list[int] | None:
         return None
     if pin == "auto" and not getattr(launcher, "owns_host", False):
         return None
-    return sorted(os.sched_getaffinity(0))
+    return physical_first(sorted(os.sched_getaffinity(0)))
+
+
+def physical_first(cores: list[int], siblings: dict[int, tuple[int, ...]] | None = None) -> list[int]:
+    """``cores`` reordered so that one hardware thread of every physical core comes before
+    any second thread (SMT sibling): two roles pinned to the first two entries then get two
+    physical cores, not the two hyperthreads of one. ``siblings`` maps a core to its
+    physical core's threads (default: read from Linux sysfs; a core without that entry is
+    its own physical core)."""
+    siblings = _sysfs_siblings(cores) if siblings is None else siblings
+    rank = {}
+    for c in cores:
+        group = sorted(x for x in siblings.get(c, (c,)) if x in cores) or [c]
+        rank[c] = (group.index(c) if c in group else 0, c)
+    return sorted(cores, key=rank.__getitem__)
+
+
+def _sysfs_siblings(cores: list[int]) -> dict[int, tuple[int, ...]]:
+    out = {}
+    for c in cores:
+        try:
+            text = open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read().strip()
+        except OSError:
+            continue
+        ids: list[int] = []
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            ids += range(int(lo), int(hi or lo) + 1)
+        out[c] = tuple(ids)
+    return out
 
 
 def pin_thread(cores) -> None:
