@@ -74,6 +74,10 @@ class WarmStartConfig(_Section):
     enabled: bool = Field(True, description="Run a short SFT warm-start before RL (built-in model only).")
     target_acc: float = Field(0.65, gt=0, le=1, description="Stop SFT at this held-out greedy accuracy.")
     cache_dir: str = Field("~/.cache/asyncflow/warmstart", description="Warm-started models are cached here.")
+    warmup_steps: int = Field(0, ge=0, description="SFT learning-rate warmup steps (0 = none). 200 makes the "
+                                                   "warm-start's length steadier across seeds; see the README.")
+    near_every: int | None = Field(None, gt=0, description="Evaluate every N SFT steps once an evaluation reached half "
+                                                           "the target, to stop closer to it (None = every 50).")
 
 
 class RolloutConfig(_Section):

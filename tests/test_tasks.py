@@ -182,3 +182,23 @@ def test_warmup_is_part_of_the_cache_key(warm, monkeypatch, tmp_path):
 def test_unknown_model_dims_rejected(tmp_path):
     with pytest.raises(ValueError, match="hidden"):
         load_or_warm_start(tmp_path, task=AdditionTask(digits=1), model_dims={"hiden_size": 64}, **WARM)
+
+
+def test_prepare_model_passes_the_warmstart_options(monkeypatch, tmp_path):
+    from asyncflow.config import ConfigError, load_config
+    from asyncflow.tasks import prepare_model
+
+    seen = {}
+
+    def fake(cache_dir, **kw):
+        seen.update(kw)
+        return None, None, {"path": "p", "accuracy": 0.7, "steps": 1, "seconds": 0.0, "cached": True}
+
+    monkeypatch.setattr(warmstart, "load_or_warm_start", fake)
+    prepare_model(load_config(None, [f"warmstart.cache_dir={tmp_path}"]), tmp_path)
+    assert (seen["warmup_steps"], seen["near_every"]) == (0, None)  # off by default: the shipped recipe
+    prepare_model(load_config(None, [f"warmstart.cache_dir={tmp_path}", "warmstart.warmup_steps=200",
+                                     "warmstart.near_every=5"]), tmp_path)
+    assert (seen["warmup_steps"], seen["near_every"]) == (200, 5)
+    with pytest.raises(ConfigError, match="warmstart.near_every"):
+        load_config(None, ["warmstart.near_every=0"])

@@ -127,6 +127,7 @@ def prepare_model(cfg, run_dir: Path, progress: Callable | None = None) -> tuple
 
         _, _, info = load_or_warm_start(Path(cfg.warmstart.cache_dir).expanduser(), task=task,
                                         model_dims=cfg.model.dims(), target_acc=cfg.warmstart.target_acc,
+                                        warmup_steps=cfg.warmstart.warmup_steps, near_every=cfg.warmstart.near_every,
                                         seed=cfg.seed, progress=progress, device=_warmstart_device(cfg))
         return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
     from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
