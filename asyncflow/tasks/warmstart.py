@@ -223,10 +223,10 @@ def sft(
     Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` (already a
     random sample) every ``eval_every`` steps (with ``near_every``: every ``near_every``
     steps once an evaluation has reached half the target, where accuracy jumps fast), and
-    after the last step. Stops early at the target; otherwise runs ``max_steps`` and returns whatever
-    accuracy it reached.
-    ``warmup_steps`` > 0 ramps the learning rate linearly from ``lr / warmup_steps`` to
-    ``lr`` over that many steps. The model is left in train mode.
+    after the last step. Stops early at the target; otherwise runs ``max_steps`` and
+    returns whatever accuracy it reached. ``warmup_steps`` > 0 ramps the learning rate
+    linearly from ``lr / warmup_steps`` to ``lr`` over that many steps. The model is left
+    in train mode.
     """
     started = time.perf_counter()
     ids, labels = sft_tensors(tokenizer, task.train)

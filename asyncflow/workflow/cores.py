@@ -4,9 +4,9 @@ In ``stream``/``async`` each compute worker (one requesting CPU: rollout, the tr
 ranks, reference, critic) gets ``threads`` cores of its own when they all fit
 (:func:`assign_cores`: the trainer's ranks first, the usual bottleneck, then the others,
 rollout last), on distinct physical cores first (:func:`physical_first`: two hyperthreads
-of one core share its execution units). The worker runs its compute thread and its roles' loop threads (and the
-threads those start) there (:func:`pin_thread`), so two roles never share a core or migrate
-between cores. The process's other threads (Ray's, the weight prefetch) and the services
+of one core share its execution units). The worker runs its compute thread and its roles'
+loop threads (and the threads those start) there (:func:`pin_thread`), so two roles never
+share a core or migrate between cores. The process's other threads (Ray's, the weight prefetch) and the services
 (data plane, weight store, driver, Ray's daemons) are not pinned: they run where a core is
 free. ``sync`` is never pinned: its one worker uses every core in every phase.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -77,7 +78,7 @@ def _sysfs_siblings(cores: list[int]) -> dict[int, tuple[int, ...]]:
     out = {}
     for c in cores:
         try:
-            text = open(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read().strip()
+            text = Path(f"/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list").read_text().strip()
         except OSError:
             continue
         ids: list[int] = []
