@@ -107,6 +107,37 @@ def test_auto_data_plane_is_zeromq_only_when_every_ray_node_is_this_machine(monk
     assert not RayLauncher.one_host(None)
 
 
+def test_role_processes_get_one_malloc_arena_unless_turned_off(monkeypatch):
+    from asyncflow.launch.ray_launcher import _worker_env
+
+    monkeypatch.delenv("ASYNCFLOW_ARENA_MAX", raising=False)
+    assert _worker_env() == {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "1"}}}
+    monkeypatch.setenv("ASYNCFLOW_ARENA_MAX", "2")
+    assert _worker_env() == {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "2"}}}
+    monkeypatch.setenv("ASYNCFLOW_ARENA_MAX", "0")
+    assert _worker_env() == {}  # glibc's default
+
+
+@pytest.mark.ray
+def test_a_spawned_role_process_starts_with_one_malloc_arena(monkeypatch):
+    from asyncflow.launch.ray_launcher import RayLauncher
+    from asyncflow.workflow.worker import WorkerSpec
+
+    class _Env:  # defined here: pickled by value (the workers cannot import this test module)
+        def get(self, name):
+            import os
+
+            return os.environ.get(name)
+
+    monkeypatch.delenv("ASYNCFLOW_ARENA_MAX", raising=False)
+    launcher = RayLauncher()
+    try:
+        handle = launcher.spawn(WorkerSpec(name="env", roles=[], threads=1, cpus=0.1), _Env)
+        assert launcher.call(handle, "get", "MALLOC_ARENA_MAX") == "1"
+    finally:
+        launcher.shutdown()
+
+
 @pytest.mark.filterwarnings("ignore:train.dp=2.*oversubscribe")  # 3 compute roles on 2 CPUs, as intended
 def test_async_on_ray_with_the_ray_actor_data_plane_and_two_trainer_ranks(tmp_path):
     """One Ray job for two features (Ray start-up is most of its time): the data plane as

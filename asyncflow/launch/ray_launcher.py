@@ -149,6 +149,16 @@ class RayWeightStore:
         return _get(self.handle.close.remote())
 
 
+def _worker_env() -> dict:
+    """Options that start each role's process with ``MALLOC_ARENA_MAX`` (default 1; ``0`` in
+    ``ASYNCFLOW_ARENA_MAX`` leaves glibc's default): the compute thread is not the process's
+    main thread, and a thread's own malloc arena gives its freed pages back to the kernel
+    whatever :func:`asyncflow.engines.allocator.keep_heap` asks, so every step faults them
+    in again. One arena (the main one, which keeps them) serves every thread."""
+    value = os.environ.get("ASYNCFLOW_ARENA_MAX", "1")
+    return {} if value == "0" else {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": value}}}
+
+
 class RayLauncher:
     def __init__(self, num_cpus: int | None = None):
         self._owns = False
@@ -200,7 +210,7 @@ class RayLauncher:
 
     def spawn(self, spec, cls, *args):
         return ray.remote(cls).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_concurrency=4, name=None,
-                                       enable_task_events=False).remote(*args)
+                                       enable_task_events=False, **_worker_env()).remote(*args)
 
     def submit(self, handle, method: str, *args):
         return getattr(handle, method).remote(*args)
