@@ -7,6 +7,9 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 * Resource requests are fractional CPUs that never add up to more than exist (a 2-core
   machine runs rollout and trainer with 1 CPU each; a reward worker
   (``reward.placement=separate``), the data plane and the weight store ask for 0).
+* Each role's process starts with ``MALLOC_ARENA_MAX=1`` (:func:`_worker_env`), so its
+  compute thread allocates from the arena that :func:`~asyncflow.engines.allocator.keep_heap`
+  keeps (``ASYNCFLOW_ARENA_MAX`` sets another count, ``0`` leaves glibc's default).
 * A data-parallel trainer's ranks are actor processes joined by ``torch.distributed``
   (gloo) at a rendezvous address with a free port chosen by rank 0 (``dp_rendezvous``).
 * Actors report no task events to Ray (``enable_task_events=False``): every data-plane and
