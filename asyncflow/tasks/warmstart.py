@@ -53,14 +53,10 @@ from asyncflow.tasks.addition import AdditionTask, Problem
 # entries then stop matching instead of being loaded with the wrong meaning.
 CACHE_FORMAT_VERSION = 1
 
-# The SFT recipe (``benchmarks/warmstart_seeds.py`` compares others). Its length depends on
-# the seed: on this CPU 550 steps for seed 0, 1,200 for seeds 1 and 2, 2,000 for seed 4 and
-# 3,950 for seed 3. A warmup makes it steadier (lr 1e-3 ramped over 100 steps: 275-350 steps
-# on seeds 0-4 here, 250-350 on seeds 0-9 on a GPU) but lands models that RL improves less
-# in the default run (seed 0: 65.0% -> 68.8% after 120 RL steps, against 71.4% -> 90.8%), so
-# the warmup and the finer evaluations near the target stay options, off by default
-# (``warmstart.warmup_steps``, ``warmstart.near_every``; with 200 and 5, seeds 0-4 took
-# 30-136 s here against 69-447 s, and RL gained +4.6 to +14.6 against +7.6 to +19.4).
+# The SFT recipe. Its length depends on the seed (550-3,950 steps over seeds 0-4 here); a
+# warmup and finer evaluations near the target make it steadier but land models RL improves
+# less, so they stay options, off by default (README, "The default run"; measured with
+# ``benchmarks/warmstart_seeds.py`` and ``asyncflow train seed=N``).
 LR, WARMUP_STEPS, EVAL_EVERY, NEAR_EVERY = 3e-3, 0, 50, None
 
 ProgressFn = Callable[[int, "float | None", float], None]
