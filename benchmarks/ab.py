@@ -12,12 +12,46 @@ roles, and the new/base ratio of every pair and of the means.
     python benchmarks/ab.py train.split_padding=0 train.split_padding=128 --pairs 3 --workloads a
 
 Each side is one argument of space-separated ``key=value`` overrides (quote several).
+An item whose key is an environment variable's name (a capital in it, no dot) sets that
+variable instead, for the whole job: every run then starts a fresh local Ray instance
+with the side's environment, which Ray's daemons and the role processes inherit (both
+sides pay the same restart):
+
+    python benchmarks/ab.py RAY_worker_niceness=15 RAY_worker_niceness=0 --pairs 4
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import re
 import statistics
+
+ENV = re.compile(r"^(?=[^=]*[A-Z])[A-Za-z_][A-Za-z0-9_]*=")  # a name with a capital (config keys have none)
+
+
+def split_side(items: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(config overrides, environment variables) of one side's ``key=value`` items."""
+    env = dict(item.split("=", 1) for item in items if ENV.match(item))
+    return [item for item in items if not ENV.match(item)], env
+
+
+@contextlib.contextmanager
+def environment(env: dict[str, str], names):
+    """``os.environ`` with ``env`` set and every other variable in ``names`` unset, as before after."""
+    saved = {k: os.environ.get(k) for k in names}
+    for k in names:
+        os.environ.pop(k, None)
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def main() -> None:
@@ -36,11 +70,23 @@ def main() -> None:
     from asyncflow.tasks import prepare_model
     from asyncflow.workflow.driver import train
 
-    sides = {"base": args.base.split(), "new": args.new.split()}
+    sides = {"base": split_side(args.base.split()), "new": split_side(args.new.split())}
     cfgs = {side: load_config(None, [f"train.prompts_per_step={PROMPTS_PER_STEP}", f"run_dir={args.run_dir}", *o])
-            for side, o in sides.items()}  # a bad override fails here, before any run
+            for side, (o, _) in sides.items()}  # a bad override fails here, before any run
+    env_names = set(sides["base"][1]) | set(sides["new"][1])
     prepare_model(cfgs["base"], args.run_dir)  # warm-start once (cached), before any timing
-    launcher = get_launcher("ray")
+    launcher = None if env_names else get_launcher("ray")  # with variables: a fresh instance per run
+
+    def run(side: str, cfg, wl: str, steps: int) -> dict:
+        if launcher is not None:
+            return train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=launcher, evaluate=False)
+        with environment(sides[side][1], env_names):
+            fresh = get_launcher("ray")
+            try:
+                return train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=fresh, evaluate=False)
+            finally:
+                fresh.shutdown()
+
     try:
         for wl in args.workloads:
             speeds: dict[str, list[float]] = {"base": [], "new": []}
@@ -52,7 +98,7 @@ def main() -> None:
                 for side in (("base", "new") if i % 2 == 0 else ("new", "base")):
                     cfg = cfgs[side]
                     steps = max(2, args.samples // cfg.batch_size)
-                    s = train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=launcher, evaluate=False)
+                    s = run(side, cfg, wl, steps)
                     speeds[side].append(s["steady_samples_per_s"])
                     cpu = s["cpu"] or {}
                     roles, busy, on = cpu.get("roles", {}), s["busy"], s.get("on_cpu", {})
@@ -67,7 +113,8 @@ def main() -> None:
                   + f"; means {mean_new:.1f} / {mean_base:.1f} = {mean_new / mean_base:.2f}x; "
                   f"pairs faster with new: {sum(r > 1 for r in ratios)} of {len(ratios)}", flush=True)
     finally:
-        launcher.shutdown()
+        if launcher is not None:
+            launcher.shutdown()
 
 
 if __name__ == "__main__":
