@@ -4,9 +4,9 @@ A data-plane call is a chain of such hand-offs (the role's thread, its ZeroMQ I/
 a server process, and back). This script times a plain DEALER/ROUTER echo of one small
 message between two processes, with both pinned to one core and with each on its own
 core, alternating, so the machine's drift favours neither. Where a wake-up across cores
-costs an interrupt between virtual CPUs (as in this Firecracker VM), the second is
-about twice to four times the first (2.25-2.43x idle here), which is why a role's helper threads stay on its core
-(``asyncflow/workflow/cores.py``).
+costs an interrupt between virtual CPUs (as in this Firecracker VM), the second is two
+to four times the first (2.25-2.43x here, idle), which is why a role's helper threads
+stay on its core (``asyncflow/workflow/cores.py``).
 
     python benchmarks/round_trip.py --rounds 3
 """
