@@ -250,6 +250,41 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
     assert by["sync"]["bound"] == pytest.approx(samples / (1.0 + 4.0))  # sync: the sum of its phases
 
 
+def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp_path):
+    """Beside the fastest run over the fastest solos, each round's run is divided by the
+    bound from that round's solos alone (same pooling rule), and the table lists them."""
+    import asyncflow.bench.solo as solo
+    from asyncflow.bench import _workload, format_table
+
+    per_round = {(False, 0): {"rollout": 2.0, "actor": 4.0}, (True, 0): {"rollout": 1.0, "actor": 5.0},
+                 (False, 1): {"rollout": 2.0, "actor": 6.0}, (True, 1): {"rollout": 3.0, "actor": 8.0}}
+    calls: list[bool] = []
+
+    def measure(vcfg, md, steps, threads, cont, cores, cpu=None):
+        calls.append(cont)
+        return dict(per_round[(cont, (len(calls) - 1) // 2)])
+
+    monkeypatch.setattr(solo, "measure_roles", measure)
+    speeds = iter([100.0, 200.0, 110.0, 150.0])  # stream, async; stream, async
+
+    def fake_train(vcfg, **kw):
+        return {"steady_samples_per_s": next(speeds), "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
+                "cpu": {}, "max_staleness": 0, "run_dir": ""}
+
+    cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
+    rows = _workload(cfg, "a", ["stream", "async"], 5, "", type("L", (), {"cpus": 2})(), tmp_path, fake_train,
+                     repeat=2)
+    S = 4 * cfg.batch_size
+    by = {r["mode"]: r for r in rows}
+    # round 1: the trainer's 4.0 s (its faster kind) limits both; round 2: its 6.0 s
+    assert by["stream"]["round_efficiency"] == pytest.approx([100.0 * 4.0 / S, 110.0 * 6.0 / S])
+    assert by["async"]["round_efficiency"] == pytest.approx([200.0 * 4.0 / S, 150.0 * 6.0 / S])
+    assert by["async"]["efficiency"] == pytest.approx(200.0 * 4.0 / S)  # fastest run / fastest solos
+    text = format_table({"samples": S, "cpus": 2, "rows": rows, "repeat": 2})
+    assert (f"each round's run / that round's bound (the spread is the machine's drift): a stream "
+            f"{400 / S:.0%} {660 / S:.0%}; a async {800 / S:.0%} {900 / S:.0%}") in text
+
+
 def test_bench_runs_its_preset_step_unless_the_config_sets_one(monkeypatch, tmp_path):
     import asyncflow.bench as bench
     import asyncflow.launch as launch

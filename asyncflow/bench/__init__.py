@@ -189,13 +189,22 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
         rows.append({**best, "runs": [r["samples_per_s"] for r in runs[mode]],
                      "max_staleness": max(r["max_staleness"] for r in runs[mode])})
         keys.append((vcfgs[mode], solo_key(vcfgs[mode])))
+    def in_round(role: str, key: tuple, i: int) -> float:
+        """``role``'s solo seconds in round ``i`` alone, by the rule of :func:`fastest`."""
+        keys = [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
+        return min(solos[k][i][role] for k in keys if role in solos[k][i])
+
     samples = (steps - 1) * cfg.batch_size
-    for row, (vcfg, key) in zip(rows, keys):
+    for row, (vcfg, key), mode in zip(rows, keys, modes):
         picked = {role: fastest(role, key) for role in solos[key][0]}
         seconds = {role: t for role, (t, _) in picked.items()}
         b, limit = bound(vcfg.mode, seconds, samples)
         row.update(solo_s=seconds, solo_runs=solos[key], bound=b, bound_limit=limit,
                    efficiency=row["samples_per_s"] / b)
+        # each round's run against that round's own bound: the spread shows the machine's drift
+        row["round_efficiency"] = [
+            run["samples_per_s"] / bound(vcfg.mode, {role: in_round(role, key, i) for role in solos[key][i]}, samples)[0]
+            for i, run in enumerate(runs[mode])]
         if vcfg.mode != "sync" and key[0] == 1:  # one thread per role: its thread's CPU is the role's
             row["gap"] = gap_factors(row, limit, *picked[limit], samples)
     sync = next((r for r in rows if r["mode"] == "sync"), None)
@@ -303,4 +312,7 @@ def format_table(report: dict) -> str:
     if any(len(r.get("runs", ())) > 1 for r in report["rows"]):
         lines.append("every run (samples/s): " + "; ".join(
             f"{r['workload']} {r['mode']} " + " ".join(f"{x:.1f}" for x in r["runs"]) for r in report["rows"]))
+        lines.append("each round's run / that round's bound (the spread is the machine's drift): " + "; ".join(
+            f"{r['workload']} {r['mode']} " + " ".join(f"{x:.0%}" for x in r["round_efficiency"])
+            for r in report["rows"] if r.get("round_efficiency")))
     return "\n".join(lines)
