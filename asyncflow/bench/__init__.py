@@ -28,8 +28,10 @@ alone (this machine's speed drifts by +-15% over minutes: runs and solos measure
 same round share it). A row shows the mode's fastest run against a bound from the
 fastest solo runs (interference only ever adds time, and each mode and each kind of solo
 run gets the same number of tries). Every role but rollout gets its fastest solo run on
-the same threads (and pinned cores) in any round: only rollout's work depends on how the mode
-feeds it. A role pinned to cores of its own in a mode's runs (``resources.pin_cores``, on by
+the same threads (and pinned cores) in any round: only rollout's work depends on how the
+mode feeds it. The last line under the table divides each round's run by the bound from
+that round's solo runs alone (same rule), so drift between rounds cancels there: the
+spread of a mode's figures is the noise on its efficiency. A role pinned to cores of its own in a mode's runs (``resources.pin_cores``, on by
 default with the local Ray instance the bench starts) is pinned to them alone too.
 
 Under the table, each ``stream``/``async`` row's efficiency is split into four measured
@@ -189,6 +191,7 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
         rows.append({**best, "runs": [r["samples_per_s"] for r in runs[mode]],
                      "max_staleness": max(r["max_staleness"] for r in runs[mode])})
         keys.append((vcfgs[mode], solo_key(vcfgs[mode])))
+
     def in_round(role: str, key: tuple, i: int) -> float:
         """``role``'s solo seconds in round ``i`` alone, by the rule of :func:`fastest`."""
         keys = [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
