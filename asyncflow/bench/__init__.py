@@ -31,8 +31,9 @@ run gets the same number of tries). Every role but rollout gets its fastest solo
 the same threads (and pinned cores) in any round: only rollout's work depends on how the
 mode feeds it. The last line under the table divides each round's run by the bound from
 that round's solo runs alone (same rule), so drift between rounds cancels there: the
-spread of a mode's figures is the noise on its efficiency. A role pinned to cores of its own in a mode's runs (``resources.pin_cores``, on by
-default with the local Ray instance the bench starts) is pinned to them alone too.
+spread of a mode's figures is the noise on its efficiency. A role pinned to cores of its
+own in a mode's runs (``resources.pin_cores``, on by default with the local Ray instance
+the bench starts) is pinned to them alone too.
 
 Under the table, each ``stream``/``async`` row's efficiency is split into four measured
 factors of its limiting role (:func:`gap_factors`; their product is the efficiency):
