@@ -285,6 +285,37 @@ def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp
             f"{400 / S:.0%} {660 / S:.0%}; a async {800 / S:.0%} {900 / S:.0%}") in text
 
 
+def test_bench_runs_the_workloads_round_by_round_and_prints_b_over_a_per_round(monkeypatch, tmp_path, capsys):
+    """The workloads take turns mode by mode, round after round: each of (b)'s runs sits
+    beside (a)'s run of the same mode, and (b)/(a) is printed per round."""
+    import asyncflow.bench as bench
+    import asyncflow.bench.solo as solo
+    import asyncflow.launch as launch
+    import asyncflow.tasks as tasks
+    import asyncflow.workflow.driver as driver
+
+    order = []
+    speeds = {("a", 1): 400.0, ("b", 1): 360.0, ("a", 2): 500.0, ("b", 2): 475.0}
+
+    def fake_train(vcfg, **kw):
+        wl = "b" if vcfg.reward.latency_ms else "a"
+        order.append((wl, vcfg.mode))
+        return {"steady_samples_per_s": speeds[wl, order.count((wl, vcfg.mode))],  # this workload's round
+                "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {}, "cpu": {}, "max_staleness": 0,
+                "run_dir": ""}
+
+    monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
+    monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
+    monkeypatch.setattr(driver, "train", fake_train)
+    monkeypatch.setattr(solo, "measure_roles", lambda *a, **k: {"rollout": 1.0, "actor": 2.0})
+    report = bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), modes=["sync", "async"],
+                             repeat=2, samples=512)
+    assert order == [("a", "sync"), ("b", "sync"), ("a", "async"), ("b", "async")] * 2
+    by = {(r["workload"], r["mode"]): r for r in report["rows"]}
+    assert by["a", "async"]["runs"] == [400.0, 500.0] and by["b", "async"]["runs"] == [360.0, 475.0]
+    assert "(b) / (a) in each round (run side by side): sync 90% 95%; async 90% 95%" in capsys.readouterr().out
+
+
 def test_bench_runs_its_preset_step_unless_the_config_sets_one(monkeypatch, tmp_path):
     import asyncflow.bench as bench
     import asyncflow.launch as launch
@@ -293,8 +324,12 @@ def test_bench_runs_its_preset_step_unless_the_config_sets_one(monkeypatch, tmp_
     seen = []
     monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
     monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
-    monkeypatch.setattr(bench, "_workload", lambda cfg, w, modes, steps, *a: seen.append(
-        (cfg.train.prompts_per_step, steps)) or [])
+    def rounds(cfg, w, modes, steps, *a):
+        seen.append((cfg.train.prompts_per_step, steps))
+        yield from range(len(modes) * a[-1])  # one per mode and round
+        return []
+
+    monkeypatch.setattr(bench, "_rounds", rounds)
     monkeypatch.setattr(bench, "format_table", lambda report: "")
     bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), workloads=["a"])
     bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}", "train.prompts_per_step=16"]),

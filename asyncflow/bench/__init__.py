@@ -25,11 +25,13 @@ rewards of seconds. ``train.prompts_per_step=16`` shows that latency-bound case.
 
 The bench runs ``repeat`` rounds; a round runs every mode, each followed by its roles
 alone (this machine's speed drifts by +-15% over minutes: runs and solos measured in the
-same round share it). A row shows the mode's fastest run against a bound from the
+same round share it). The workloads take turns mode by mode ((a)'s ``sync``, (b)'s
+``sync``, (a)'s ``stream``, ...), so the line of (b)/(a) per round compares runs about
+a minute apart. A row shows the mode's fastest run against a bound from the
 fastest solo runs (interference only ever adds time, and each mode and each kind of solo
 run gets the same number of tries). Every role but rollout gets its fastest solo run on
 the same threads (and pinned cores) in any round: only rollout's work depends on how the
-mode feeds it. The last line under the table divides each round's run by the bound from
+mode feeds it. A line under the table divides each round's run by the bound from
 that round's solo runs alone (same rule), so drift between rounds cancels there: the
 spread of a mode's figures is the noise on its efficiency. A role pinned to cores of its
 own in a mode's runs (``resources.pin_cores``, on by default with the local Ray instance
@@ -121,8 +123,14 @@ def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = N
             report = {"samples": steps * cfg.batch_size, "cpus": launcher.cpus, "rows": [], "repeat": repeat,
                       "prompts_per_step": cfg.train.prompts_per_step, "group_size": cfg.rollout.group_size,
                       "device": cfg.resources.device}
-            for w in workloads:
-                report["rows"] += _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat)
+            # the workloads take turns mode by mode: (b)'s run of a mode sits beside (a)'s, at
+            # the machine's speed of the moment, so (b)/(a) per round is not drift
+            measuring = [_rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat) for w in workloads]
+            for _ in range(repeat * len(modes)):
+                for m in measuring:
+                    next(m)
+            for m in measuring:
+                report["rows"] += _finish(m)
             print(format_table(report))
     finally:
         launcher.shutdown()
@@ -133,6 +141,23 @@ def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = N
 
 
 def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int = 1) -> list[dict]:
+    """Every round of workload ``w``, then its rows (:func:`_rounds` driven to the end)."""
+    return _finish(_rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat))
+
+
+def _finish(rounds) -> list[dict]:
+    """Run a :func:`_rounds` generator's remaining rounds; return its rows."""
+    try:
+        while True:
+            next(rounds)
+    except StopIteration as done:
+        return done.value
+
+
+def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int = 1):
+    """Measure workload ``w`` one mode per ``next`` (its run, then its roles alone unless
+    this round already ran that kind of solo); after the last round, return
+    (``StopIteration.value``) its rows."""
     from asyncflow.bench.solo import bound, measure_roles
     from asyncflow.workflow.cores import pinnable_cores
     from asyncflow.workflow.worker import plan_workers
@@ -174,6 +199,8 @@ def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: in
                 solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, key[0], key[1], dict(key[2]),
                                                                cpu=used))
                 solo_cpu.setdefault(key, []).append(used)
+            yield i
+
     def fastest(role: str, key: tuple) -> tuple[float, float | None]:
         """(seconds, CPU seconds) of ``role``'s fastest solo run that may bound a mode of
         solo kind ``key``. Only rollout's work depends on how it is fed (step by step or
@@ -319,4 +346,9 @@ def format_table(report: dict) -> str:
         lines.append("each round's run / that round's bound (the spread is the machine's drift): " + "; ".join(
             f"{r['workload']} {r['mode']} " + " ".join(f"{x:.0%}" for x in r["round_efficiency"])
             for r in report["rows"] if r.get("round_efficiency")))
+        a = {r["mode"]: r["runs"] for r in report["rows"] if r["workload"] == "a"}
+        pairs = [(r["mode"], a[r["mode"]], r["runs"]) for r in report["rows"] if r["workload"] == "b" and r["mode"] in a]
+        if pairs:
+            lines.append("(b) / (a) in each round (run side by side): " + "; ".join(
+                f"{mode} " + " ".join(f"{y / x:.0%}" for x, y in zip(ra, rb)) for mode, ra, rb in pairs))
     return "\n".join(lines)
