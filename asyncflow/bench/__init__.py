@@ -201,6 +201,11 @@ def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int 
                 solo_cpu.setdefault(key, []).append(used)
             yield i
 
+    def bounding(role: str, key: tuple) -> list[tuple]:
+        """The solo kinds whose runs may bound ``role`` in a mode of solo kind ``key``: its
+        own for rollout, every kind on the same threads and cores for the others."""
+        return [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
+
     def fastest(role: str, key: tuple) -> tuple[float, float | None]:
         """(seconds, CPU seconds) of ``role``'s fastest solo run that may bound a mode of
         solo kind ``key``. Only rollout's work depends on how it is fed (step by step or
@@ -209,8 +214,7 @@ def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int 
         was 20-65% slower on the same steps, rows in completion order making costlier
         micro-batches; a bound from it alone flattered async.) The fastest, because other
         load only ever adds time and every mode and kind got as many tries."""
-        keys = [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
-        return min(((r[role], used.get(role)) for k in keys for r, used in zip(solos[k], solo_cpu[k]) if role in r),
+        return min(((r[role], used.get(role)) for k in bounding(role, key) for r, used in zip(solos[k], solo_cpu[k]) if role in r),
                    key=lambda t: t[0])
 
     rows, keys = [], []
@@ -222,8 +226,7 @@ def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int 
 
     def in_round(role: str, key: tuple, i: int) -> float:
         """``role``'s solo seconds in round ``i`` alone, by the rule of :func:`fastest`."""
-        keys = [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
-        return min(solos[k][i][role] for k in keys if role in solos[k][i])
+        return min(solos[k][i][role] for k in bounding(role, key) if role in solos[k][i])
 
     samples = (steps - 1) * cfg.batch_size
     for row, (vcfg, key), mode in zip(rows, keys, modes):
