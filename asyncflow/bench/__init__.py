@@ -214,8 +214,8 @@ def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int 
         was 20-65% slower on the same steps, rows in completion order making costlier
         micro-batches; a bound from it alone flattered async.) The fastest, because other
         load only ever adds time and every mode and kind got as many tries."""
-        return min(((r[role], used.get(role)) for k in bounding(role, key) for r, used in zip(solos[k], solo_cpu[k]) if role in r),
-                   key=lambda t: t[0])
+        return min(((r[role], used.get(role)) for k in bounding(role, key)
+                    for r, used in zip(solos[k], solo_cpu[k]) if role in r), key=lambda t: t[0])
 
     rows, keys = [], []
     for mode in modes:
