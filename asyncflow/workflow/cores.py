@@ -16,8 +16,8 @@ threads among them) inherit its pin on purpose: they serve that role's own block
 calls, and a hand-off across cores costs 2-4x one on a core here
 (``benchmarks/round_trip.py``). Unpinned, they ran 0.94x (compute-bound bench workload)
 and 0.93x (remote reward) as fast, 7 of 8 interleaved pairs slower. Pinning every thread
-of the role's process (Ray's too) gained nothing beyond the noise (README, "Tried and
-dropped").
+of the role's process (Ray's too) gained nothing beyond the noise (docs/bench-log.md,
+"Tried and dropped").
 
 ``auto`` (the default) pins only where the machine is the job's: the Ray launcher on a
 local instance it started (``launcher.owns_host``). Measured on 2 cores
