@@ -78,12 +78,13 @@ def main() -> None:
     launcher = None if env_names else get_launcher("ray")  # with variables: a fresh instance per run
 
     def run(side: str, cfg, wl: str, steps: int) -> dict:
+        job = _variant(cfg, wl, "async", steps, args.run_dir)
         if launcher is not None:
-            return train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=launcher, evaluate=False)
+            return train(job, launcher=launcher, evaluate=False)
         with environment(sides[side][1], env_names):
             fresh = get_launcher("ray")
             try:
-                return train(_variant(cfg, wl, "async", steps, args.run_dir), launcher=fresh, evaluate=False)
+                return train(job, launcher=fresh, evaluate=False)
             finally:
                 fresh.shutdown()
 
