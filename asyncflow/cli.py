@@ -92,12 +92,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(dump_config(cfg), end="")
                 return 0
             from asyncflow.observe.report import format_summary
-            from asyncflow.workflow.driver import train
+            from asyncflow.api import train
 
             print(format_summary(train(cfg)))
             return 0
         if args.command == "bench":
-            from asyncflow.bench import run_bench
+            from asyncflow.bench.run import run_bench
 
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
                       modes=args.modes.split(","), out=args.out, quality=args.quality,

@@ -64,11 +64,11 @@ def main() -> None:
     ap.add_argument("--run-dir", default="runs/ab")
     args = ap.parse_args()
 
-    from asyncflow.bench import PROMPTS_PER_STEP, _variant
+    from asyncflow.bench.run import PROMPTS_PER_STEP, _variant
     from asyncflow.config import load_config
-    from asyncflow.launch import get_launcher
-    from asyncflow.tasks import prepare_model
-    from asyncflow.workflow.driver import train
+    from asyncflow.launch.registry import get_launcher
+    from asyncflow.tasks.models import prepare_model
+    from asyncflow.api import train
 
     sides = {"base": split_side(args.base.split()), "new": split_side(args.new.split())}
     cfgs = {side: load_config(None, [f"train.prompts_per_step={PROMPTS_PER_STEP}", f"run_dir={args.run_dir}", *o])

@@ -14,7 +14,7 @@ For each system: one put of the whole batch as new rows (writer = this process),
 get of every field of every row; the best of ``--iters`` runs (partition cleared between
 runs), in GB/s (1 GB = 2**30 bytes, as TransferQueue's script). ``cold put`` is the first
 run's put alone: our storage units reuse the shared memory of cleared rows
-(``asyncflow.queue.shm``, recycling), as every training step after the first does, so the
+(``asyncflow.dataplane.transport.shm``, recycling), as every training step after the first does, so the
 first put is the one that pays for fresh pages (about half the speed on this machine). The distributed deployment
 and TransferQueue both keep the data in other processes (2 storage units each), so their
 figures include the process hops; the in-process ``DataPlane`` is the no-network bound.
@@ -22,7 +22,7 @@ Distributed systems, named by control socket + how big buffers move (the ``via``
 prints what the client's handshake chose per storage unit):
 
 * ``tcp+shm`` / ``ipc+shm``: the default, same-host shared memory for messages of at least
-  ``--shm-min`` bytes (``asyncflow.queue.shm``), frames below;
+  ``--shm-min`` bytes (``asyncflow.dataplane.transport.shm``), frames below;
 * ``tcp`` / ``ipc``: shared memory off (``use_shm=False``): every byte in ZeroMQ frames,
   what a client on another host gets.
 First, ``get_meta`` latency of a client in this process against the controller process
@@ -41,8 +41,8 @@ import time
 
 import numpy as np
 
-from asyncflow.queue import DataPlane, Field, Schema
-from asyncflow.queue.zmq_launch import launch
+from asyncflow.dataplane import DataPlane, Field, Schema
+from asyncflow.dataplane.transport.deploy import launch
 
 SHAPES = {"tq-perf": (1024, 9, 8192), "small": (128, 4, 1024)}
 
@@ -56,19 +56,19 @@ def gbytes(data: dict[str, np.ndarray]) -> float:
     return sum(v.nbytes for v in data.values()) / 2**30
 
 
-def bench_ours(dp, data: dict[str, np.ndarray], iters: int) -> tuple[float, float, float]:
+def bench_ours(plane, data: dict[str, np.ndarray], iters: int) -> tuple[float, float, float]:
     fields, n = list(data), len(next(iter(data.values())))
     put_t, get_t = [], []
     for i in range(iters):
         t = time.perf_counter()
-        dp.put(data, partition=f"b{i}")
+        plane.put(data, partition=f"b{i}")
         put_t.append(time.perf_counter() - t)
         t = time.perf_counter()
-        meta, got = dp.get_batch("bench", fields, n=n, partition=f"b{i}")
+        meta, got = plane.get_batch("bench", fields, n=n, partition=f"b{i}")
         get_t.append(time.perf_counter() - t)
         assert len(meta.rows) == n and got[fields[0]].shape == data[fields[0]].shape
         del got
-        dp.clear(f"b{i}")
+        plane.clear(f"b{i}")
         gc.collect()
     return min(put_t), min(get_t), put_t[0]
 
@@ -105,14 +105,14 @@ def bench_tq(data: dict[str, np.ndarray], iters: int) -> tuple[float, float, flo
     return min(put_t), min(get_t), put_t[0]
 
 
-def get_meta_latency(dp, calls: int = 2000) -> tuple[float, float]:
-    dp.put({"x": np.arange(calls + 10, dtype=np.int64)}, partition="lat")
+def get_meta_latency(plane, calls: int = 2000) -> tuple[float, float]:
+    plane.put({"x": np.arange(calls + 10, dtype=np.int64)}, partition="lat")
     lat = []
     for _ in range(calls):
         t = time.perf_counter()
-        dp.get_meta("lat", ["x"], n=1, partition="lat", block=False)
+        plane.get_meta("lat", ["x"], n=1, partition="lat", block=False)
         lat.append(time.perf_counter() - t)
-    dp.clear("lat")
+    plane.clear("lat")
     ms = np.array(lat) * 1e3
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 

@@ -30,7 +30,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "asyncflow" / "configs"
 
 def run_one(name: str, overrides: list[str], steps: int | None, run_dir: str) -> dict:
     from asyncflow.config import load_config
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     path = CONFIGS / f"{name}.yaml" if not name.endswith(".yaml") else Path(name)
     extra = ["progress=false", "train.eval_every=0", f"run_dir={run_dir}"]

@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from asyncflow.planner.profile import run_profile, step_seconds
     from asyncflow.planner.search import predict
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     cpus = os.cpu_count() or 1
     base = load_config(None, args.overrides)

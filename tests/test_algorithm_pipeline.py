@@ -12,10 +12,9 @@ import math
 import pytest
 
 from asyncflow.algorithms.algorithm import Algorithm
-from asyncflow.algorithms.grpo import GRPOLoss
 from asyncflow.config import load_config
 from asyncflow.launch.local import LocalLauncher
-from asyncflow.workflow.driver import train
+from asyncflow.api import train
 
 BASE = ["mode=async", "staleness=1", "launcher=local", "warmstart.enabled=false", "progress=false",
         "train.steps=3", "train.prompts_per_step=4", "train.micro_prompts=2", "rollout.group_size=4",
@@ -25,7 +24,7 @@ BASE = ["mode=async", "staleness=1", "launcher=local", "warmstart.enabled=false"
 def test_default_config_is_the_original_grpo_loss():
     a = Algorithm.from_config(load_config().algorithm)
     assert a.estimator == "grpo" and not a.batch_level and not a.needs_reference
-    assert a.loss(128) == GRPOLoss(batch_size=128, clip_eps=0.2, kl_coef=0.0)
+    assert a.loss(128) == Algorithm(clip_low=0.2, clip_high=0.2, kl_coef=0.0).loss(128)
     dr = Algorithm.from_config(load_config(None, ["algorithm.std_normalize=false"]).algorithm)
     assert dr.estimator == "dr_grpo"
 

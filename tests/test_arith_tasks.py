@@ -9,7 +9,7 @@ import pytest
 
 from asyncflow.config import load_config
 from asyncflow.engines.tiny import CHARSET
-from asyncflow.tasks import build_task
+from asyncflow.tasks.registry import build_task
 from asyncflow.tasks.arith import ArithError, evaluate
 from asyncflow.tasks.arith_tasks import CountdownTask, MultistepTask
 

@@ -114,7 +114,7 @@ def test_cross_field_validation_run(overrides, names):
 
 
 def test_data_parallel_trainer_fields_and_cpu_shares():
-    from asyncflow.workflow.worker import plan_workers
+    from asyncflow.workflow.plan import plan_workers
 
     cfg = load_config(None, ["train.dp=2"])
     assert (cfg.train.dp, cfg.train.strategy) == (2, "ddp")
@@ -134,7 +134,7 @@ def test_data_parallel_trainer_fields_and_cpu_shares():
 
 
 def test_core_pinning_gives_each_compute_worker_cores_of_its_own_trainer_first():
-    from asyncflow.workflow.worker import plan_workers
+    from asyncflow.workflow.plan import plan_workers
 
     def cores(overrides, ncpu, ids):
         return {s.name: s.cores for s in plan_workers(load_config(None, overrides), ncpu, ids)}
@@ -330,7 +330,7 @@ def test_cli_bad_value_exits_2(capsys):
 
 
 def test_bench_mode_specs_name_the_staleness_or_fail_with_one_line():
-    from asyncflow.bench import parse_mode
+    from asyncflow.bench.run import parse_mode
 
     assert parse_mode("sync") == ("sync", None)
     assert parse_mode("async:2") == ("async", 2)

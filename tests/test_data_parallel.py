@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from asyncflow.algorithms.grpo import GRPOLoss
+from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine
 
@@ -40,7 +40,7 @@ def train(rows: slice, steps: int = 2, fsdp: bool = False) -> dict[str, np.ndarr
     for step in range(steps):
         prompts, responses, old, adv = batch(step)
         extras = {"logprobs": old[rows], "advantages": adv[rows]}
-        engine.forward_backward(prompts[rows], responses[rows], extras, GRPOLoss(batch_size=B))
+        engine.forward_backward(prompts[rows], responses[rows], extras, Algorithm().loss(B))
         engine.optimizer_step()
     return engine.export_weights()
 

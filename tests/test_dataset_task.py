@@ -22,7 +22,7 @@ def test_dataset_task_needs_a_path_and_a_model():
 
 
 def test_a_job_trains_on_a_local_jsonl(model_dir, tmp_path):
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     rows = [{"q": f"{a}+{b}=", "a": str(a + b)} for a in range(6) for b in range(6)]
     data = write_jsonl(tmp_path / "train.jsonl", rows)
@@ -36,7 +36,7 @@ def test_a_job_trains_on_a_local_jsonl(model_dir, tmp_path):
 
 
 def test_a_bad_row_names_file_line_and_field(model_dir, tmp_path):
-    from asyncflow.tasks import build_task
+    from asyncflow.tasks.registry import build_task
 
     data = tmp_path / "bad.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n'

@@ -151,7 +151,7 @@ def test_save_to_disk_folder_errors(tmp_path):
 
 def test_dataset_task_reads_train_and_test_splits_of_one_folder(tmp_path):
     from asyncflow.config import load_config
-    from asyncflow.tasks import build_task
+    from asyncflow.tasks.registry import build_task
 
     folder = save_dict_to_disk(tmp_path / "dd", {
         "train": {"q": ["1+1=", "2+2=", "3+3="], "a": ["2", "4", "6"]},

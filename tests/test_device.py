@@ -15,7 +15,7 @@ import torch
 
 from asyncflow.cli import main
 from asyncflow.config import ConfigError, load_config
-from asyncflow.workflow.worker import plan_workers
+from asyncflow.workflow.plan import plan_workers
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -38,7 +38,7 @@ def test_compute_roles_share_the_gpus_as_they_share_the_cpus():
 def test_a_vllm_rollout_gets_a_gpu_share_whatever_the_device(monkeypatch):
     import asyncflow.config
 
-    monkeypatch.setattr(asyncflow.config, "engine_installed", lambda name: True)  # (not installed here)
+    monkeypatch.setattr(asyncflow.config.schema, "engine_installed", lambda name: True)  # (not installed here)
     assert _gpus(["rollout.engine=vllm"], 1) == {"rollout": 1.0, "actor": 0.0}
     assert _gpus(["rollout.engine=vllm", "resources.device=cuda"], 1) == {"rollout": 0.5, "actor": 0.5}
 
@@ -75,7 +75,7 @@ def _tiny(seed=0):
 @pytest.mark.gpu
 @cuda
 def test_gpu_training_step_equals_the_cpu_step():
-    from asyncflow.algorithms.grpo import GRPOLoss
+    from asyncflow.algorithms.algorithm import Algorithm
     from asyncflow.engines.training import TrainEngine
 
     rng = np.random.default_rng(0)
@@ -89,7 +89,7 @@ def test_gpu_training_step_equals_the_cpu_step():
         eng = TrainEngine(model.to(dev), tok.pad_token_id, lr=1e-3)
         assert eng.device.type == dev
         logp = eng.logprobs(prompts, responses)
-        m = eng.forward_backward(prompts, responses, extras, GRPOLoss(batch_size=8))
+        m = eng.forward_backward(prompts, responses, extras, Algorithm().loss(8))
         step = eng.optimizer_step()
         out[dev] = (logp, m["loss"], step["grad_norm"])
     for a, b in zip(out["cpu"][0], out["cuda"][0]):
@@ -111,7 +111,7 @@ def test_async_job_on_the_gpu_learns(tmp_path, launcher, gpu_warmstart):
     """The first (in-process) job warm-starts on the GPU, into a cache of this module's;
     to a lower target than the default, so that 16 steps have room to show learning
     (a GPU warm-start evaluated every 50 steps landed at 80.6% for a 65% target)."""
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     cfg = load_config(None, [f"launcher={launcher}", "resources.device=cuda", "train.steps=16",
                              "train.eval_every=0", f"run_dir={tmp_path}", "progress=false",

@@ -27,22 +27,22 @@ from asyncflow.engines.collective import ThreadGroup, ThreadRendezvous
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine
 from asyncflow.launch.local import LocalLauncher
-from asyncflow.queue import DataPlane
-from asyncflow.workflow.actor import ActorRole
-from asyncflow.workflow.driver import train
+from asyncflow.dataplane import DataPlane
+from asyncflow.workflow.roles.actor import ActorRole
+from asyncflow.api import train
 from asyncflow.workflow.fields import SCHEMA
 
 GROUP, PROMPTS, MICRO = 4, 4, 2  # 16 rows a step, micro-batches of 2 groups = 8 rows
 
 
-def fill(dp: DataPlane, step: int) -> None:
+def fill(plane: DataPlane, step: int) -> None:
     """Partition ``step``: 4 groups x 4 answers of random tokens, lengths 1..6, version = step."""
     rng = np.random.default_rng(step)
     n = PROMPTS * GROUP
     prompts = [np.array([1, *rng.integers(4, 20, size=3 + g % 3)]) for g in range(PROMPTS) for _ in range(GROUP)]
     responses = [rng.integers(4, 20, size=int(rng.integers(1, 7))) for _ in range(n)]
     group = np.repeat(np.arange(PROMPTS) + 100 * step, GROUP)
-    dp.put({"prompt_ids": prompts, "response_ids": responses,
+    plane.put({"prompt_ids": prompts, "response_ids": responses,
             "logprobs": [rng.normal(-2.0, 0.3, size=len(r)).astype(np.float32) for r in responses],
             "reward": rng.integers(0, 2, size=n).astype(np.float32), "group": group,
             "version": np.full(n, step)},
@@ -50,23 +50,23 @@ def fill(dp: DataPlane, step: int) -> None:
                                  "tokens": [len(p) + len(r) for p, r in zip(prompts, responses)]})
 
 
-def actor(dp: DataPlane, algorithm: Algorithm, group=None, fsdp: bool = False) -> ActorRole:
+def actor(plane: DataPlane, algorithm: Algorithm, group=None, fsdp: bool = False) -> ActorRole:
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=0, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,
                              intermediate_size=64)
     engine = TrainEngine(model, tok.pad_token_id, lr=1e-2, collective=group, fsdp=fsdp)
-    return ActorRole(engine, dp, PROMPTS * GROUP, GROUP, MICRO, staleness=0, algorithm=algorithm, group=group,
+    return ActorRole(engine, plane, PROMPTS * GROUP, GROUP, MICRO, staleness=0, algorithm=algorithm, group=group,
                      wait_timeout_s=30)
 
 
 def run(world: int, algorithm: Algorithm, steps: int = 2) -> list[dict[str, np.ndarray]]:
     """Every rank's weights after ``steps`` steps on the same rows."""
     torch.manual_seed(0)
-    dp = DataPlane(SCHEMA)
+    plane = DataPlane(SCHEMA)
     for v in range(steps):
-        fill(dp, v)
+        fill(plane, v)
     rdv = ThreadRendezvous(world, timeout_s=60)
-    roles = [actor(dp, algorithm, ThreadGroup(rdv, r) if world > 1 else None) for r in range(world)]
+    roles = [actor(plane, algorithm, ThreadGroup(rdv, r) if world > 1 else None) for r in range(world)]
     errors: list[BaseException] = []
 
     def rank(role: ActorRole) -> None:
@@ -83,7 +83,7 @@ def run(world: int, algorithm: Algorithm, steps: int = 2) -> list[dict[str, np.n
     for th in threads:
         th.join(120)
     assert not errors, errors
-    assert dp.stats()["live_rows"] == 0  # rank 0 cleared both steps once everybody had read them
+    assert plane.stats()["live_rows"] == 0  # rank 0 cleared both steps once everybody had read them
     return [role.engine.export_weights() for role in roles]
 
 
@@ -143,8 +143,8 @@ class SpyPlane(DataPlane):
 
 class SpyLauncher(LocalLauncher):
     def data_plane(self, schema, kind="ray", storage_units=2):
-        self.dp = SpyPlane(schema)
-        return self.dp
+        self.plane = SpyPlane(schema)
+        return self.plane
 
 
 @pytest.mark.filterwarnings("ignore:train.dp=2.*oversubscribe")  # expected on 2 CPUs
@@ -165,7 +165,7 @@ def test_async_job_with_two_trainer_ranks_trains_every_sample_once(tmp_path, mon
                              f"run_dir={tmp_path}"])
     launcher = SpyLauncher()
     summary = train(cfg, launcher=launcher, evaluate=False)
-    handed = launcher.dp.handed
+    handed = launcher.plane.handed
     assert len(handed) == len({(p, r) for p, r, _, _ in handed}) == steps * batch  # each row handed out once
     lags = [p - v for p, _, v, _ in handed]
     assert 0 <= min(lags) and max(lags) <= k and summary["max_staleness"] == max(lags)
@@ -228,10 +228,10 @@ def _actor_rank(rank: int, address: str, out: str, fsdp: bool) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     group = TorchGroup(address, rank, 2, timeout_s=60)
-    dp = DataPlane(SCHEMA)
+    plane = DataPlane(SCHEMA)
     for v in range(2):
-        fill(dp, v)
-    role = actor(dp, ALGO, group, fsdp=fsdp)
+        fill(plane, v)
+    role = actor(plane, ALGO, group, fsdp=fsdp)
     if fsdp:  # really sharded: each rank holds only part of the parameters
         assert all(p.to_local().numel() < p.numel() for p in role.engine.model.parameters() if p.numel() > 1)
     for v in range(2):

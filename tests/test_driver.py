@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from asyncflow.config import load_config
 from asyncflow.launch.local import LocalLauncher
-from asyncflow.workflow.driver import train
+from asyncflow.api import train
 
 
 class OrderLauncher(LocalLauncher):

@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 
 from asyncflow.config import ConfigError, load_config
-from asyncflow.workflow.driver import train
+from asyncflow.api import train
 from test_staleness import DelayedDataPlane, DelayLauncher
 
 
@@ -39,8 +39,8 @@ class RewardSpy(DelayedDataPlane):
 
 class SpyLauncher(DelayLauncher):
     def data_plane(self, schema, kind="ray", storage_units=2):
-        self.dp = RewardSpy(schema, self.rng, self.max_delay_s)
-        return self.dp
+        self.plane = RewardSpy(schema, self.rng, self.max_delay_s)
+        return self.plane
 
 
 @pytest.mark.parametrize("mode,k,latency", [("sync", 0, None), ("async", 1, None), ("async", 2, None),
@@ -59,7 +59,7 @@ def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, mode, k, laten
 
     by_group: dict[tuple[int, int], list[float]] = defaultdict(list)
     per_step: dict[int, int] = defaultdict(int)
-    for part, groups, rewards, versions in launcher.dp.batches:
+    for part, groups, rewards, versions in launcher.plane.batches:
         for g, r, w in zip(groups, rewards, versions):
             by_group[(part, g)].append(r)
             per_step[part] += 1

@@ -15,7 +15,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.config import ConfigError, load_config
-from asyncflow.workflow.driver import train
+from asyncflow.api import train
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def r_cpus(report):
 
 
 def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
-    from asyncflow.bench import run_bench
+    from asyncflow.bench.run import run_bench
 
     cfg = load_config(None, ["launcher=local", "warmstart.enabled=false", f"run_dir={tmp_path}",
                              "train.prompts_per_step=4", "rollout.group_size=4", "train.micro_prompts=2",
@@ -121,7 +121,7 @@ def test_role_processes_get_one_malloc_arena_unless_turned_off(monkeypatch):
 @pytest.mark.ray
 def test_a_spawned_role_process_starts_with_one_malloc_arena(monkeypatch):
     from asyncflow.launch.ray_launcher import RayLauncher
-    from asyncflow.workflow.worker import WorkerSpec
+    from asyncflow.workflow.plan import WorkerSpec
 
     class _Env:  # defined here: pickled by value (the workers cannot import this test module)
         def get(self, name):
@@ -158,7 +158,7 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
     """Rollout's solo time depends on how it is fed (step by step for stream, continuously
     for async); the trainer's work does not, so both modes' bounds use its faster solo time."""
     import asyncflow.bench.solo as solo
-    from asyncflow.bench import _workload
+    from asyncflow.bench.run import _workload
 
     solos = {(1, False): {"rollout": 2.0, "actor": 4.0}, (1, True): {"rollout": 1.0, "actor": 5.0}}
     monkeypatch.setattr(solo, "measure_roles",
@@ -181,7 +181,7 @@ def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tm
     """The limiting role's busy fraction x its share of that time on a core x its CPU per
     sample alone / in the run x its solo run's wall / CPU, from the solo run that set the bound."""
     import asyncflow.bench.solo as solo
-    from asyncflow.bench import _workload, format_table
+    from asyncflow.bench.run import _workload, format_table
 
     solos = {(1, False): ({"rollout": 2.0, "actor": 4.0}, {"rollout": 1.9, "actor": 3.6}),
              (1, True): ({"rollout": 1.0, "actor": 5.0}, {"rollout": 0.9, "actor": 4.8})}
@@ -218,7 +218,7 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
     """--repeat 2: two rounds of (sync, its solo, async, its solo); each row keeps its mode's
     fastest run and lists every run; each kind of solo runs once a round, the fastest counts."""
     import asyncflow.bench.solo as solo
-    from asyncflow.bench import _workload
+    from asyncflow.bench.run import _workload
 
     solo_calls = []
 
@@ -254,7 +254,7 @@ def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp
     """Beside the fastest run over the fastest solos, each round's run is divided by the
     bound from that round's solos alone (same pooling rule), and the table lists them."""
     import asyncflow.bench.solo as solo
-    from asyncflow.bench import _workload, format_table
+    from asyncflow.bench.run import _workload, format_table
 
     per_round = {(False, 0): {"rollout": 2.0, "actor": 4.0}, (True, 0): {"rollout": 1.0, "actor": 5.0},
                  (False, 1): {"rollout": 2.0, "actor": 6.0}, (True, 1): {"rollout": 3.0, "actor": 8.0}}

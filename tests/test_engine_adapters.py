@@ -17,7 +17,7 @@ import torch
 from asyncflow.config import ConfigError, load_config
 from asyncflow.engines.adapters import CHECKSUMS, hf_name, named_tensors, sampled_logprobs
 from asyncflow.engines.types import Request, SamplingParams
-from asyncflow.engines.weights import CHECKSUMS as STORE_CHECKSUMS, seal
+from asyncflow.weights.store import CHECKSUMS as STORE_CHECKSUMS, seal
 
 EOS = 2
 
@@ -213,7 +213,7 @@ def test_sglang_backend_generates_loads_and_aborts():
 
 
 def test_engine_switch_config_errors(monkeypatch):
-    import asyncflow.config as config
+    import asyncflow.config.schema as config
 
     for name in ("vllm", "sglang"):
         if not config.engine_installed(name):

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.algorithms.grpo import GRPOLoss
+from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.engines.inference import InferenceEngine, SamplingParams, load_named_weights
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TokenBatch, TrainEngine
-from asyncflow.engines.weights import WeightStore, WeightSubscriber, WeightTransferError, seal, verify
+from asyncflow.weights.store import WeightStore, WeightTransferError, seal, verify
+from asyncflow.weights.subscriber import WeightSubscriber
 
 torch.set_num_threads(1)
 
@@ -122,7 +123,7 @@ def test_forward_backward_micro_batches_equal_one_batch(tok, kl_coef):
     old = [lp + rng.uniform(-0.3, 0.3, size=lp.shape).astype(np.float32) for lp in cur]
     ref = [lp + rng.uniform(-0.2, 0.2, size=lp.shape).astype(np.float32) for lp in cur]
     B = len(prompts)
-    loss = GRPOLoss(batch_size=B, clip_eps=0.2, kl_coef=kl_coef)
+    loss = Algorithm(clip_low=0.2, clip_high=0.2, kl_coef=kl_coef).loss(B)
 
     def extras(sl):
         return {"logprobs": old[sl], "advantages": adv[sl], "ref_logprobs": ref[sl]}
@@ -145,7 +146,7 @@ def test_forward_backward_micro_batches_equal_one_batch(tok, kl_coef):
     # Power check: normalising by the micro-batch size instead gives a different gradient.
     model.zero_grad(set_to_none=True)
     for sl in (slice(0, 2), slice(2, B)):
-        te.forward_backward(prompts[sl], responses[sl], extras(sl), GRPOLoss(batch_size=sl.stop - sl.start, kl_coef=kl_coef))
+        te.forward_backward(prompts[sl], responses[sl], extras(sl), Algorithm(kl_coef=kl_coef).loss(sl.stop - sl.start))
     g_wrong = _grads(model)
     assert any(not torch.allclose(g_wrong[n], g_full[n], atol=1e-6) for n in g_full)
 
@@ -158,7 +159,7 @@ def test_optimizer_step_bumps_version_and_changes_export(tok):
     assert all(isinstance(v, np.ndarray) for v in before.values())
     prompts, responses, adv = _rl_batch(tok)
     old = te.logprobs(prompts, responses)
-    te.forward_backward(prompts, responses, {"logprobs": old, "advantages": adv}, GRPOLoss(batch_size=len(prompts)))
+    te.forward_backward(prompts, responses, {"logprobs": old, "advantages": adv}, Algorithm().loss(len(prompts)))
     m = te.optimizer_step()
     assert te.version == 1 and m["grad_norm"] > 0
     assert all(p.grad is None for p in model.parameters())

@@ -15,10 +15,10 @@ import pytest
 
 from asyncflow.engines.fake import EOS, FakeEngine
 from asyncflow.engines.types import Request, SamplingParams
-from asyncflow.queue import DataPlane
+from asyncflow.dataplane import DataPlane
 from asyncflow.workflow.fields import SCHEMA, encode_text
-from asyncflow.workflow.reward import RewardRole
-from asyncflow.workflow.rollout import RolloutRole
+from asyncflow.workflow.roles.reward import RewardRole
+from asyncflow.workflow.roles.rollout import RolloutRole
 
 
 def test_fake_generate_is_scripted_and_continuously_batched():
@@ -74,8 +74,8 @@ def _answers():
     return answer
 
 
-def _put_prompts(dp, partition, lens):
-    dp.put({"query_ids": [np.asarray([1, 5 + i], dtype=np.int64) for i in range(len(lens))],
+def _put_prompts(plane, partition, lens):
+    plane.put({"query_ids": [np.asarray([1, 5 + i], dtype=np.int64) for i in range(len(lens))],
             "answer": [encode_text("7")] * len(lens), "gen_len": np.asarray(lens, dtype=np.int64)},
            partition=partition)
 
@@ -91,12 +91,12 @@ def _poll_until(role, cond, limit=200):
 @pytest.mark.parametrize("on_swap", ["continue", "discard"])
 def test_rollout_swap_policy_with_the_fake_engine(on_swap):
     t0 = time.perf_counter()
-    dp = DataPlane(SCHEMA)
-    _put_prompts(dp, 0, [1, 1])  # step 0: two one-token groups
-    _put_prompts(dp, 1, [2, 6])  # step 1: a short group (C) and a long one (D)
+    plane = DataPlane(SCHEMA)
+    _put_prompts(plane, 0, [1, 1])  # step 0: two one-token groups
+    _put_prompts(plane, 1, [2, 6])  # step 1: a short group (C) and a long one (D)
     eng = FakeEngine(answer=_answers(), logprob=lambda version, pos: -1.0 - version, max_batch=8)
     weights = StagedWeights(eng)
-    role = RolloutRole(eng, dp, SamplingParams(max_new_tokens=8), group_size=2, prompts_per_step=2,
+    role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=8), group_size=2, prompts_per_step=2,
                        staleness=1, weights=weights, on_swap=on_swap)
     role.flush_s = 0.0  # send each placed group at once (the default batches for 20 ms)
     _poll_until(role, lambda: role.produced[0] == 4 and role.produced[1] == 2)  # step 0 full, C placed
@@ -107,7 +107,7 @@ def test_rollout_swap_policy_with_the_fake_engine(on_swap):
     weights.stage(1)  # the trainer consumed step 0 and published version 1
     _poll_until(role, lambda: role.produced[1] == 4)
     assert role.placer.started == 4  # a restart is not a new admission
-    meta, data = dp.get_batch("check", ["group", "version", "token_versions", "logprobs", "response_ids"],
+    meta, data = plane.get_batch("check", ["group", "version", "token_versions", "logprobs", "response_ids"],
                               n=4, partition=1)
     by_group = defaultdict(list)
     for i, g in enumerate(data["group"].tolist()):
@@ -129,10 +129,10 @@ def test_rollout_swap_policy_with_the_fake_engine(on_swap):
     assert all(0 <= 1 - v <= 1 for v in data["version"].tolist())
 
     # The reward role scores the streamed samples (answer "7": the fake's digits never match).
-    reward = RewardRole(dp, lambda p, r, a: float(r == a), lambda ids: "".join(map(str, ids)), micro=8)
+    reward = RewardRole(plane, lambda p, r, a: float(r == a), lambda ids: "".join(map(str, ids)), micro=8)
     try:
         _poll_until(reward, lambda: reward.items == 8)
     finally:
         reward.close()
-    assert dp.get_batch("check2", ["reward"], n=4, partition=1)[1]["reward"].tolist() == [0.0] * 4
+    assert plane.get_batch("check2", ["reward"], n=4, partition=1)[1]["reward"].tolist() == [0.0] * 4
     assert time.perf_counter() - t0 < 2.0  # no model: the whole pipeline is milliseconds of work

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from asyncflow.planner.trace import _merge, tracks, write_trace
+from asyncflow.observe.trace import _merge, tracks, write_trace
 
 SPANS = [("rollout", "decode", 0.0, 1.0), ("actor", "train", 0.5, 0.25), ("rollout", "decode", 1.0, 0.5),
          ("reward", "reward", 1.2, 0.1)]
@@ -25,7 +25,7 @@ def test_gantt_png_of_a_simulated_run_and_of_a_trace_file(tmp_path):
     pytest.importorskip("matplotlib")
     from asyncflow.planner.costs import ConstantCost
     from asyncflow.planner.sim import Allocation, Workload, simulate
-    from asyncflow.planner.trace import write_gantt, write_sim_trace
+    from asyncflow.observe.trace import write_gantt, write_sim_trace
 
     r = simulate(Workload(prompts_per_step=2, group_size=2, lengths={4: 1.0}, steps=4),
                  Allocation("async", micro_prompts=1, slots=4), ConstantCost(decode=1.0, train_per_row=0.5, reward=0.1))
@@ -39,7 +39,7 @@ def test_gantt_png_of_a_simulated_run_and_of_a_trace_file(tmp_path):
 def test_gantt_without_matplotlib_is_one_line_with_the_fix(tmp_path, monkeypatch):
     import builtins
 
-    from asyncflow.planner.trace import PlotUnavailable, write_gantt
+    from asyncflow.observe.trace import PlotUnavailable, write_gantt
 
     real = builtins.__import__
     monkeypatch.setattr(builtins, "__import__", lambda name, *a, **k: (_ for _ in ()).throw(ImportError(name))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.algorithms.grpo import GRPOLoss, group_advantages
+from asyncflow.algorithms.advantages import dr_grpo_advantages, grpo_advantages
+from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.engines.inference import SamplingParams, sample_tokens
 from asyncflow.engines.training import TokenBatch
 
@@ -19,7 +20,7 @@ from asyncflow.engines.training import TokenBatch
 def test_group_advantages_hand_computed():
     rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1], dtype=np.float32)
     groups = np.array([0, 0, 0, 0, 1, 1, 1, 1])
-    adv = group_advantages(rewards, groups)
+    adv = grpo_advantages(rewards, groups)
     # group 0: mean 0.5, population std 0.5 -> (r - 0.5) / 0.5 = +-1; group 1: all equal -> 0.
     np.testing.assert_allclose(adv, [1, -1, -1, 1, 0, 0, 0, 0], atol=1e-5)
     assert adv.dtype == np.float32 and adv.shape == (8,)
@@ -28,7 +29,7 @@ def test_group_advantages_hand_computed():
 def test_group_advantages_without_std_normalisation():
     rewards = np.array([1, 0, 0, 1, 1, 1, 1, 1], dtype=np.float32)
     groups = np.array([0, 0, 0, 0, 1, 1, 1, 1])
-    adv = group_advantages(rewards, groups, std_normalize=False)
+    adv = dr_grpo_advantages(rewards, groups)
     np.testing.assert_allclose(adv, [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0], atol=1e-7)
 
 
@@ -37,9 +38,9 @@ def test_group_advantages_three_values_and_interleaved_groups():
     # Interleaved with group 7 = [3, 5]: mean 4, std 1 -> (-1, 1).
     rewards = np.array([0.0, 3.0, 1.0, 5.0, 2.0])
     groups = np.array([4, 7, 4, 7, 4])
-    adv = group_advantages(rewards, groups)
+    adv = grpo_advantages(rewards, groups)
     np.testing.assert_allclose(adv, [-1.2247449, -1.0, 0.0, 1.0, 1.2247449], atol=1e-5)
-    adv_dr = group_advantages(rewards, groups, std_normalize=False)
+    adv_dr = dr_grpo_advantages(rewards, groups)
     np.testing.assert_allclose(adv_dr, [-1, -1, 0, 1, 1], atol=1e-7)
 
 
@@ -47,7 +48,7 @@ def test_group_advantages_sum_to_zero_per_group():
     rng = np.random.default_rng(0)
     rewards = rng.random(24)
     groups = np.repeat(np.arange(3), 8)
-    adv = group_advantages(rewards, groups)
+    adv = grpo_advantages(rewards, groups)
     for g in range(3):
         assert abs(adv[groups == g].sum()) < 1e-4
         np.testing.assert_allclose(adv[groups == g].std(), 1.0, atol=1e-4)
@@ -78,13 +79,13 @@ def test_loss_at_ratio_one_is_minus_mean_advantage_ragged():
     # Padding positions carry junk; they must be masked out.
     logp = _logp_tensor(old, 3, pad_value=0.25)
     adv = np.array([1.0, -2.0, 0.5], dtype=np.float32)
-    loss, metrics = GRPOLoss(batch_size=3)(logp, batch, {"logprobs": old, "advantages": adv})
+    loss, metrics = Algorithm().loss(3)(logp, batch, {"logprobs": old, "advantages": adv})
     # ratio 1: per-token -A, token mean per sequence -A_i, sum / 3 = -(1 - 2 + 0.5) / 3 = 1/6.
     assert loss.item() == pytest.approx(1 / 6, abs=1e-6)
     assert metrics["clip_frac"] == 0.0
     assert metrics["ratio_max"] == pytest.approx(1.0, abs=1e-6)
     # Normaliser is the step's batch size, not the rows present.
-    loss6, _ = GRPOLoss(batch_size=6)(logp, batch, {"logprobs": old, "advantages": adv})
+    loss6, _ = Algorithm().loss(6)(logp, batch, {"logprobs": old, "advantages": adv})
     assert loss6.item() == pytest.approx(1 / 12, abs=1e-6)
     # Gradient w.r.t. each valid token = -A_i / (n_i * batch_size); zero at padding.
     loss.backward()
@@ -98,7 +99,7 @@ def test_loss_is_token_mean_per_sequence_not_token_sum():
     old = [np.array([0.0]), np.array([0.0, 0.0, 0.0])]
     logp = _logp_tensor([[0.0], [math.log(1.1), 0.0, 0.0]], 3)
     adv = np.array([2.0, 1.0], dtype=np.float32)
-    loss, _ = GRPOLoss(batch_size=4)(logp, batch, {"logprobs": old, "advantages": adv})
+    loss, _ = Algorithm().loss(4)(logp, batch, {"logprobs": old, "advantages": adv})
     # row 0: -2; row 1: mean(-1.1, -1, -1) = -3.1/3; total / 4.
     expected = (-2.0 - 3.1 / 3) / 4
     assert loss.item() == pytest.approx(expected, abs=1e-6)
@@ -109,7 +110,7 @@ def test_clipping_positive_advantage_caps_objective_and_zeroes_gradient():
     old = [np.array([-1.0])]
     logp = _logp_tensor([[-1.0 + math.log(1.5)]], 1)  # ratio 1.5
     A = 2.0
-    loss, metrics = GRPOLoss(batch_size=1, clip_eps=0.2)(logp, batch, {"logprobs": old, "advantages": np.array([A])})
+    loss, metrics = Algorithm(clip_low=0.2, clip_high=0.2).loss(1)(logp, batch, {"logprobs": old, "advantages": np.array([A])})
     # min(1.5 * 2, 1.2 * 2) = 2.4 -> loss -2.4, and the clipped branch has no gradient.
     assert loss.item() == pytest.approx(-2.4, abs=1e-5)
     assert metrics["clip_frac"] == 1.0
@@ -123,7 +124,7 @@ def test_clipping_negative_advantage_keeps_unclipped_gradient():
     old = [np.array([-1.0])]
     logp = _logp_tensor([[-1.0 + math.log(1.5)]], 1)  # ratio 1.5
     A = -2.0
-    loss, metrics = GRPOLoss(batch_size=1, clip_eps=0.2)(logp, batch, {"logprobs": old, "advantages": np.array([A])})
+    loss, metrics = Algorithm(clip_low=0.2, clip_high=0.2).loss(1)(logp, batch, {"logprobs": old, "advantages": np.array([A])})
     # min(1.5 * -2, 1.2 * -2) = -3 (unclipped) -> loss 3; d(-rho A)/dlogp = -rho A = 3.
     assert loss.item() == pytest.approx(3.0, abs=1e-5)
     assert metrics["clip_frac"] == 0.0
@@ -136,7 +137,7 @@ def test_clipping_lower_side():
     old = [np.array([0.0])]
     logp = _logp_tensor([[math.log(0.5)]], 1)  # ratio 0.5 < 1 - eps
     # A < 0: min(0.5 * -1, 0.8 * -1) = -0.8 (clipped) -> loss 0.8, zero gradient.
-    loss, m = GRPOLoss(batch_size=1)(logp, batch, {"logprobs": old, "advantages": np.array([-1.0])})
+    loss, m = Algorithm().loss(1)(logp, batch, {"logprobs": old, "advantages": np.array([-1.0])})
     assert loss.item() == pytest.approx(0.8, abs=1e-6) and m["clip_frac"] == 1.0
     loss.backward()
     assert logp.grad.item() == 0.0
@@ -148,7 +149,7 @@ def test_kl_k3_term_hand_computed():
     old = [np.array([-1.0])]  # ratio 1
     ref = [np.array([-0.5])]  # d = ref - logp = 0.5
     beta = 0.1
-    loss, metrics = GRPOLoss(batch_size=1, kl_coef=beta)(
+    loss, metrics = Algorithm(kl_coef=beta).loss(1)(
         logp, batch, {"logprobs": old, "advantages": np.array([0.0]), "ref_logprobs": ref})
     k3 = math.exp(0.5) - 0.5 - 1  # 0.1487212707
     assert metrics["kl"] == pytest.approx(k3, abs=1e-6)
@@ -162,7 +163,7 @@ def test_kl_is_zero_and_ignored_when_coef_zero():
     batch = _batch([2])
     logp = _logp_tensor([[-1.0, -2.0]], 2)
     old = [np.array([-1.0, -2.0])]
-    loss, metrics = GRPOLoss(batch_size=1)(logp, batch, {"logprobs": old, "advantages": np.array([0.0])})
+    loss, metrics = Algorithm().loss(1)(logp, batch, {"logprobs": old, "advantages": np.array([0.0])})
     assert loss.item() == 0.0 and "kl" not in metrics
 
 

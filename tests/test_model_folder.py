@@ -7,7 +7,7 @@ import os
 import pytest
 
 from asyncflow.config import ConfigError
-from asyncflow.tasks import check_model_folder, load_model
+from asyncflow.tasks.models import check_model_folder, load_model
 
 
 def test_a_saved_model_loads_back_through_model_path(model_dir):
@@ -54,7 +54,7 @@ def test_cli_reports_a_bad_model_path_in_one_line(tmp_path, capsys):
 
 def test_a_job_trains_a_model_from_a_folder(model_dir, tmp_path):
     from asyncflow.config import load_config
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     cfg = load_config(None, [f"model.path={model_dir}", "mode=sync", "launcher=local", "train.steps=2",
                              "train.prompts_per_step=2", "rollout.group_size=2", "train.micro_prompts=1",

@@ -49,7 +49,7 @@ def test_on_cpu_is_cpu_over_wall_of_the_compute_sections_between_snapshots():
 def test_a_role_counts_the_cpu_its_thread_got_in_its_compute_sections():
     import time
 
-    from asyncflow.workflow.role import Role
+    from asyncflow.workflow.roles.base import Role
 
     role = Role()
     with role.work():

@@ -18,10 +18,10 @@ import pytest
 
 from asyncflow.engines.fake import FakeEngine
 from asyncflow.engines.types import SamplingParams
-from asyncflow.queue import DataPlane
-from asyncflow.workflow.driver import train
+from asyncflow.dataplane import DataPlane
+from asyncflow.api import train
 from asyncflow.workflow.fields import SCHEMA, encode_text
-from asyncflow.workflow.rollout import RolloutRole
+from asyncflow.workflow.roles.rollout import RolloutRole
 from test_fake_engine import StagedWeights
 from test_staleness import DelayLauncher, small_job
 
@@ -44,13 +44,13 @@ def attempt_lengths():
 
 def run_role(steps: int, k: int, extra: int, sync: bool):
     """Returns (rollout decode rounds per step, trained rows per step, the role)."""
-    dp = DataPlane(SCHEMA)
+    plane = DataPlane(SCHEMA)
     for part in range(steps + 3):
-        dp.put({"query_ids": [np.asarray([1, 5 + i], dtype=np.int64) for i in range(P)],
+        plane.put({"query_ids": [np.asarray([1, 5 + i], dtype=np.int64) for i in range(P)],
                 "answer": [encode_text("7")] * P, "gen_len": np.zeros(P, dtype=np.int64)}, partition=part)
     eng = FakeEngine(answer=attempt_lengths(), max_batch=64)
     weights = None if sync else StagedWeights(eng)
-    role = RolloutRole(eng, dp, SamplingParams(max_new_tokens=32), group_size=GROUP, prompts_per_step=P,
+    role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=32), group_size=GROUP, prompts_per_step=P,
                        staleness=k, weights=weights, overprovision=extra)
     role.flush_s = 0.0
     rounds, trained = [], []
@@ -61,7 +61,7 @@ def run_role(steps: int, k: int, extra: int, sync: bool):
                 break
             role.poll(0.001)
         rounds.append(role.steps - start)
-        _, data = dp.get_batch("actor", ["group", "version", "token_versions"], n=P * GROUP, partition=v)
+        _, data = plane.get_batch("actor", ["group", "version", "token_versions"], n=P * GROUP, partition=v)
         trained.append([(g, int(w), t.tolist()) for g, w, t in
                         zip(data["group"].tolist(), data["version"].tolist(), data["token_versions"])])
         if sync:
@@ -123,7 +123,7 @@ def test_pipeline_with_overprovision(tmp_path, mode, k, latency):
                     "rollout.longtail_short=2", "rollout.longtail_frac=0.25", "resources.sync_threads=1")
     launcher = DelayLauncher(7, max_delay_s=0.002)
     summary = train(cfg, launcher=launcher, run_dir=tmp_path, evaluate=False)
-    trained = launcher.dp.trained
+    trained = launcher.plane.trained
     assert len(trained) == steps * 4 * 4  # every step full
     assert all(0 <= v - w <= k for v, w in trained)
     o = summary["overprovision"]

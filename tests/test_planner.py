@@ -155,7 +155,7 @@ def test_real_run_writes_a_trace_with_one_track_per_role(tmp_path):
     import json
 
     from asyncflow.config import load_config
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     cfg = load_config(None, ["mode=stream", "launcher=local", "warmstart.enabled=false", "train.steps=2",
                              "train.prompts_per_step=4", "train.micro_prompts=2", "train.eval_every=0",
@@ -309,7 +309,7 @@ def test_actor_steps_and_overlap_interference():
 
 
 def test_transfer_is_measured_through_a_subscriber():
-    from asyncflow.launch import get_launcher
+    from asyncflow.launch.registry import get_launcher
     from asyncflow.planner.profile import _transfer
 
     assert 0.0 < _transfer(get_launcher("local"), 4000, reps=3, warm=1) < 1.0

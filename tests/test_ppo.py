@@ -108,7 +108,7 @@ def test_ppo_config_fields_and_errors():
     assert (a.gamma, a.lam, a.value_clip) == (0.99, 0.95, 0.5)
     with pytest.raises(ConfigError, match=r"algorithm\.lam = 1\.5.*lambda"):
         load_config(None, ["algorithm.name=ppo", "algorithm.lam=1.5"])
-    from asyncflow.workflow.worker import plan_workers
+    from asyncflow.workflow.plan import plan_workers
 
     specs = plan_workers(load_config(None, ["algorithm.name=ppo", "algorithm.kl_coef=0.01"]), ncpu=2)
     assert {s.name for s in specs} == {"rollout", "reference", "critic", "actor"}  # rewards inside rollout
@@ -173,16 +173,16 @@ def test_critic_update_lowers_the_value_loss_on_a_fixed_batch(tiny):
 
 def test_critic_role_values_with_the_steps_critic_and_writes_advantages(tiny):
     from asyncflow.engines.critic import CriticEngine
-    from asyncflow.queue import DataPlane
-    from asyncflow.workflow.critic import CriticRole
+    from asyncflow.dataplane import DataPlane
+    from asyncflow.workflow.roles.critic import CriticRole
     from asyncflow.workflow.fields import SCHEMA
 
     tok, lm = tiny
-    dp = DataPlane(SCHEMA)
-    role = CriticRole(CriticEngine(lm, tok.pad_token_id, lr=1e-2), dp, _ppo(), batch_size=3, micro=2, epochs=2)
+    plane = DataPlane(SCHEMA)
+    role = CriticRole(CriticEngine(lm, tok.pad_token_id, lr=1e-2), plane, _ppo(), batch_size=3, micro=2, epochs=2)
     p = np.array(tok("1+2=").input_ids)
     for v in (0, 1):
-        dp.put({"prompt_ids": [p] * 3, "response_ids": [np.array([5, 6]), np.array([7]), np.array([4, 4, 4])],
+        plane.put({"prompt_ids": [p] * 3, "response_ids": [np.array([5, 6]), np.array([7]), np.array([4, 4, 4])],
                 "reward": np.array([1.0, 0.0, 0.5], np.float32)}, partition=v)
     assert role.poll(0.1) == 2 and role.step == 0 and role.engine.version == 0
     assert role.poll(0.1) == 1 and role.step == 1 and role.engine.version == 2  # two epochs on step 0
@@ -190,11 +190,11 @@ def test_critic_role_values_with_the_steps_critic_and_writes_advantages(tiny):
     assert m["value_mean"] == 0 and m["return_mean"] == pytest.approx((2 * 1.0 + 0 + 3 * 0.5) / 6)
     assert m["value_loss"] == pytest.approx(0.5 * (2 * 1 + 0 + 3 * 0.25) / 6)
     assert math.isfinite(m["explained_var"]) and "vf_clip_frac" in m
-    _, got = dp.get_batch("t", ["advantages"], n=3, partition=0)
+    _, got = plane.get_batch("t", ["advantages"], n=3, partition=0)
     # zero-initialised critic, gamma = lam = 1: A_t = reward at every token
     assert [r.tolist() for r in got["advantages"]] == [[1.0, 1.0], [0.0], [0.5, 0.5, 0.5]]
     role.poll(0.1), role.poll(0.1)  # step 1: valued by the critic trained on step 0
-    _, got = dp.get_batch("t", ["advantages"], n=3, partition=1)
+    _, got = plane.get_batch("t", ["advantages"], n=3, partition=1)
     assert role.engine.version == 4 and got["advantages"][0][0] != 1.0
     assert role.wait_step(5, 0) is None
 
@@ -211,7 +211,7 @@ def length_reward(prompt: str, response: str, sample: dict) -> float:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_ppo_trains_end_to_end(tmp_path, mode):
     from asyncflow.launch.local import LocalLauncher
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     cfg = load_config(None, [f"mode={mode}", "staleness=1", "launcher=local", "warmstart.enabled=false",
                              "progress=false", "train.steps=3", "train.prompts_per_step=4", "train.micro_prompts=2",
@@ -232,7 +232,7 @@ def test_ppo_trains_end_to_end(tmp_path, mode):
 
 
 def test_bench_refuses_ppo_with_one_line():
-    from asyncflow.bench import run_bench
+    from asyncflow.bench.run import run_bench
 
     with pytest.raises(ConfigError, match="PPO critic"):
         run_bench(load_config(None, ["algorithm.name=ppo", "launcher=local"]), workloads=["a"])

@@ -1,4 +1,4 @@
-"""Unit tests of the data plane (asyncflow.queue) with hand-computed expectations."""
+"""Unit tests of the data plane (asyncflow.dataplane) with hand-computed expectations."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from asyncflow.queue import (
+from asyncflow.dataplane import (
     BatchMeta,
     DataPlane,
     Field,
@@ -26,8 +26,8 @@ from asyncflow.queue import (
     TokenBalancedSampler,
     chunk_sizes,
 )
-from asyncflow.queue.samplers import check_sample
-from asyncflow.queue.schema import validate_tags
+from asyncflow.dataplane.core.samplers import check_sample
+from asyncflow.dataplane.core.schema import validate_tags
 
 SCHEMA = Schema(
     [
@@ -506,7 +506,7 @@ def test_queue_package_imports_neither_torch_nor_ray():
 def test_docstring_examples_hold():
     import doctest
 
-    from asyncflow.queue import controller, samplers, schema
+    from asyncflow.dataplane.core import controller, samplers, schema
 
     for module in (schema, samplers, controller):
         result = doctest.testmod(module)

@@ -1,5 +1,5 @@
 """Property test of the lease bookkeeping that makes a distributed ``get_batch`` atomic
-with respect to ``clear`` (:mod:`asyncflow.queue.leases`), against a plain model."""
+with respect to ``clear`` (:mod:`asyncflow.dataplane.core.leases`), against a plain model."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections import Counter
 from hypothesis import given
 from hypothesis import strategies as st
 
-from asyncflow.queue.leases import Leases
+from asyncflow.dataplane.core.leases import Leases
 
 ROWS = st.lists(st.integers(0, 15), min_size=1, max_size=6, unique=True)
 OPS = st.lists(st.one_of(

@@ -22,7 +22,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow.queue import (
+from asyncflow.dataplane import (
     DataPlane,
     Field,
     GroupSampler,
@@ -71,7 +71,7 @@ def test_streaming_pipeline_consumes_every_row_exactly_once_per_task(
 ):
     sizes = {(i, k): sum(puts) for i, plan in enumerate(plans) for k, puts in enumerate(plan)}
     capacity = sum(max(sum(puts) for puts in plan) for plan in plans) + extra_capacity
-    dp = DataPlane(SCHEMA, capacity=capacity)
+    plane = DataPlane(SCHEMA, capacity=capacity)
     min_n = 1 if take_partial else None
 
     lock = threading.Lock()
@@ -94,7 +94,7 @@ def test_streaming_pipeline_consumes_every_row_exactly_once_per_task(
             except BaseException as exc:  # noqa: BLE001 - reported by the main thread
                 with lock:
                     errors.append(exc)
-                dp.close()
+                plane.close()
 
         return run
 
@@ -106,30 +106,30 @@ def test_streaming_pipeline_consumes_every_row_exactly_once_per_task(
             for size in puts:
                 uids = list(range(uid, uid + size))
                 uid += size
-                dp.put({"a": [payload(u) for u in uids]}, partition=(i, k), timeout=WAIT)
-                assert dp.stats()["live_rows"] <= capacity
+                plane.put({"a": [payload(u) for u in uids]}, partition=(i, k), timeout=WAIT)
+                assert plane.stats()["live_rows"] <= capacity
                 with lock:
                     produced.extend(uids)
                 jitter(rnd)
-            dp.seal((i, k))
+            plane.seal((i, k))
 
     @guarded
     def stage(j: int) -> None:
         rnd = random.Random(seed * 37 + j)
         while True:
-            meta, data = dp.get_batch("stage", ["a"], n=stage_n, min_n=min_n, timeout=WAIT)
+            meta, data = plane.get_batch("stage", ["a"], n=stage_n, min_n=min_n, timeout=WAIT)
             assert 1 <= len(meta) <= stage_n
             uids = check_rows(data["a"])
             with lock:
                 seen["stage"].extend(uids)
             jitter(rnd)
-            dp.put({"b": [2 * u for u in uids]}, partition=meta.partition, rows=meta.rows)
+            plane.put({"b": [2 * u for u in uids]}, partition=meta.partition, rows=meta.rows)
 
     @guarded
     def final(task: str, j: int) -> None:
         rnd = random.Random(seed * 41 + j)
         while True:
-            meta, data = dp.get_batch(task, ["a", "b"], n=final_n, min_n=min_n, timeout=WAIT)
+            meta, data = plane.get_batch(task, ["a", "b"], n=final_n, min_n=min_n, timeout=WAIT)
             assert 1 <= len(meta) <= final_n and not meta.dropped
             uids = check_rows(data["a"])
             assert data["b"].tolist() == [2 * u for u in uids]  # 'b' was produced before
@@ -144,7 +144,7 @@ def test_streaming_pipeline_consumes_every_row_exactly_once_per_task(
                 if finished:
                     cleared.append(meta.partition)
             if finished:  # exactly one consumer sees the second task complete
-                dp.clear(meta.partition)
+                plane.clear(meta.partition)
                 with lock:
                     if len(cleared) == len(sizes):
                         all_cleared.set()
@@ -160,7 +160,7 @@ def test_streaming_pipeline_consumes_every_row_exactly_once_per_task(
         t.daemon = True
         t.start()
     all_cleared.wait(WAIT)
-    dp.close()
+    plane.close()
     for t in threads:
         t.join(WAIT)
     assert not errors, errors
@@ -171,7 +171,7 @@ def test_streaming_pipeline_consumes_every_row_exactly_once_per_task(
     for task in ("stage", *FINAL_TASKS):
         assert sorted(seen[task]) == expected, task  # none lost, none duplicated
     assert sorted(cleared) == sorted(sizes)
-    stats = dp.stats()
+    stats = plane.stats()
     assert stats["live_rows"] == 0
     # a partition cleared before its producer sealed it is re-created empty by seal()
     assert set(stats["partitions"].values()) <= {0}
@@ -195,7 +195,7 @@ def put_ops(draw):
 @settings(deadline=None, max_examples=50)
 @given(ops=put_ops(), min_version=st.integers(0, 6), n=st.integers(1, 5))
 def test_staleness_sampler_never_hands_out_stale_rows(ops, min_version, n):
-    dp = DataPlane(SCHEMA)
+    plane = DataPlane(SCHEMA)
     version: dict[int, int] = {}
     chosen: list[int] = []
     dropped: list[int] = []
@@ -210,21 +210,21 @@ def test_staleness_sampler_never_hands_out_stale_rows(ops, min_version, n):
 
     for versions, n_gets in ops:
         if versions:
-            rows = dp.put({"b": versions}, tags={"version": versions})
+            rows = plane.put({"b": versions}, tags={"version": versions})
             version.update(zip(rows, versions))
         for _ in range(n_gets):
-            take(dp.get_meta("t", ["b"], n=n, min_n=1, sampler=sampler, block=False))
-    dp.seal(0)
+            take(plane.get_meta("t", ["b"], n=n, min_n=1, sampler=sampler, block=False))
+    plane.seal(0)
     for _ in range(len(version) + 1):  # drain: the sealed partition answers at once
-        meta = dp.get_meta("t", ["b"], n=n, partition=0, sampler=sampler)
+        meta = plane.get_meta("t", ["b"], n=n, partition=0, sampler=sampler)
         if not meta.rows and not meta.dropped:
             break
         take(meta)
-    assert not dp.get_meta("t", ["b"], n=n, partition=0, sampler=sampler).dropped
+    assert not plane.get_meta("t", ["b"], n=n, partition=0, sampler=sampler).dropped
     # chosen + dropped is exactly the consumed set: every row once, stale ones dropped
     assert sorted(chosen + dropped) == sorted(version)
     assert sorted(dropped) == sorted(r for r, v in version.items() if v < min_version)
-    stats = dp.stats()
+    stats = plane.stats()
     assert stats["consumed"].get("t", 0) == len(chosen)
     assert stats["dropped"].get("t", 0) == len(dropped)
 

@@ -1,4 +1,4 @@
-"""The same-host shared-memory path of the distributed data plane (asyncflow.queue.shm).
+"""The same-host shared-memory path of the distributed data plane (asyncflow.dataplane.transport.shm).
 
 Checked: big puts/gets go through /dev/shm segments and return exactly the data; a put's
 part on each unit is one segment owned by the unit until the last of its rows is dropped
@@ -24,10 +24,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow.queue import BatchMeta, DataPlane, Field, Schema, shm
-from asyncflow.queue.protocol import encode_columns
-from asyncflow.queue.zmq_launch import launch
-from asyncflow.queue.zmq_storage import StorageServer
+from asyncflow.dataplane import BatchMeta, DataPlane, Field, Schema
+from asyncflow.dataplane.transport import shm
+from asyncflow.dataplane.transport.protocol import encode_columns
+from asyncflow.dataplane.transport.deploy import launch
+from asyncflow.dataplane.transport.storage_server import StorageServer
 
 SCHEMA = Schema([Field("x", "float32", (64,)), Field("ids", "int64", ragged=True)])  # x: 256 bytes a row
 MIN = 4096  # the clients' threshold here: 16 rows of x
@@ -85,37 +86,37 @@ def dep():
 def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
     before = ours()
     d = launch(SCHEMA, n_storage=2, token="tok")
-    dp = client(d)
+    plane = client(d)
     try:
-        assert dp.transports() == ["shm", "shm"]
-        prefixes = dp._core._shm_prefix
+        assert plane.transports() == ["shm", "shm"]
+        prefixes = plane._core._shm_prefix
         x = np.arange(200 * 64, dtype=np.float32).reshape(200, 64)
-        rows = dp.put({"x": x}, partition="big")
+        rows = plane.put({"x": x}, partition="big")
         # unit 0 holds rows 0-63 and 128-191 (32 KB), unit 1 rows 64-127 and 192-199 (18 KB): one segment each
         assert rows == list(range(200)) and len(files(prefixes, "s")) == 2
-        more = dp.put({"x": x[:20]}, partition="more")  # rows 200-219: 5 KB, on unit 1 after 192-199
-        small = dp.put({"x": x[:10]}, partition="more")  # rows 220-229: 2.5 KB: frames
+        more = plane.put({"x": x[:20]}, partition="more")  # rows 200-219: 5 KB, on unit 1 after 192-199
+        small = plane.put({"x": x[:10]}, partition="more")  # rows 220-229: 2.5 KB: frames
         assert len(files(prefixes, "s")) == 3 and more == list(range(200, 220))
-        meta, got = dp.get_batch("t", ["x"], n=200, partition="big")
+        meta, got = plane.get_batch("t", ["x"], n=200, partition="big")
         assert meta.rows == rows and np.array_equal(got["x"], x)
         # rows 192-229: one slice on unit 1 over three blocks: stacked, 9.5 KB, exported
-        span = dp.get_data(BatchMeta("big", list(range(192, 230)), ["x"]))["x"]
+        span = plane.get_data(BatchMeta("big", list(range(192, 230)), ["x"]))["x"]
         assert np.array_equal(span, np.concatenate([x[192:], x[:20], x[:10]]))
         assert files(prefixes, "x") == []  # the client unlinked the export once mapped
-        dp.clear_rows(rows[:64])  # unit 0's segment still holds rows 128-191
-        dp.clear_rows(rows[130:140])
+        plane.clear_rows(rows[:64])  # unit 0's segment still holds rows 128-191
+        plane.clear_rows(rows[130:140])
         time.sleep(0.3)  # the drops reached the units (see settled)
         assert len(files(prefixes, "s")) == 3
-        got_back = dp.get_data(BatchMeta("big", [129, 140, 191], ["x"]))["x"]
+        got_back = plane.get_data(BatchMeta("big", [129, 140, 191], ["x"]))["x"]
         assert np.array_equal(got_back, x[[129, 140, 191]])
-        dp.clear_rows(rows[128:130] + rows[140:192])
+        plane.clear_rows(rows[128:130] + rows[140:192])
         assert settled(prefixes, "s", 2)
         kept = got["x"]  # a mapping outlives the unlink
-        dp.clear("big")
-        dp.clear("more")
+        plane.clear("big")
+        plane.clear("more")
         assert settled(prefixes, "", 0) and np.array_equal(kept, x) and small == list(range(220, 230))
     finally:
-        dp.disconnect()
+        plane.disconnect()
         d.shutdown()
     assert ours() - before == set()
 
@@ -123,16 +124,16 @@ def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
 def test_shutdown_and_a_killed_unit_leave_nothing():
     before = ours()
     d = launch(SCHEMA, n_storage=2)
-    dp = client(d)
-    dp.put({"x": np.ones((128, 64), np.float32)}, partition=0)
-    prefixes = dp._core._shm_prefix
+    plane = client(d)
+    plane.put({"x": np.ones((128, 64), np.float32)}, partition=0)
+    prefixes = plane._core._shm_prefix
     assert len(files(prefixes, "s")) == 2
     # a client that died after writing its segment, before sending it
     shm.write_segment(prefixes[1], "c", [np.ones(1000, np.uint8)])
     assert len(files(prefixes)) == 3
     os.kill(d.processes[0].pid, signal.SIGKILL)  # unit 0 dies with its segment
     d.processes[0].join(5)
-    dp.disconnect()
+    plane.disconnect()
     d.shutdown(timeout=2)
     assert ours() - before == set()
 
@@ -185,15 +186,15 @@ def test_foreign_names_and_refs_cannot_read_other_files(tmp_path):
 
 
 def test_save_during_a_deferred_clear_writes_only_live_rows(dep, tmp_path):
-    dp = client(dep)
+    plane = client(dep)
     try:
-        a = dp.put({"x": np.zeros((20, 64), np.float32)}, partition="sa")
-        b = dp.put({"x": np.ones((3, 64), np.float32)}, partition="sb")
-        meta, lease = dp._run("_get_meta", "t", ["x"], 20, "sa", None, None, True, None, True)
+        a = plane.put({"x": np.zeros((20, 64), np.float32)}, partition="sa")
+        b = plane.put({"x": np.ones((3, 64), np.float32)}, partition="sb")
+        meta, lease = plane._run("_get_meta", "t", ["x"], 20, "sa", None, None, True, None, True)
         assert meta.rows == a and lease is not None
-        dp.clear("sa")  # deferred: the lease holds a's bytes
-        assert dp.stats()["deferred_drops"] == 20
-        dp.save(tmp_path)
+        plane.clear("sa")  # deferred: the lease holds a's bytes
+        assert plane.stats()["deferred_drops"] == 20
+        plane.save(tmp_path)
         saved = []
         for name in sorted(tmp_path.glob("data-*.npz")):
             with np.load(name) as arrays:
@@ -204,15 +205,15 @@ def test_save_during_a_deferred_clear_writes_only_live_rows(dep, tmp_path):
         assert local.stats()["live_rows"] == 3 and local._storage.nbytes() == 3 * 256
 
         async def unpin():
-            dp._core._ctrl.send("unpin", {"lease": lease}, noreply=True)
+            plane._core._ctrl.send("unpin", {"lease": lease}, noreply=True)
 
-        dp._thread.run(unpin())
-        assert dp.stats()["deferred_drops"] == 0 and settled(dp._core._shm_prefix, "", 0)
+        plane._thread.run(unpin())
+        assert plane.stats()["deferred_drops"] == 0 and settled(plane._core._shm_prefix, "", 0)
         _, got = local.get_batch("r", ["x"], n=3, partition="sb")
         assert got["x"].tolist() == [[1.0] * 64] * 3
     finally:
-        dp.clear("sb")
-        dp.disconnect()
+        plane.clear("sb")
+        plane.disconnect()
 
 
 _part = itertools.count()
@@ -226,8 +227,8 @@ _part = itertools.count()
     st.tuples(st.just("get"), st.integers(0, 3), st.booleans()),  # which live put; or every live row?
 ), min_size=1, max_size=12))
 def test_random_sizes_across_the_threshold_with_clears(recycling, ops):
-    dp = client(recycling)
-    dp._core.recycle_min_bytes = MIN
+    plane = client(recycling)
+    plane._core.recycle_min_bytes = MIN
     held: list[tuple[np.ndarray, np.ndarray]] = []  # (array a get returned, its values): never rewritten
     live: list[tuple[str, list[int], np.ndarray, list]] = []
     try:
@@ -236,7 +237,7 @@ def test_random_sizes_across_the_threshold_with_clears(recycling, ops):
                 part = f"h{next(_part)}"
                 x = np.random.default_rng(k).standard_normal((k, 64)).astype(np.float32)
                 ids = [np.arange(r % 7 + 40 * flag, dtype=np.int64) for r in range(k)]
-                rows = dp.put({"x": x, "ids": ids} if flag else {"x": x}, partition=part)
+                rows = plane.put({"x": x, "ids": ids} if flag else {"x": x}, partition=part)
                 live.append((part, rows, x, ids if flag else None))
             elif live:
                 part, rows, x, ids = live[k % len(live)]
@@ -244,29 +245,29 @@ def test_random_sizes_across_the_threshold_with_clears(recycling, ops):
                     every = sorted((r, i, j) for i, (_, rs, _, _) in enumerate(live) for j, r in enumerate(rs))
                     if not every:
                         continue
-                    got = dp.get_data(BatchMeta(None, [r for r, _, _ in every], ["x"]))["x"]
+                    got = plane.get_data(BatchMeta(None, [r for r, _, _ in every], ["x"]))["x"]
                     assert np.array_equal(got, np.stack([live[i][2][j] for _, i, j in every]))
                 elif op == "get":
                     names = ["x", "ids"] if ids is not None else ["x"]
-                    got = dp.get_data(BatchMeta(part, rows, names))
+                    got = plane.get_data(BatchMeta(part, rows, names))
                     assert np.array_equal(got["x"], x)
                     held.append((got["x"], x.copy()))
                     if ids is not None:
                         assert all(np.array_equal(g, i) for g, i in zip(got["ids"], ids))
                 elif flag:
-                    dp.clear(part)
+                    plane.clear(part)
                     live.pop(k % len(live))
                 else:  # clear the first half of the rows; the rest must stay readable
                     half = len(rows) // 2
-                    dp.clear_rows(rows[:half])
+                    plane.clear_rows(rows[:half])
                     live[k % len(live)] = (part, rows[half:], x[half:], None if ids is None else ids[half:])
             assert all(np.array_equal(a, v) for a, v in held)
-        prefixes = dp._core._shm_prefix
+        prefixes = plane._core._shm_prefix
         assert files(prefixes, "x") == []
     finally:
         for part, *_ in live:
-            dp.clear(part)
-        dp.disconnect()
+            plane.clear(part)
+        plane.disconnect()
     assert prefixes == [] or settled(prefixes, "s", 0)  # every segment freed (or recycled) at its last row
     assert prefixes == [] or files(prefixes, "c") + files(prefixes, "x") == []  # none left behind
 
@@ -321,30 +322,30 @@ def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritte
     schema = Schema([Field("y", "float32", (1 << 15,))])  # 128 KiB a row: 160 rows, 20 MiB
     before = ours()
     d = launch(schema, n_storage=1)
-    dp = d.client()
+    plane = d.client()
     try:
         inodes = lambda kind: {os.stat(os.path.join(shm.SHM_DIR, n)).st_ino for n in files(prefixes, kind)}
         y = np.random.default_rng(0).standard_normal((160, 1 << 15), dtype=np.float32)
-        dp.put({"y": y}, partition="a")
-        prefixes = dp._core._shm_prefix
+        plane.put({"y": y}, partition="a")
+        prefixes = plane._core._shm_prefix
         first = inodes("s")
-        kept = dp.get_data(BatchMeta("a", list(range(64)), ["y"]))["y"]  # a view of the segment
+        kept = plane.get_data(BatchMeta("a", list(range(64)), ["y"]))["y"]  # a view of the segment
         assert not kept.flags.owndata
-        dp.clear("a")
+        plane.clear("a")
         assert settled(prefixes, "r", 1) and files(prefixes, "s") == []
-        dp.put({"y": -y}, partition="b")  # the cleared segment is still mapped here: a new one
+        plane.put({"y": -y}, partition="b")  # the cleared segment is still mapped here: a new one
         assert np.array_equal(kept, y[:64]) and inodes("r") == first and not inodes("s") & first
         second = inodes("s")
         del kept
         gc.collect()
-        dp.clear("b")
+        plane.clear("b")
         assert settled(prefixes, "r", 2)
-        dp.put({"y": 2 * y}, partition="c")  # now either can be reused
+        plane.put({"y": 2 * y}, partition="c")  # now either can be reused
         assert len(files(prefixes, "r")) == 1 and inodes("s") <= first | second
-        _, got = dp.get_batch("t", ["y"], n=160, partition="c")
+        _, got = plane.get_batch("t", ["y"], n=160, partition="c")
         assert np.array_equal(got["y"], 2 * y)
     finally:
-        dp.disconnect()
+        plane.disconnect()
         d.shutdown()
     assert ours() - before == set()
 

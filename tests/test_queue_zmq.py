@@ -19,11 +19,11 @@ import numpy as np
 import pytest
 import zmq
 
-from asyncflow.queue import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
-from asyncflow.queue.samplers import GroupSampler, TokenBalancedSampler
-from asyncflow.queue.protocol import shard_of
-from asyncflow.queue.zmq_client import ZmqDataPlane
-from asyncflow.queue.zmq_launch import launch
+from asyncflow.dataplane import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
+from asyncflow.dataplane.core.samplers import GroupSampler, TokenBalancedSampler
+from asyncflow.dataplane.transport.protocol import shard_of
+from asyncflow.dataplane.transport.client import ZmqDataPlane
+from asyncflow.dataplane.transport.deploy import launch
 
 SCHEMA = Schema([Field("ids", "int64", ragged=True), Field("r", "float32"), Field("v", "int32", (2,))])
 TOKEN = "test-token"
@@ -37,40 +37,40 @@ def dep():
 
 
 @pytest.fixture
-def dp(dep):
+def plane(dep):
     c = dep.client()
     yield c
     c.disconnect()
 
 
-def test_round_trip_sharded_in_sampler_order(dp):
+def test_round_trip_sharded_in_sampler_order(plane):
     ids = [np.arange(k, dtype=np.int64) for k in (3, 1, 0, 5, 2)]
-    rows = dp.put({"ids": ids, "r": [1, 2, 3, 4, 5]}, partition="rt", tags={"tokens": [3, 1, 0, 5, 2]})
-    dp.put({"v": np.arange(10).reshape(5, 2)}, partition="rt", rows=rows)
-    meta, data = dp.get_batch("rt", ["ids", "r", "v"], n=5, partition="rt", sampler=TokenBalancedSampler(2))
+    rows = plane.put({"ids": ids, "r": [1, 2, 3, 4, 5]}, partition="rt", tags={"tokens": [3, 1, 0, 5, 2]})
+    plane.put({"v": np.arange(10).reshape(5, 2)}, partition="rt", rows=rows)
+    meta, data = plane.get_batch("rt", ["ids", "r", "v"], n=5, partition="rt", sampler=TokenBalancedSampler(2))
     assert sorted(meta.rows) == rows and meta.rows != rows  # balanced order, rows on both units
     pos = [rows.index(r) for r in meta.rows]
     assert [x.tolist() for x in data["ids"]] == [ids[i].tolist() for i in pos]
     assert data["r"].tolist() == [float(i + 1) for i in pos]
     assert data["v"].tolist() == [[2 * i, 2 * i + 1] for i in pos]
-    assert dp.tags(rows[:2]) == {"tokens": [3, 1]}
+    assert plane.tags(rows[:2]) == {"tokens": [3, 1]}
 
 
-def test_errors_name_field_and_row_and_change_nothing(dp):
-    rows = dp.put({"r": [1.0, 2.0]}, partition="err")
+def test_errors_name_field_and_row_and_change_nothing(plane):
+    rows = plane.put({"r": [1.0, 2.0]}, partition="err")
     with pytest.raises(SchemaError, match="field 'ids' row 1: expected 1-D"):
-        dp.put({"ids": [[1], [[2]]]}, partition="err", rows=rows)
+        plane.put({"ids": [[1], [[2]]]}, partition="err", rows=rows)
     with pytest.raises(ValueError, match=f"row {rows[0]} field 'r' was already written"):
-        dp.put({"r": [3.0]}, partition="err", rows=rows[:1])
+        plane.put({"r": [3.0]}, partition="err", rows=rows[:1])
     with pytest.raises(SchemaError, match="unknown field 'nope'"):
-        dp.get_meta("err", ["nope"], n=1)
+        plane.get_meta("err", ["nope"], n=1)
     with pytest.raises(ValueError, match="cannot be sent"):
-        dp.get_meta("err", ["r"], n=1, sampler=lambda *a: None)
-    meta, data = dp.get_batch("err", ["r"], n=2, partition="err")
+        plane.get_meta("err", ["r"], n=1, sampler=lambda *a: None)
+    meta, data = plane.get_batch("err", ["r"], n=2, partition="err")
     assert data["r"].tolist() == [1.0, 2.0]
 
 
-def test_blocked_get_meta_does_not_block_other_clients(dep, dp):
+def test_blocked_get_meta_does_not_block_other_clients(dep, plane):
     got = {}
 
     def wait():
@@ -82,52 +82,52 @@ def test_blocked_get_meta_does_not_block_other_clients(dep, dp):
     time.sleep(0.1)
     start = time.monotonic()
     for _ in range(20):  # others keep working while it waits
-        dp.get_batch("blk-other", ["r"], n=1, partition="blk-x", block=False)
-    assert dp.stats()["waiting"] >= 1
+        plane.get_batch("blk-other", ["r"], n=1, partition="blk-x", block=False)
+    assert plane.stats()["waiting"] >= 1
     assert time.monotonic() - start < 2.0
-    rows = dp.put({"r": [7.0]}, partition="blk")
+    rows = plane.put({"r": [7.0]}, partition="blk")
     t.join(5)
     assert got["meta"].rows == rows
 
 
-def test_timeout_and_nonblocking(dp):
+def test_timeout_and_nonblocking(plane):
     start = time.monotonic()
     with pytest.raises(QueueTimeout, match="task 'to' waiting for 1..1 rows"):
-        dp.get_meta("to", ["r"], n=1, partition="to", timeout=0.2)
+        plane.get_meta("to", ["r"], n=1, partition="to", timeout=0.2)
     assert 0.15 < time.monotonic() - start < 2.0
-    assert dp.get_meta("to", ["r"], n=1, partition="to", block=False).rows == []
+    assert plane.get_meta("to", ["r"], n=1, partition="to", block=False).rows == []
 
 
-def test_reset_consumption_and_clear_rows(dp):
-    rows = dp.put({"r": [1.0, 2.0, 3.0]}, partition="rc")
-    assert dp.get_meta("rc", ["r"], n=3, partition="rc").rows == rows
-    dp.reset_consumption("rc")
-    dp.clear_rows([rows[1]])
-    meta, data = dp.get_batch("rc", ["r"], n=2, partition="rc")
+def test_reset_consumption_and_clear_rows(plane):
+    rows = plane.put({"r": [1.0, 2.0, 3.0]}, partition="rc")
+    assert plane.get_meta("rc", ["r"], n=3, partition="rc").rows == rows
+    plane.reset_consumption("rc")
+    plane.clear_rows([rows[1]])
+    meta, data = plane.get_batch("rc", ["r"], n=2, partition="rc")
     assert meta.rows == [rows[0], rows[2]] and data["r"].tolist() == [1.0, 3.0]
     with pytest.raises(ValueError, match=f"row {rows[1]}"):
-        dp.get_data(BatchMeta("rc", [rows[1]], ["r"]))
+        plane.get_data(BatchMeta("rc", [rows[1]], ["r"]))
 
 
-def test_save_load_across_deployments(tmp_path, dp):
-    dp.put({"ids": [[1, 2], [3]], "r": [1.0, 2.0]}, partition="sv", tags={"group": [0, 0]})
-    dp.save(tmp_path / "s")
+def test_save_load_across_deployments(tmp_path, plane):
+    plane.put({"ids": [[1, 2], [3]], "r": [1.0, 2.0]}, partition="sv", tags={"group": [0, 0]})
+    plane.save(tmp_path / "s")
     local = DataPlane(SCHEMA)  # a distributed save loads in process, and back
     local.load(tmp_path / "s")
     meta, data = local.get_batch("sv", ["ids", "r"], n=2, partition="sv", sampler=GroupSampler(2))
     assert [x.tolist() for x in data["ids"]] == [[1, 2], [3]]
     local.save(tmp_path / "l")
-    dp.clear("sv")
-    dp.load(tmp_path / "l")
-    assert dp.get_meta("sv", ["r"], n=2, partition="sv", block=False).rows == []  # consumed in 'local'
-    assert len(dp.get_batch("sv2", ["ids"], n=2, partition="sv")[1]["ids"]) == 2
+    plane.clear("sv")
+    plane.load(tmp_path / "l")
+    assert plane.get_meta("sv", ["r"], n=2, partition="sv", block=False).rows == []  # consumed in 'local'
+    assert len(plane.get_batch("sv2", ["ids"], n=2, partition="sv")[1]["ids"]) == 2
 
 
-def test_pickled_client_reconnects(dp):
-    rows = dp.put({"r": [5.0]}, partition="pk")
-    copy = pickle.loads(pickle.dumps(dp))
+def test_pickled_client_reconnects(plane):
+    rows = plane.put({"r": [5.0]}, partition="pk")
+    copy = pickle.loads(pickle.dumps(plane))
     assert copy.get_batch("pk", ["r"], n=1, partition="pk")[1]["r"].tolist() == [5.0]
-    assert b"test-token" in pickle.dumps(dp) and len(pickle.dumps(dp)) < 200
+    assert b"test-token" in pickle.dumps(plane) and len(pickle.dumps(plane)) < 200
     assert rows
 
 
@@ -143,12 +143,12 @@ def _raw(endpoint, frames):
     return reply
 
 
-def _units(dp):
-    return dp.storage_endpoints()
+def _units(plane):
+    return plane.storage_endpoints()
 
 
-def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
-    rows = dp.put({"ids": [[9, 9]], "r": [9.0]}, partition="mal")
+def test_malformed_requests_get_error_replies_and_data_survives(dep, plane):
+    rows = plane.put({"ids": [[9, 9]], "r": [9.0]}, partition="mal")
     hdr = lambda op, **a: msgpack.packb({"op": op, "id": 1, "a": a, "tok": TOKEN})
     bad = [
         [b"\xff\x00garbage"],
@@ -164,7 +164,7 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
         reply = _raw(dep.endpoint, frames)
         assert reply["ok"] is False and reply["err"]["msg"], frames
     assert _raw(dep.endpoint, bad[-1])["err"]["type"] == "PermissionError"
-    unit = _units(dp)[shard_of(rows[0], 2)]
+    unit = _units(plane)[shard_of(rows[0], 2)]
     for spec, buffers in [
         ([["nope", "f", "<f4", [1]]], [np.zeros(1, np.float32).tobytes()]),  # unknown field
         ([["r", "f", "<f8", [1]]], [np.zeros(1).tobytes()]),  # bad dtype
@@ -177,7 +177,7 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
         reply = _raw(unit, frames)
         assert reply["ok"] is False, spec
     assert _raw(unit, [b"\x00"])["ok"] is False
-    meta, data = dp.get_batch("mal", ["ids", "r"], n=1, partition="mal")
+    meta, data = plane.get_batch("mal", ["ids", "r"], n=1, partition="mal")
     assert data["ids"][0].tolist() == [9, 9] and data["r"].tolist() == [9.0]
     with pytest.raises(PermissionError):
         ZmqDataPlane(dep.endpoint, token="wrong").stats()
@@ -186,12 +186,12 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, dp):
 def test_close_wakes_every_waiter_and_capacity_waits():
     d = launch(SCHEMA, n_storage=1, capacity=2, transport="ipc")
     try:
-        dp = d.client()
-        dp.put({"r": [1.0, 2.0]}, partition="a")
+        plane = d.client()
+        plane.put({"r": [1.0, 2.0]}, partition="a")
         with pytest.raises(QueueTimeout, match="room for 1 new rows"):
-            dp.put({"r": [3.0]}, partition="b", timeout=0.1)
+            plane.put({"r": [3.0]}, partition="b", timeout=0.1)
         threading.Timer(0.2, d.client().clear, args=("a",)).start()
-        assert dp.put({"r": [3.0]}, partition="b", timeout=5) == [2]
+        assert plane.put({"r": [3.0]}, partition="b", timeout=5) == [2]
         errors = []
 
         def wait(i):
@@ -204,20 +204,20 @@ def test_close_wakes_every_waiter_and_capacity_waits():
         for t in threads:
             t.start()
         time.sleep(0.2)
-        dp.close()
+        plane.close()
         for t in threads:
             t.join(5)
         assert len(errors) == 3
         with pytest.raises(QueueClosed):
-            dp.put({"r": [1.0]}, partition="c")
-        assert dp.get_data(BatchMeta("b", [2], ["r"]))["r"].tolist() == [3.0]  # data stays readable
+            plane.put({"r": [1.0]}, partition="c")
+        assert plane.get_data(BatchMeta("b", [2], ["r"]))["r"].tolist() == [3.0]  # data stays readable
     finally:
         d.shutdown()
 
 
 def test_storage_unit_sends_a_put_block_back_without_stacking():
-    from asyncflow.queue.protocol import decode_columns, encode_columns
-    from asyncflow.queue.zmq_storage import StorageServer
+    from asyncflow.dataplane.transport.protocol import decode_columns, encode_columns
+    from asyncflow.dataplane.transport.storage_server import StorageServer
 
     unit = StorageServer(SCHEMA)
     try:
@@ -252,8 +252,8 @@ def test_launch_does_not_run_the_callers_main_script_in_the_servers(tmp_path):
     script.write_text(
         "import os\n"
         f"open({str(marks)!r}, 'a').write(__name__ + '\\n')\n"
-        "from asyncflow.queue import Field, Schema\n"
-        "from asyncflow.queue.zmq_launch import launch\n"
+        "from asyncflow.dataplane import Field, Schema\n"
+        "from asyncflow.dataplane.transport.deploy import launch\n"
         "if __name__ == '__main__':\n"
         "    dep = launch(Schema([Field('x', 'int64')]), n_storage=2)\n"
         "    c = dep.client()\n"

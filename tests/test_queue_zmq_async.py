@@ -15,10 +15,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow.queue import Field, Schema
-from asyncflow.queue.zmq_async import AsyncZmqDataPlane
-from asyncflow.queue.zmq_client import ZmqDataPlane
-from asyncflow.queue.zmq_launch import launch
+from asyncflow.dataplane import Field, Schema
+from asyncflow.dataplane.transport.client_async import AsyncZmqDataPlane
+from asyncflow.dataplane.transport.client import ZmqDataPlane
+from asyncflow.dataplane.transport.deploy import launch
 
 SCHEMA = Schema([Field("uid", "int64"), Field("x", "float32", (4,)), Field("ids", "int64", ragged=True)])
 
@@ -47,88 +47,88 @@ def check(data):
 
 def test_concurrent_get_meta_waiters_are_woken_by_puts(dep):
     async def main():
-        dp = AsyncZmqDataPlane(dep.endpoint)
-        waiters = [asyncio.create_task(dp.get_meta(f"w{i}", ["uid"], n=2, partition="aw", timeout=20))
+        plane = AsyncZmqDataPlane(dep.endpoint)
+        waiters = [asyncio.create_task(plane.get_meta(f"w{i}", ["uid"], n=2, partition="aw", timeout=20))
                    for i in range(4)]
         await asyncio.sleep(0.2)
-        assert (await dp.stats())["waiting"] == 4  # all parked at once, on one socket
+        assert (await plane.stats())["waiting"] == 4  # all parked at once, on one socket
         assert not any(w.done() for w in waiters)
-        assert (await dp.get_meta("other", ["uid"], n=1, partition="aw-x", block=False)).rows == []
-        rows = await dp.put(rows_of([1, 2]), partition="aw")
+        assert (await plane.get_meta("other", ["uid"], n=1, partition="aw-x", block=False)).rows == []
+        rows = await plane.put(rows_of([1, 2]), partition="aw")
         metas = await asyncio.gather(*waiters)
         assert [m.rows for m in metas] == [rows] * 4  # each task gets the rows once
-        meta, data = await dp.get_batch("w0b", ["uid", "x", "ids"], n=2, partition="aw")
+        meta, data = await plane.get_batch("w0b", ["uid", "x", "ids"], n=2, partition="aw")
         check(data)
-        await dp.aclose()
+        await plane.aclose()
 
     run(main())
 
 
 def test_async_core_pickles_and_refuses_a_second_loop(dep):
-    dp = AsyncZmqDataPlane(dep.endpoint)
-    assert run(dp.put(rows_of([3]), partition="pk")) != []
+    plane = AsyncZmqDataPlane(dep.endpoint)
+    assert run(plane.put(rows_of([3]), partition="pk")) != []
     with pytest.raises(RuntimeError, match="another event loop"):
-        run(dp.stats())
-    copy = pickle.loads(pickle.dumps(dp))
+        run(plane.stats())
+    copy = pickle.loads(pickle.dumps(plane))
     assert run(copy.get_batch("pk", ["uid"], n=1, partition="pk"))[1]["uid"].tolist() == [3]
 
 
 def test_put_nowait_returns_before_the_round_trip_and_errors_surface_next_call(dep):
-    dp = ZmqDataPlane(dep.endpoint)
-    rows = dp.put({"uid": [7, 8]}, partition="nw")
+    plane = ZmqDataPlane(dep.endpoint)
+    rows = plane.put({"uid": [7, 8]}, partition="nw")
     good = np.arange(40, dtype=np.int64)
     for k in range(0, 20, 4):  # puts sent before the failing one
-        dp.put_nowait(rows_of(good[k:k + 4].tolist()), partition="nw-ok")
-    dp.put_nowait({"x": np.zeros((2, 4), np.float32)}, partition="nw", rows=rows)
-    dp.put_nowait({"x": np.ones((2, 4), np.float32)}, partition="nw", rows=rows)  # fields are write-once
+        plane.put_nowait(rows_of(good[k:k + 4].tolist()), partition="nw-ok")
+    plane.put_nowait({"x": np.zeros((2, 4), np.float32)}, partition="nw", rows=rows)
+    plane.put_nowait({"x": np.ones((2, 4), np.float32)}, partition="nw", rows=rows)  # fields are write-once
     with pytest.raises(ValueError, match="already written|being written"):
         for _ in range(200):  # the next call of this client raises it, once the put failed
-            dp.stats()
+            plane.stats()
             time.sleep(0.01)
     for k in range(20, 40, 4):  # and after it
-        dp.put_nowait(rows_of(good[k:k + 4].tolist()), partition="nw-ok")
-    dp.flush()  # the error was reported once; the rest all land
-    meta, data = dp.get_batch("nw", ["uid", "x", "ids"], n=40, partition="nw-ok")
+        plane.put_nowait(rows_of(good[k:k + 4].tolist()), partition="nw-ok")
+    plane.flush()  # the error was reported once; the rest all land
+    meta, data = plane.get_batch("nw", ["uid", "x", "ids"], n=40, partition="nw-ok")
     assert sorted(data["uid"].tolist()) == good.tolist()
     check(data)
-    assert dp.get_batch("nw", ["x"], n=2, partition="nw")[1]["x"].tolist() == [[0.0] * 4] * 2
-    dp.put_nowait({"ids": [[1], [2]]}, partition="nw", rows=rows)
-    dp.put_nowait({"ids": [[1], [2]]}, partition="nw", rows=rows)
+    assert plane.get_batch("nw", ["x"], n=2, partition="nw")[1]["x"].tolist() == [[0.0] * 4] * 2
+    plane.put_nowait({"ids": [[1], [2]]}, partition="nw", rows=rows)
+    plane.put_nowait({"ids": [[1], [2]]}, partition="nw", rows=rows)
     with pytest.raises(ValueError, match="already written|being written"):
-        dp.flush()
-    dp.disconnect()
+        plane.flush()
+    plane.disconnect()
 
 
 def test_put_nowait_does_not_wait_for_the_servers(dep):
-    dp = ZmqDataPlane(dep.endpoint)
-    dp.stats()
+    plane = ZmqDataPlane(dep.endpoint)
+    plane.stats()
     block = np.zeros((4096, 4), np.float32)
     t = time.perf_counter()
     for _ in range(20):
-        dp.put({"uid": np.arange(4096), "x": block}, partition="nt")
+        plane.put({"uid": np.arange(4096), "x": block}, partition="nt")
     sync_s = time.perf_counter() - t
     t = time.perf_counter()
     for _ in range(20):
-        dp.put_nowait({"uid": np.arange(4096), "x": block}, partition="nt")
+        plane.put_nowait({"uid": np.arange(4096), "x": block}, partition="nt")
     nowait_s = time.perf_counter() - t
-    dp.flush()
-    assert dp.stats()["partitions"]["nt"] == 40 * 4096
+    plane.flush()
+    assert plane.stats()["partitions"]["nt"] == 40 * 4096
     assert nowait_s < sync_s, (nowait_s, sync_s)  # four round trips each, not waited for
-    dp.clear("nt")
-    dp.disconnect()
+    plane.clear("nt")
+    plane.disconnect()
 
 
 def test_one_sync_client_shared_by_threads(dep):
-    dp = ZmqDataPlane(dep.endpoint)
+    plane = ZmqDataPlane(dep.endpoint)
     got = []
-    t = threading.Thread(target=lambda: got.append(dp.get_meta("th", ["uid"], n=1, partition="th", timeout=10)))
+    t = threading.Thread(target=lambda: got.append(plane.get_meta("th", ["uid"], n=1, partition="th", timeout=10)))
     t.start()
     time.sleep(0.2)
-    rows = dp.put({"uid": [1]}, partition="th")  # same client, while the other thread waits
+    rows = plane.put({"uid": [1]}, partition="th")  # same client, while the other thread waits
     t.join(10)
     assert got[0].rows == rows
-    dp.disconnect()
-    assert dp.stats()["live_rows"] >= 1  # reconnects after disconnect
+    plane.disconnect()
+    assert plane.stats()["live_rows"] >= 1  # reconnects after disconnect
 
 
 @pytest.mark.parametrize("how", ["partition", "rows"])
@@ -137,18 +137,18 @@ def test_clear_between_meta_and_fetch_never_loses_the_batch(dep, monkeypatch, ho
     handed the rows out and before the storage units are read."""
 
     async def main():
-        dp, other = AsyncZmqDataPlane(dep.endpoint), AsyncZmqDataPlane(dep.endpoint)
+        plane, other = AsyncZmqDataPlane(dep.endpoint), AsyncZmqDataPlane(dep.endpoint)
         part = f"win-{how}"
-        rows = await dp.put(rows_of(list(range(100, 200))), partition=part)
-        real = dp.get_data
+        rows = await plane.put(rows_of(list(range(100, 200))), partition=part)
+        real = plane.get_data
 
         async def clear_first(meta, fields=None):
             await (other.clear(part) if how == "partition" else other.clear_rows(meta.rows))
             assert (await other.stats())["deferred_drops"] == len(meta.rows)
             return await real(meta, fields)
 
-        monkeypatch.setattr(dp, "get_data", clear_first)
-        meta, data = await dp.get_batch("win", ["uid", "x", "ids"], n=100, partition=part)
+        monkeypatch.setattr(plane, "get_data", clear_first)
+        meta, data = await plane.get_batch("win", ["uid", "x", "ids"], n=100, partition=part)
         assert meta.rows == rows and data["uid"].tolist() == list(range(100, 200))
         check(data)
         for _ in range(100):  # the unpin is sent without waiting; the drops follow it
@@ -159,7 +159,7 @@ def test_clear_between_meta_and_fetch_never_loses_the_batch(dep, monkeypatch, ho
         assert (s["deferred_drops"], s["pinned"]) == (0, 0)
         with pytest.raises(ValueError, match="not stored|does not exist"):
             await real(meta)  # the bytes are freed now
-        await dp.aclose()
+        await plane.aclose()
         await other.aclose()
 
     run(main())
@@ -180,9 +180,9 @@ def test_get_batch_racing_clears_returns_complete_data_or_nothing(dep, n_rows, b
     rnd = random.Random(seed)
 
     async def main():
-        dp = AsyncZmqDataPlane(dep.endpoint)
-        rows = await dp.put(rows_of(list(range(n_rows))), partition=part)
-        await dp.seal(part)
+        plane = AsyncZmqDataPlane(dep.endpoint)
+        rows = await plane.put(rows_of(list(range(n_rows))), partition=part)
+        await plane.seal(part)
         got: list[int] = []
         finished = asyncio.Event()
 
@@ -209,15 +209,15 @@ def test_get_batch_racing_clears_returns_complete_data_or_nothing(dep, n_rows, b
                     await asyncio.sleep(0)
                 some = rnd.sample(live, k=min(len(live), rnd.randrange(1, 8)))
                 if some and not whole:
-                    await dp.clear_rows(some)
+                    await plane.clear_rows(some)
                     live = [r for r in live if r not in some]
-            await dp.clear(part)
+            await plane.clear(part)
             finished.set()
 
         await asyncio.gather(clear(), *[consume(i) for i in range(consumers)])
         assert len(got) == len(set(got)) and set(got) <= set(range(n_rows))  # none duplicated
-        s = await dp.stats()
+        s = await plane.stats()
         assert part not in s["partitions"] and s["pinned"] == 0
-        await dp.aclose()
+        await plane.aclose()
 
     run(main())

@@ -23,8 +23,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow.queue import Field, Schema
-from asyncflow.queue.zmq_launch import launch
+from asyncflow.dataplane import Field, Schema
+from asyncflow.dataplane.transport.deploy import launch
 
 SCHEMA = Schema([Field("a", "int64", ragged=True), Field("b", "int64"), Field("uid", "int64")])
 TASKS = ("t1", "t2")

@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from asyncflow.queue import DataPlane
+from asyncflow.dataplane import DataPlane
 from asyncflow.workflow.fields import SCHEMA, encode_text
-from asyncflow.workflow.reward import RewardRole
+from asyncflow.workflow.roles.reward import RewardRole
 
 CHARS = "0123456789+="
 
@@ -23,8 +23,8 @@ def encode(s):
     return np.asarray([CHARS.index(c) for c in s], dtype=np.int64)
 
 
-def put_samples(dp, answers_and_responses):
-    dp.put({"prompt_ids": [encode("1+1=")] * len(answers_and_responses),
+def put_samples(plane, answers_and_responses):
+    plane.put({"prompt_ids": [encode("1+1=")] * len(answers_and_responses),
             "response_ids": [encode(r) for _, r in answers_and_responses],
             "answer": [encode_text(a) for a, _ in answers_and_responses]}, partition=0)
 
@@ -36,8 +36,8 @@ def run_until(role, n, timeout=5.0):
         role.poll(0.05)
 
 
-def rewards(dp, n):
-    meta, data = dp.get_batch("check", ["reward"], n=n)
+def rewards(plane, n):
+    meta, data = plane.get_batch("check", ["reward"], n=n)
     return data["reward"].tolist()
 
 
@@ -47,12 +47,12 @@ def exact(prompt, response, answer):
 
 @pytest.mark.parametrize("latency", [None, (20.0, 40.0)])
 def test_scores_every_sample(latency):
-    dp = DataPlane(SCHEMA)
-    put_samples(dp, [("2", "2"), ("2", "3"), ("11", "11")])
-    role = RewardRole(dp, exact, decode, micro=2, concurrency=8, latency_ms=latency)
+    plane = DataPlane(SCHEMA)
+    put_samples(plane, [("2", "2"), ("2", "3"), ("11", "11")])
+    role = RewardRole(plane, exact, decode, micro=2, concurrency=8, latency_ms=latency)
     try:
         run_until(role, 3)
-        assert rewards(dp, 3) == [1.0, 0.0, 1.0]
+        assert rewards(plane, 3) == [1.0, 0.0, 1.0]
         assert role.errors == 0
     finally:
         role.close()
@@ -60,9 +60,9 @@ def test_scores_every_sample(latency):
 
 def test_remote_calls_overlap():
     """64 calls of 100 ms each with 64 in flight take ~0.1 s, not 6.4 s."""
-    dp = DataPlane(SCHEMA)
-    put_samples(dp, [("2", "2")] * 64)
-    role = RewardRole(dp, exact, decode, micro=64, concurrency=64, latency_ms=(100.0, 100.0))
+    plane = DataPlane(SCHEMA)
+    put_samples(plane, [("2", "2")] * 64)
+    role = RewardRole(plane, exact, decode, micro=64, concurrency=64, latency_ms=(100.0, 100.0))
     try:
         t = time.perf_counter()
         run_until(role, 64)
@@ -76,12 +76,12 @@ def test_broken_rewards_score_zero_and_are_counted(latency):
     def broken(prompt, response, answer):
         return {"2": 1.0, "3": float("nan"), "4": "high", "5": None}.get(response) or 1 / 0
 
-    dp = DataPlane(SCHEMA)
-    put_samples(dp, [("2", r) for r in "23456"])
-    role = RewardRole(dp, broken, decode, micro=8, concurrency=8, latency_ms=latency)
+    plane = DataPlane(SCHEMA)
+    put_samples(plane, [("2", r) for r in "23456"])
+    role = RewardRole(plane, broken, decode, micro=8, concurrency=8, latency_ms=latency)
     try:
         run_until(role, 5)
-        assert rewards(dp, 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
+        assert rewards(plane, 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
         assert role.errors == 4  # nan, a string, None, ZeroDivisionError
         assert role.stats()["errors"] == 4
     finally:
@@ -92,17 +92,17 @@ def test_trickling_remote_results_are_written_once_per_window():
     """64 calls finishing one by one over ~0.2 s reach the data plane in a few puts (one per
     collection window of 50 ms), not one put per result: each data-plane call costs CPU on
     both sides, which a small machine takes from the trainer."""
-    dp = DataPlane(SCHEMA)
+    plane = DataPlane(SCHEMA)
     puts = []
-    real_put = dp.put_nowait
-    dp.put_nowait = lambda data, **kw: (puts.append(len(data["reward"])), real_put(data, **kw))[1]
-    put_samples(dp, [("2", "2")] * 64)
-    role = RewardRole(dp, exact, decode, micro=64, concurrency=64, latency_ms=(20.0, 220.0))
+    real_put = plane.put_nowait
+    plane.put_nowait = lambda data, **kw: (puts.append(len(data["reward"])), real_put(data, **kw))[1]
+    put_samples(plane, [("2", "2")] * 64)
+    role = RewardRole(plane, exact, decode, micro=64, concurrency=64, latency_ms=(20.0, 220.0))
     try:
         run_until(role, 64)
         assert sum(puts) == 64
         assert len(puts) <= 0.25 / RewardRole.window_s + 2  # old behaviour: ~one put per result
-        assert rewards(dp, 64) == [1.0] * 64
+        assert rewards(plane, 64) == [1.0] * 64
     finally:
         role.close()
 
@@ -122,15 +122,15 @@ def test_async_reward_calls_overlap_and_a_hang_is_cut_by_the_timeout():
     that hangs scores on_error at timeout_s and is counted; key picks the named score."""
     from asyncflow.tasks.rewards import RewardFunction
 
-    dp = DataPlane(SCHEMA)
-    put_samples(dp, [("2", "2")] * 16 + [("2", "3")] * 15 + [("2", "9")])
+    plane = DataPlane(SCHEMA)
+    put_samples(plane, [("2", "2")] * 16 + [("2", "3")] * 15 + [("2", "9")])
     rf = RewardFunction(slow_exact, timeout_s=0.3, on_error=-1.0, key="correct")
-    role = RewardRole(dp, rf, decode, micro=32, concurrency=32)
+    role = RewardRole(plane, rf, decode, micro=32, concurrency=32)
     try:
         t = time.perf_counter()
         run_until(role, 32)
         assert time.perf_counter() - t < 0.8  # bounded by the 0.3 s timeout, far below 1.6 s serial
-        assert rewards(dp, 32) == [1.0] * 16 + [0.0] * 15 + [-1.0]
+        assert rewards(plane, 32) == [1.0] * 16 + [0.0] * 15 + [-1.0]
         s = role.stats()
         assert (s["reward_calls"], s["reward_timeout"], s["score_format"]) == (32, 1, 0.5)
         assert s["errors"] == 0 and s["inflight"] == 0
@@ -143,12 +143,12 @@ def test_bare_coroutine_function_runs_on_the_loop():
     async def exact_async(prompt, response, answer):
         return 1.0 if response == answer else 0.0
 
-    dp = DataPlane(SCHEMA)
-    put_samples(dp, [("2", "2"), ("2", "3")])
-    role = RewardRole(dp, exact_async, decode, micro=8, concurrency=8)
+    plane = DataPlane(SCHEMA)
+    put_samples(plane, [("2", "2"), ("2", "3")])
+    role = RewardRole(plane, exact_async, decode, micro=8, concurrency=8)
     try:
         run_until(role, 2)
-        assert rewards(dp, 2) == [1.0, 0.0]
+        assert rewards(plane, 2) == [1.0, 0.0]
     finally:
         role.close()
 
@@ -164,16 +164,16 @@ def test_batched_reward_gets_the_whole_micro_batch_in_one_call():
             return [1.0]  # wrong length: the whole batch scores on_error
         return [{"correct": float(r == s["answer"]), "format": 1.0} for r, s in zip(responses, samples)]
 
-    dp = DataPlane(SCHEMA)
+    plane = DataPlane(SCHEMA)
     rf = RewardFunction(batched, on_error=-1.0, key="correct", batched=True)
-    role = RewardRole(dp, rf, decode, micro=8, concurrency=2)  # concurrency bounds in-flight calls only
+    role = RewardRole(plane, rf, decode, micro=8, concurrency=2)  # concurrency bounds in-flight calls only
     try:
-        put_samples(dp, [("2", r) for r in "23232323"])
+        put_samples(plane, [("2", r) for r in "23232323"])
         run_until(role, 8)
-        put_samples(dp, [("2", r) for r in "245"])
+        put_samples(plane, [("2", r) for r in "245"])
         run_until(role, 11)
         assert calls == [list("23232323"), list("245")]
-        assert rewards(dp, 11) == [1.0, 0.0] * 4 + [-1.0] * 3
+        assert rewards(plane, 11) == [1.0, 0.0] * 4 + [-1.0] * 3
         s = role.stats()
         assert (s["reward_calls"], s["reward_batches"], s["reward_wrong_length"]) == (11, 2, 3)
         assert s["score_format"] == 1.0
@@ -198,7 +198,7 @@ def group(*pairs):
 
 @pytest.mark.parametrize("latency", [None, (5.0, 30.0)])
 def test_group_scorer_returns_each_group_once_with_its_rewards(latency):
-    from asyncflow.workflow.reward import GroupScorer
+    from asyncflow.workflow.roles.reward import GroupScorer
 
     role = RewardRole(DataPlane(SCHEMA), exact, decode, concurrency=3, latency_ms=latency)
     scorer = GroupScorer(role)
@@ -216,7 +216,7 @@ def test_group_scorer_returns_each_group_once_with_its_rewards(latency):
 
 
 def test_group_scorer_keeps_concurrency_and_counts_errors():
-    from asyncflow.workflow.reward import GroupScorer
+    from asyncflow.workflow.roles.reward import GroupScorer
 
     def broken(prompt, response, answer):
         if response == "boom":
@@ -237,7 +237,7 @@ def test_group_scorer_keeps_concurrency_and_counts_errors():
 
 
 def test_group_scorer_sends_each_answer_as_it_finishes_and_forgets_cancelled_groups():
-    from asyncflow.workflow.reward import GroupScorer
+    from asyncflow.workflow.roles.reward import GroupScorer
 
     role = RewardRole(DataPlane(SCHEMA), exact, decode, concurrency=2, latency_ms=(30.0, 30.0))
     scorer = GroupScorer(role)
@@ -265,7 +265,7 @@ def test_group_scorer_sends_each_answer_as_it_finishes_and_forgets_cancelled_gro
 
 
 def test_group_scorer_calls_a_batched_function_once_per_group_when_its_last_answer_is_added():
-    from asyncflow.workflow.reward import GroupScorer
+    from asyncflow.workflow.roles.reward import GroupScorer
 
     calls = []
 
@@ -284,7 +284,7 @@ def test_group_scorer_calls_a_batched_function_once_per_group_when_its_last_answ
 
 
 def test_remote_calls_drain_early_wakes_at_the_first_result_or_another_ring():
-    from asyncflow.workflow.reward import RemoteCalls
+    from asyncflow.workflow.roles.reward import RemoteCalls
 
     calls = RemoteCalls()
     try:
@@ -302,7 +302,8 @@ def test_remote_calls_drain_early_wakes_at_the_first_result_or_another_ring():
 
 
 def test_a_staged_weight_version_rings_the_bell_rollout_idles_on():
-    from asyncflow.engines.weights import WeightStore, WeightSubscriber, seal
+    from asyncflow.weights.store import WeightStore, seal
+    from asyncflow.weights.subscriber import WeightSubscriber
 
     store, bell = WeightStore(), threading.Event()
     sub = WeightSubscriber(store, lambda v, w: None, poll_s=0.05)

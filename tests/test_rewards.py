@@ -137,7 +137,7 @@ def test_builtin_contract(name):
 def test_reward_fn_in_a_run_never_crashes_and_is_counted(tmp_path):
     """A configured function that misbehaves on every answer: the run finishes, errors are counted."""
     from asyncflow.launch.local import LocalLauncher
-    from asyncflow.workflow.driver import train
+    from asyncflow.api import train
 
     cfg = load_config(None, [
         "mode=stream", "launcher=local", "warmstart.enabled=false", "progress=false", "train.steps=2",

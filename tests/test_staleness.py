@@ -16,10 +16,10 @@ import time
 import pytest
 
 from asyncflow.config import load_config
-from asyncflow.engines.weights import WeightStore
+from asyncflow.weights.store import WeightStore
 from asyncflow.launch.local import LocalLauncher
-from asyncflow.queue import DataPlane
-from asyncflow.workflow.driver import train
+from asyncflow.dataplane import DataPlane
+from asyncflow.api import train
 
 
 class DelayedDataPlane(DataPlane):
@@ -64,11 +64,11 @@ class DelayLauncher(LocalLauncher):
     def __init__(self, seed: int, max_delay_s: float):
         super().__init__()
         self.rng, self.max_delay_s = random.Random(seed), max_delay_s
-        self.dp: DelayedDataPlane | None = None
+        self.plane: DelayedDataPlane | None = None
 
     def data_plane(self, schema, kind="ray", storage_units=2):
-        self.dp = DelayedDataPlane(schema, self.rng, self.max_delay_s)
-        return self.dp
+        self.plane = DelayedDataPlane(schema, self.rng, self.max_delay_s)
+        return self.plane
 
     def weight_store(self):
         return DelayedWeightStore(random.Random(self.rng.random()), 5 * self.max_delay_s)
@@ -88,7 +88,7 @@ def test_every_trained_sample_is_within_the_bound(tmp_path, seed, k):
                     f"seed={seed}")
     launcher = DelayLauncher(seed, max_delay_s=0.01)
     summary = train(cfg, launcher=launcher, evaluate=False)
-    trained = launcher.dp.trained
+    trained = launcher.plane.trained
     assert len(trained) == steps * prompts * group  # nothing lost, nothing dropped
     lags = [v - w for v, w in trained]
     assert min(lags) >= 0 and max(lags) <= k, f"lags {sorted(set(lags))} outside [0, {k}]"
@@ -101,7 +101,7 @@ def test_stream_mode_is_on_policy(tmp_path):
     cfg = small_job(tmp_path, "mode=stream", "staleness=3", "train.steps=4")
     launcher = DelayLauncher(3, max_delay_s=0.01)
     summary = train(cfg, launcher=launcher, evaluate=False)
-    assert {v - w for v, w in launcher.dp.trained} == {0}  # stream ignores staleness: always 0
+    assert {v - w for v, w in launcher.plane.trained} == {0}  # stream ignores staleness: always 0
     assert summary["staleness_bound"] == 0
 
 
@@ -110,5 +110,5 @@ def test_async_actually_overlaps(tmp_path):
     cfg = small_job(tmp_path, "mode=async", "staleness=1", "train.steps=6")
     launcher = DelayLauncher(5, max_delay_s=0.0)
     train(cfg, launcher=launcher, evaluate=False)
-    lags = [v - w for v, w in launcher.dp.trained]
+    lags = [v - w for v, w in launcher.plane.trained]
     assert max(lags) == 1 and min(lags) == 0

@@ -186,7 +186,7 @@ def test_unknown_model_dims_rejected(tmp_path):
 
 def test_prepare_model_passes_the_warmstart_options(monkeypatch, tmp_path):
     from asyncflow.config import ConfigError, load_config
-    from asyncflow.tasks import prepare_model
+    from asyncflow.tasks.models import prepare_model
 
     seen = {}
 

@@ -28,7 +28,7 @@ Group estimators need only whole groups and keep streaming.
 ``gae`` is the PPO estimator (:data:`CRITIC_LEVEL`): :func:`ppo_targets` builds the same
 per-token rewards, then GAE on a critic's per-token values gives advantages and the
 critic's regression targets (returns). It runs in the critic role, which has the values;
-the actor reads the advantages it writes (see :mod:`asyncflow.workflow.critic`).
+the actor reads the advantages it writes (see :mod:`asyncflow.workflow.roles.critic`).
 """
 
 from __future__ import annotations

@@ -38,21 +38,21 @@ class _Solo:
     """One process's roles over an in-process data plane, driven by hand."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool):
-        from asyncflow.queue import DataPlane
-        from asyncflow.tasks import build_task
-        from asyncflow.workflow.driver import PromptFeeder
+        from asyncflow.dataplane import DataPlane
+        from asyncflow.tasks.registry import build_task
+        from asyncflow.workflow.feeder import PromptFeeder
         from asyncflow.workflow.fields import SCHEMA
         from asyncflow.workflow.worker import Worker
 
         solo = cfg.model_copy(update={"mode": "sync"}, deep=True)  # shared model, no weight transfer
         solo.train.steps = 10**6  # the feeder never runs out
-        from asyncflow.workflow.worker import rewards_in_rollout
+        from asyncflow.workflow.plan import rewards_in_rollout
 
         reward = [] if rewards_in_rollout(cfg) else ["reward"]  # else rollout scores (its time includes it)
         self.roles = ["rollout"] + reward + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor"]
-        self.dp = DataPlane(SCHEMA)
-        self.w = Worker(solo, self.roles, model_dir, self.dp, None, threads)
-        self.feeder = PromptFeeder(solo, self.w.tokenizer, build_task(solo), self.dp)
+        self.plane = DataPlane(SCHEMA)
+        self.w = Worker(solo, self.roles, model_dir, self.plane, None, threads)
+        self.feeder = PromptFeeder(solo, self.w.tokenizer, build_task(solo), self.plane)
         self.B, self.steps, self.continuous = cfg.batch_size, steps, continuous
         self.rollout = self.w.roles["rollout"]
         self.rollout.staleness = 10**6 if continuous else 0

@@ -33,7 +33,7 @@ from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-CHECKSUMS = "__crc32__"  # asyncflow.engines.weights.CHECKSUMS (not imported: keeps this module light)
+CHECKSUMS = "__crc32__"  # asyncflow.weights.store.CHECKSUMS (not imported: keeps this module light)
 
 
 def hf_name(name: str) -> str:

@@ -1,7 +1,7 @@
 """A deterministic fake inference engine for tests of the other roles (no torch, no model).
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
-:class:`~asyncflow.workflow.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
+:class:`~asyncflow.workflow.roles.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
 ``drop_all`` / ``drop`` / ``recompute_cache``, ``generate`` and ``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
 role code while generation costs microseconds.

@@ -1,22 +1,7 @@
-"""Launchers: where roles run. The only package that imports Ray.
+"""Launchers: where roles run (:class:`~asyncflow.workflow.launcher.Launcher`). The only package that imports Ray.
 
-A launcher offers ``cpus``, ``data_plane(schema)``, ``weight_store()``,
-``spawn(spec, cls, *args)``, ``submit(handle, method, *args)``, ``result(fut, timeout)``
-(raises ``TimeoutError``), ``call(handle, method, *args)``, ``release(obj)`` (free a worker or a service),
-``dp_rendezvous(rank0, world)`` (what a data-parallel trainer's ranks join: threads or
-processes) and ``shutdown()``.
+* :mod:`~asyncflow.launch.registry`      ``get_launcher(name)``
+* :mod:`~asyncflow.launch.local`         every worker an object of this process, roles threads
+* :mod:`~asyncflow.launch.ray_launcher`  every worker a Ray actor process
+* :mod:`~asyncflow.launch.ray_services`  the Ray-backed data plane and weight store clients
 """
-
-from __future__ import annotations
-
-
-def get_launcher(name: str):
-    if name == "local":
-        from asyncflow.launch.local import LocalLauncher
-
-        return LocalLauncher()
-    if name == "ray":
-        from asyncflow.launch.ray_launcher import RayLauncher
-
-        return RayLauncher()
-    raise ValueError(f"unknown launcher '{name}' (choose local or ray)")

@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from asyncflow.config import ConfigError
-from asyncflow.engines.weights import WeightStore
-from asyncflow.queue import DataPlane
+from asyncflow.weights.store import WeightStore
+from asyncflow.dataplane import DataPlane
 
 
 class LocalLauncher:

@@ -18,7 +18,7 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 * Clients wrap actor handles with the plain-class API, so roles never see Ray; an error
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
 * The data plane (``resources.data_plane``): ``zmq`` is the distributed ZeroMQ data plane
-  (:mod:`asyncflow.queue.zmq_launch`: a controller + ``resources.storage_units`` storage
+  (:mod:`asyncflow.dataplane.transport.deploy`: a controller + ``resources.storage_units`` storage
   units as child processes of the driver, bound to loopback; roles get its picklable
   client); ``ray`` is one threaded actor holding an in-process ``DataPlane`` (calls go
   through Ray's RPC), which works across the nodes of a Ray cluster; ``auto`` (the
@@ -33,123 +33,8 @@ import os
 import ray
 
 from asyncflow.config import ConfigError
-from asyncflow.engines.weights import WeightStore
-from asyncflow.queue import DataPlane
-from asyncflow.queue.wire import pack_columns, unpack_columns
-
-
-def _get(ref, timeout=None):
-    try:
-        return ray.get(ref, timeout=timeout)
-    except ray.exceptions.GetTimeoutError:
-        raise TimeoutError from None
-    except ray.exceptions.RayTaskError as e:
-        cause = e.cause if getattr(e, "cause", None) is not None else None
-        if cause is not None:
-            raise cause from None
-        raise
-
-
-class PackedDataPlane(DataPlane):
-    """The data-plane actor: a :class:`DataPlane` that takes and returns packed columns
-    (:mod:`asyncflow.queue.wire`), so each column crosses processes as one buffer."""
-
-    def put_packed(self, packed, **kwargs):
-        return self.put(unpack_columns(packed), **kwargs)
-
-    def get_batch_packed(self, task, fields, n, **kwargs):
-        meta, data = self.get_batch(task, fields, n, **kwargs)
-        return meta, pack_columns(data)
-
-    def get_data_packed(self, meta, fields=None):
-        return pack_columns(self.get_data(meta, fields))
-
-
-class RayDataPlane:
-    """Client of a :class:`PackedDataPlane` actor with the :class:`DataPlane` methods.
-
-    ``put_nowait`` sends without waiting; the first error among the sent puts is raised
-    by the next call of this client (so nothing fails silently), ``flush`` waits for all.
-    Other methods are forwarded as blocking calls.
-    """
-
-    def __init__(self, handle):
-        self.handle = handle
-        self._sent: list = []
-
-    def __getstate__(self):
-        return {"handle": self.handle}  # a copy in another process has sent nothing
-
-    def __setstate__(self, state):
-        self.handle, self._sent = state["handle"], []
-
-    def __getattr__(self, name):
-        if name.startswith("_") or name == "handle":  # unpickling looks these up before __init__
-            raise AttributeError(name)
-        method = getattr(self.handle, name)
-
-        def call(*a, **kw):
-            self._check_sent()
-            return _get(method.remote(*a, **kw))
-
-        return call
-
-    def put(self, data, partition=0, rows=None, tags=None, timeout=None):
-        self._check_sent()
-        return _get(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
-                                                  tags=tags, timeout=timeout))
-
-    def put_nowait(self, data, partition=0, rows=None, tags=None) -> None:
-        self._check_sent()
-        self._sent.append(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
-                                                        tags=tags))
-
-    def get_batch(self, task, fields, n, **kwargs):
-        self._check_sent()
-        meta, packed = _get(self.handle.get_batch_packed.remote(task, fields, n, **kwargs))
-        return meta, unpack_columns(packed)
-
-    def get_data(self, meta, fields=None):
-        self._check_sent()
-        return unpack_columns(_get(self.handle.get_data_packed.remote(meta, fields)))
-
-    def flush(self) -> None:
-        refs, self._sent = self._sent, []
-        for ref in refs:
-            _get(ref)
-
-    def _check_sent(self) -> None:
-        if self._sent:
-            done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
-            for ref in done:
-                _get(ref)
-
-
-class RayWeightStore:
-    """Client of a weight-store actor.
-
-    ``publish`` puts the buffers into Ray's object store once (host shared memory) and
-    hands the store only a reference, without waiting; subscribers read the buffers
-    from shared memory, so the store actor never copies or pickles weights.
-    """
-
-    def __init__(self, handle):
-        self.handle = handle
-
-    def publish(self, version, buffers):
-        self.handle.publish.remote(version, {"ref": [ray.put(dict(buffers))]})  # a list: not resolved
-
-    def wait_newer(self, version, timeout):
-        got = _get(self.handle.wait_newer.remote(version, timeout))
-        if got is None:
-            return None
-        return got[0], _get(got[1]["ref"][0])
-
-    def latest_version(self):
-        return _get(self.handle.latest_version.remote())
-
-    def close(self):
-        return _get(self.handle.close.remote())
+from asyncflow.weights.store import WeightStore
+from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
 
 
 def _worker_env() -> dict:
@@ -164,9 +49,19 @@ def _worker_env() -> dict:
 
 class RayLauncher:
     def __init__(self, num_cpus: int | None = None):
-        self._owns = False
-        self.owns_host = False  # a local instance started here: the machine is the job's (resources.pin_cores)
+        self._num_cpus = num_cpus
+        self._started = False
+        self._owns = False  # this launcher called ray.init (and shuts Ray down)
+        self._owns_host = False  # a local instance started here: the machine is the job's (resources.pin_cores)
+        self._cpus = self._gpus = 0
         self._deployments: list = []  # ZeroMQ data planes started by data_plane()
+
+    def _start(self) -> None:
+        """Start (or connect to) Ray on first use, not when the launcher is made: the driver
+        checks the model folder and warm-starts first, so a mistake there never waits for Ray."""
+        if self._started:
+            return
+        self._started = True
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
             kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
@@ -174,11 +69,26 @@ class RayLauncher:
             if address:
                 ray.init(address=address, **kwargs)
             else:
-                ray.init(num_cpus=num_cpus or os.cpu_count() or 1, **kwargs)
-                self.owns_host = True
+                ray.init(num_cpus=self._num_cpus or os.cpu_count() or 1, **kwargs)
+                self._owns_host = True
             self._owns = True
-        self.cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
-        self.gpus = int(ray.cluster_resources().get("GPU", 0))
+        self._cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
+        self._gpus = int(ray.cluster_resources().get("GPU", 0))
+
+    @property
+    def cpus(self) -> int:
+        self._start()
+        return self._cpus
+
+    @property
+    def gpus(self) -> int:
+        self._start()
+        return self._gpus
+
+    @property
+    def owns_host(self) -> bool:
+        self._start()
+        return self._owns_host
 
     def check_device(self, device: str) -> None:
         """A GPU job needs GPUs in the cluster (Ray detects a node's GPUs when it starts)."""
@@ -188,6 +98,7 @@ class RayLauncher:
 
     def one_host(self) -> bool:
         """Every alive node of the Ray cluster is this machine (a local instance)."""
+        self._start()
         here = ray.util.get_node_ip_address()
         return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
 
@@ -195,7 +106,7 @@ class RayLauncher:
         if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
             kind = "zmq" if self.one_host() else "ray"
         if kind == "zmq":
-            from asyncflow.queue.zmq_launch import launch
+            from asyncflow.dataplane.transport.deploy import launch
 
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
@@ -203,6 +114,7 @@ class RayLauncher:
                                                                 enable_task_events=False).remote(schema))
 
     def weight_store(self):
+        self._start()
         return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16,
                                                               enable_task_events=False).remote())
 
@@ -212,6 +124,7 @@ class RayLauncher:
         return self.call(rank0, "dp_address")
 
     def spawn(self, spec, cls, *args):
+        self._start()
         return ray.remote(cls).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_concurrency=4, name=None,
                                        enable_task_events=False, **_worker_env()).remote(*args)
 
@@ -219,10 +132,10 @@ class RayLauncher:
         return getattr(handle, method).remote(*args)
 
     def result(self, ref, timeout: float):
-        return _get(ref, timeout)
+        return ray_get(ref, timeout)
 
     def call(self, handle, method: str, *args):
-        return _get(getattr(handle, method).remote(*args))
+        return ray_get(getattr(handle, method).remote(*args))
 
     def release(self, obj) -> None:
         """Kill the actor behind ``obj`` (a worker handle or a client) and free its CPUs."""

@@ -9,7 +9,7 @@
 * :mod:`~asyncflow.planner.profile`: the short measured run behind the profiled curves;
 * :mod:`~asyncflow.planner.search`: allocation search behind ``asyncflow plan``;
 * :mod:`~asyncflow.planner.auto`: `plan=auto` (profile or reuse, search, apply);
-* :mod:`~asyncflow.planner.trace`: Chrome traces and PNG Gantt charts;
+* :mod:`~asyncflow.observe.trace`: Chrome traces and PNG Gantt charts;
 * :mod:`~asyncflow.planner.whatif`: the table at the published scale (docs/planner.md).
 
 Nothing here imports torch except :mod:`~asyncflow.planner.profile`.

@@ -74,7 +74,7 @@ def _thread_counts(ncpu: int) -> list[int]:
 def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool) -> dict:
     import torch
 
-    from asyncflow.algorithms.grpo import GRPOLoss
+    from asyncflow.algorithms.algorithm import Algorithm
     from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
     from asyncflow.engines.training import TrainEngine
 
@@ -104,7 +104,7 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
             dec_X.append([1.0, n, n * (plen + i + 1)])
             dec_y.append(float(s))
     engine = TrainEngine(model, tok.pad_token_id, lr=1e-6)
-    loss = GRPOLoss(batch_size=cfg.batch_size)
+    loss = Algorithm().loss(cfg.batch_size)
     tr_X, tr_y = [], []
     train_rows = sorted({8, 32, cfg.batch_size})  # up to the whole batch: the search never extrapolates
     for rows in train_rows:
@@ -165,7 +165,8 @@ def _transfer(launcher, param_bytes: int, reps: int = 10, warm: int = 3) -> floa
     ``warm`` rounds. The old measurement, the mean of 5 rounds on a fresh store with no
     subscriber, included the store actor's start: 56-144 ms, where stream traces show
     7-13 ms between the actor's publish and rollout's swap."""
-    from asyncflow.engines.weights import WeightSubscriber, seal
+    from asyncflow.weights.store import seal
+    from asyncflow.weights.subscriber import WeightSubscriber
 
     store = launcher.weight_store()
     w = seal({"w": np.zeros(max(1, param_bytes // 4), np.float32)})  # same size as the model
@@ -194,9 +195,9 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     and the weight store's publish -> staged latency (:func:`_transfer`)."""
     import tempfile
 
-    from asyncflow.launch import get_launcher
+    from asyncflow.launch.registry import get_launcher
     from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
-    from asyncflow.planner.trace import tracks
+    from asyncflow.observe.trace import tracks
     from asyncflow.workflow.driver import train
 
     def run_cfg(**kw) -> RunConfig:
@@ -258,7 +259,8 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
 
     import torch
 
-    from asyncflow.tasks import build_task, load_model, prepare_model
+    from asyncflow.tasks.registry import build_task
+    from asyncflow.tasks.models import load_model, prepare_model
 
     t_start = time.perf_counter()
     ncpu = cpus or os.cpu_count() or 1

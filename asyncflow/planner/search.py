@@ -153,12 +153,12 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
         text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
                  "the plan may be wrong: re-run `asyncflow profile` on a quiet machine")
     if trace:
-        from asyncflow.planner.trace import write_sim_trace
+        from asyncflow.observe.trace import write_sim_trace
 
         write_sim_trace(ranked[0][1], trace)
         text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
     if gantt:
-        from asyncflow.planner.trace import write_gantt
+        from asyncflow.observe.trace import write_gantt
 
         write_gantt(ranked[0][1].spans, gantt, f"simulated: {ranked[0][0].describe()}")
         text += f"\nGantt chart of the planned run: {gantt}"

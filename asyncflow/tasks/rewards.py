@@ -57,6 +57,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from asyncflow.config import ConfigError
+from asyncflow.tasks.plugins import load_callable
 
 RewardFn = Callable[[str, str, dict], Any]
 
@@ -150,19 +151,11 @@ class RewardError(ConfigError):
 
 
 def load_reward_fn(path: str) -> RewardFn:
-    """Resolve ``"package.module:function"`` to the function."""
-    if path.count(":") != 1:
-        raise RewardError(f"reward.fn = '{path}': expected 'package.module:function'")
-    mod_name, fn_name = path.split(":")
+    """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to the function."""
     try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise RewardError(f"reward.fn = '{path}': cannot import module '{mod_name}' ({e}); "
-                          f"is it installed or on PYTHONPATH?") from None
-    fn = getattr(mod, fn_name, None)
-    if not callable(fn):
-        raise RewardError(f"reward.fn = '{path}': module '{mod_name}' has no function '{fn_name}'")
-    return fn
+        return load_callable(path, "reward.fn")
+    except ConfigError as e:
+        raise RewardError(str(e)) from None
 
 
 class RewardFunction:

@@ -31,27 +31,8 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from asyncflow.config import RunConfig
-
-if TYPE_CHECKING:
-    from asyncflow.workflow.worker import WorkerSpec
-
-
-def assign_cores(specs: list[WorkerSpec], cores: list[int]) -> list[WorkerSpec]:
-    """``specs`` with cores of their own for the compute workers (those requesting CPU):
-    ``threads`` consecutive cores each, the trainer's ranks first (the usual bottleneck),
-    then the others in plan order, rollout last. Unchanged when they do not all fit."""
-    compute = [s for s in specs if s.cpus > 0]
-    order = sorted(compute, key=lambda s: ("actor" not in s.roles, "rollout" in s.roles, s.rank))
-    if sum(s.threads for s in order) > len(cores):
-        return specs
-    given, at = {}, 0
-    for s in order:
-        given[s.name], at = tuple(cores[at:at + s.threads]), at + s.threads
-    return [replace(s, cores=given.get(s.name, ())) for s in specs]
 
 
 def pinnable_cores(cfg: RunConfig, launcher) -> list[int] | None:

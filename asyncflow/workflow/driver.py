@@ -13,44 +13,14 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
-
-from asyncflow.config import RunConfig, dump_config
+from asyncflow.config import ConfigError, RunConfig, dump_config
 from asyncflow.observe.report import Progress, RunMeter, summarize
-from asyncflow.tasks.warmstart import prompt_ids
-from asyncflow.workflow.fields import encode_text
-
-
-class PromptFeeder:
-    """Puts each step's prompt rows into the data plane (partition = step index).
-
-    Partition ``p``'s prompts depend only on ``(seed, p)``. With dynamic sampling rollout
-    owns its feeder (``unlimited``: dropped groups consume prompts beyond the last step's
-    partition) and the driver feeds nothing.
-    """
-
-    def __init__(self, cfg: RunConfig, tokenizer, task, dp, unlimited: bool = False):
-        self.cfg, self.tok, self.task, self.dp = cfg, tokenizer, task, dp
-        self.fed = 0  # partitions put so far
-        self.limit = None if unlimited else cfg.train.steps
-
-    def fill(self, upto: int) -> None:
-        """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
-        r = self.cfg.rollout
-        while self.fed < (upto if self.limit is None else min(upto, self.limit)):
-            rng = np.random.default_rng([self.cfg.seed, self.fed])
-            idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
-            probs = [self.task.train[i] for i in idx]
-            ids = prompt_ids(self.tok, [p.prompt for p in probs], self.cfg.task.chat_template)
-            if r.gen_len == "longtail":
-                long = rng.random(len(probs)) < r.longtail_frac
-                gen_len = np.where(long, r.longtail_long, r.longtail_short)
-            else:
-                gen_len = np.zeros(len(probs))
-            self.dp.put({"query_ids": [np.asarray(x, dtype=np.int64) for x in ids],
-                         "answer": [encode_text(p.answer) for p in probs],
-                         "gen_len": gen_len.astype(np.int64)}, partition=self.fed)
-            self.fed += 1
+from asyncflow.observe.trace import PlotUnavailable, write_gantt, write_trace
+from asyncflow.tasks.models import load_model, prepare_model
+from asyncflow.tasks.registry import build_task
+from asyncflow.workflow.feeder import PromptFeeder
+from asyncflow.workflow.job import Job
+from asyncflow.workflow.launcher import Launcher
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -67,42 +37,26 @@ def make_run_dir(cfg: RunConfig) -> Path:
 def write_run_trace(spans: dict, path: Path) -> None:
     """Chrome trace (Perfetto) of the roles' computing spans, one track per role; and
     ``gantt.png`` beside it when matplotlib is installed."""
-    from asyncflow.planner.trace import write_trace
-
     t0 = min((s for v in spans.values() for s, _ in v), default=0.0)
     write_trace([(role, role, s - t0, d) for role, v in spans.items() for s, d in v], path, "asyncflow run")
     try:  # the same timeline as a PNG, when the [plot] extra is installed
-        from asyncflow.planner.trace import PlotUnavailable, write_gantt
-
         write_gantt(path, path.with_name("gantt.png"))
     except PlotUnavailable:
         pass
 
 
-def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: bool = True) -> dict:
-    """Run one job; return its summary (also written to ``<run_dir>/summary.json``).
-    ``plan: auto`` is resolved first (:func:`asyncflow.planner.auto.resolve`)."""
+def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evaluate: bool = True) -> dict:
+    """Run one job on ``launcher``; return its summary (also written to ``<run_dir>/summary.json``).
+    ``plan: auto`` must be resolved first (:func:`asyncflow.api.train` does, and picks the launcher)."""
     if cfg.plan == "auto":
-        from asyncflow.planner.auto import resolve
-
-        cfg, text = resolve(cfg)
-        print(text, flush=True)
-    from asyncflow.launch import get_launcher
-    from asyncflow.tasks import build_task, load_model, prepare_model
-    from asyncflow.workflow.job import Job
-
-    if cfg.resources.device != "cpu" and cfg.launcher == "local":  # before a warm-start, not after it
-        from asyncflow.launch.local import LocalLauncher
-
-        LocalLauncher.check_device(cfg.resources.device)
+        raise ConfigError("plan=auto is resolved before the driver runs: call asyncflow.api.train, or resolve it "
+                          "with asyncflow.planner.auto.resolve")
     run_dir = run_dir or make_run_dir(cfg)
     progress = Progress(cfg.train.steps, enabled=cfg.progress)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)
-    owns = launcher is None
-    launcher = launcher or get_launcher(cfg.launcher)
     job = Job(cfg, launcher, model_dir)
     try:
-        feeder = PromptFeeder(cfg, load_model(model_dir)[1], build_task(cfg), job.dp)
+        feeder = PromptFeeder(cfg, load_model(model_dir)[1], build_task(cfg), job.plane)
         acc0 = job.evaluate() if evaluate else None
         progress.start(acc0)
         job.start()
@@ -138,5 +92,3 @@ def train(cfg: RunConfig, launcher=None, run_dir: Path | None = None, evaluate: 
         return summary
     finally:
         job.shutdown()
-        if owns:
-            launcher.shutdown()

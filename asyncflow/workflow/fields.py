@@ -15,7 +15,7 @@ Rows also carry tags ``group``, ``version`` and ``tokens`` for the samplers.
 
 from __future__ import annotations
 
-from asyncflow.queue import Field, Schema
+from asyncflow.dataplane import Field, Schema
 
 SCHEMA = Schema([
     Field("query_ids", "int64", ragged=True),

@@ -19,7 +19,8 @@ from __future__ import annotations
 from asyncflow.config import RunConfig
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.cores import pinnable_cores
-from asyncflow.workflow.worker import Worker, plan_workers
+from asyncflow.workflow.worker import Worker
+from asyncflow.workflow.plan import plan_workers
 
 
 class Job:
@@ -27,10 +28,10 @@ class Job:
         self.cfg, self.launcher = cfg, launcher
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
-        self.dp = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
+        self.plane = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
-        self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.dp, self.weights, s.threads,
+        self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights, s.threads,
                                                s.rank, s.cores) for s in self.specs}
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles] \
@@ -126,8 +127,8 @@ class Job:
             except Exception:
                 pass
         try:
-            self.dp.close()
+            self.plane.close()
         except Exception:
             pass
-        for obj in [*self.workers.values(), self.dp, self.weights]:
+        for obj in [*self.workers.values(), self.plane, self.weights]:
             self.launcher.release(obj)

@@ -47,7 +47,7 @@ later one. The staleness bound stays exact, per sample:
     carries over with nothing thrown away. With ``E = 0`` every group is firm and the
     rules above reduce exactly to the ones before (the property tests of both hold).
 
-Plain logic, no I/O: :class:`~asyncflow.workflow.rollout.RolloutRole` drives it, and a
+Plain logic, no I/O: :class:`~asyncflow.workflow.roles.rollout.RolloutRole` drives it, and a
 property test drives it with random completion orders.
 """
 

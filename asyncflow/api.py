@@ -1,0 +1,43 @@
+"""The public entry point: :func:`train` a job from a :class:`~asyncflow.config.RunConfig`.
+
+It resolves what must be settled before the driver runs, in this order: ``plan: auto``
+(profile or reuse the cached profile, search, apply: :mod:`asyncflow.planner.auto`), the
+device (``resources.device`` must exist where the roles run), and the launcher
+(``launcher``: ``local`` or ``ray``, unless one is passed in). Then the driver loop
+(:func:`asyncflow.workflow.driver.train`) runs the job. This module sits at the top of the
+layers (with the CLI): it may import every package below it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from asyncflow.config import RunConfig
+from asyncflow.launch.registry import get_launcher
+from asyncflow.workflow import driver
+from asyncflow.workflow.launcher import Launcher
+
+
+def train(cfg: RunConfig, launcher: Launcher | None = None, run_dir: Path | None = None,
+          evaluate: bool = True) -> dict:
+    """Run one job; return its summary (also written to ``<run_dir>/summary.json``).
+
+    ``launcher``: None starts the one ``cfg.launcher`` names and shuts it down at the end;
+    a launcher passed in is left running (several jobs may share one).
+    """
+    if cfg.plan == "auto":
+        from asyncflow.planner.auto import resolve  # profiles with torch: only for plan=auto
+
+        cfg, text = resolve(cfg)
+        print(text, flush=True)
+    if cfg.resources.device != "cpu" and cfg.launcher == "local" and launcher is None:
+        from asyncflow.launch.local import LocalLauncher
+
+        LocalLauncher.check_device(cfg.resources.device)  # before a warm-start, not after it
+    owns = launcher is None
+    launcher = launcher or get_launcher(cfg.launcher)
+    try:
+        return driver.train(cfg, launcher, run_dir, evaluate)
+    finally:
+        if owns:
+            launcher.shutdown()

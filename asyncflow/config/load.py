@@ -1,0 +1,106 @@
+"""Loading a configuration: YAML file + ``key=value`` overrides, validated at load.
+
+User mistakes raise :class:`~asyncflow.config.schema.ConfigError` with one line that names
+the field, the bad value and the fix (with a "did you mean" for a misspelt key). Light: no
+torch here.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from asyncflow.config.schema import ConfigError, RunConfig
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Load ``path`` (YAML; None = defaults) and apply ``key=value`` overrides, then validate."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' not found (give a YAML file, or none for the built-in default)")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded
+    for item in overrides:
+        _apply_override(data, item)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, path)) from None
+
+
+def _apply_override(data: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not key=value (example: train.steps=20)")
+    key, raw = item.split("=", 1)
+    keys = key.strip().split(".")
+    model: type[BaseModel] | None = RunConfig
+    node = data
+    for i, k in enumerate(keys):
+        fields = model.model_fields if model is not None else {}
+        if model is not None and k not in fields:
+            where = ".".join(keys[:i]) or "the top level"
+            close = difflib.get_close_matches(k, list(fields), n=1)
+            hint = f" (did you mean '{'.'.join(keys[:i] + close)}'?)" if close else f"; known: {', '.join(fields)}"
+            raise ConfigError(f"unknown config key '{key}' at {where}{hint}")
+        if i == len(keys) - 1:
+            try:
+                node[k] = yaml.safe_load(raw) if raw.strip() else None
+            except yaml.YAMLError:
+                node[k] = raw
+            return
+        ann = fields[k].annotation if model is not None else None
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+        if model is None:
+            raise ConfigError(f"config key '{'.'.join(keys[: i + 1])}' is a value, not a section")
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config key '{'.'.join(keys[: i + 1])}' must be a section")
+
+
+def _describe(e: ValidationError, path: Any) -> str:
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
+    src = f" in '{path}'" if path else ""
+    more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    if err["type"] == "extra_forbidden":
+        parent = RunConfig
+        for k in err["loc"][:-1]:
+            ann = parent.model_fields[str(k)].annotation
+            parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else parent
+        close = difflib.get_close_matches(str(err["loc"][-1]), list(parent.model_fields), n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"known: {', '.join(parent.model_fields)}"
+        return f"config error{src}: unknown key '{loc}' ({hint}){more}"
+    if not err["loc"] or err["type"] == "value_error":  # a cross-field check: its message says it all
+        where = f"{loc}: " if err["loc"] else ""
+        return f"config error{src}: {where}{err['msg'].removeprefix('Value error, ')}{more}"
+    value = err.get("input")
+    fix = _field_doc(err["loc"])
+    return (f"config error{src}: {loc} = {value!r}: {err['msg']}"
+            + (f" ({fix})" if fix else "") + more)
+
+
+def _field_doc(loc: tuple) -> str:
+    model: Any = RunConfig
+    info = None
+    for k in loc:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or str(k) not in model.model_fields:
+            break
+        info = model.model_fields[str(k)]
+        model = info.annotation
+    return info.description if info is not None and info.description else ""
+
+
+def dump_config(cfg: RunConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

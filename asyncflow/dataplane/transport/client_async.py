@@ -1,0 +1,366 @@
+"""The asyncio core of the distributed data plane's client.
+
+:class:`AsyncZmqDataPlane` holds every data-plane method as a coroutine; the synchronous
+:class:`~asyncflow.dataplane.transport.client.ZmqDataPlane` that the roles use only runs these on a
+private event-loop thread. Both are picklable (only ``(endpoint, token)`` travels;
+sockets, the schema fetched with ``hello`` and the loop thread are created lazily in the
+process that uses the copy, and again after a fork). There are no module-level clients.
+
+Wire: the core talks to a :class:`~asyncflow.dataplane.transport.controller_server.ControllerServer` (row ids)
+and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)`` (blocks
+of 64 consecutive ids, round-robin), so a put sends each unit its rows (its contiguous
+slices, views of the validated arrays: no copy) and a get asks each unit for its rows in
+one request, all units at once, then places each slice in ``meta.rows`` order. One DEALER
+socket per server per core, shared by every coroutine: each request carries an id and the
+loop's reader callback on the socket hands each reply to the coroutine waiting for that
+id, so any number of calls (e.g. several ``get_meta`` parked on the server) wait at once
+without holding each other up. Blocking happens server-side, so timeouts and ``close``
+behave exactly as in process. On one host, a unit's part of a put of at least
+``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
+cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
+answer with segment refs (:mod:`asyncflow.dataplane.transport.shm`; probed per unit at connect;
+``use_shm=False`` or ``ASYNCFLOW_DP_SHM=0`` turns it off). Below the threshold, or without
+shared memory, each contiguous slice is one message of frames.
+
+Invariants:
+
+* ``put`` validates the whole write against the schema before anything is sent
+  (all-or-nothing, errors name field and row); rows become ready only at ``commit``,
+  after every storage unit acknowledged its slice.
+* ``put_nowait`` validates and copies the data, starts the put and returns without any
+  round trip; the first error among sent puts is raised by the client's next call
+  (``flush`` waits for all and raises it too). Closing the core flushes first.
+* ``get_batch`` pins the rows it is handed until their data is read (``get_meta`` with
+  ``pin``, then ``unpin``): a racing ``clear`` forgets them at once but the controller
+  frees their bytes only after the read, so a get returns complete data.
+* A core belongs to the event loop that first uses it (a clear error otherwise).
+  Cancelling a waiting ``get_meta`` does not withdraw it from the server: rows it is then
+  handed count as consumed; pass ``timeout`` to bound a wait instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from asyncflow.dataplane.transport import shm
+from asyncflow.dataplane.core.index import check_partition_name
+from asyncflow.dataplane.transport.protocol import (
+    decode_columns,
+    encode_columns,
+    meta_from_msg,
+    runs,
+    sampler_to_msg,
+)
+from asyncflow.dataplane.core.rules import BatchMeta, Data, check_request
+from asyncflow.dataplane.core.samplers import Sampler
+from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
+from asyncflow.dataplane.transport.link import Link as _Link
+
+__all__ = ["AsyncZmqDataPlane"]
+
+class AsyncZmqDataPlane:
+    """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
+
+    def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
+                 shm_min_bytes: int = shm.MIN_BYTES) -> None:
+        self.endpoint, self.token = endpoint, token
+        self.use_shm, self.shm_min_bytes = use_shm, shm_min_bytes
+        self.recycle_min_bytes = shm.RECYCLE_MIN  # a write this big asks its unit for a recycled segment
+        self._reset()
+
+    def _reset(self) -> None:
+        self._pid = os.getpid()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ctrl: _Link | None = None
+        self._units: list[_Link] = []
+        self._unit_endpoints: list[str] = []
+        self._shm_prefix: list[str | None] = []  # per unit: its segment prefix, if shared memory works
+        self._schema: Schema | None = None
+        self._hello: asyncio.Task | None = None
+        self._sent: set[asyncio.Task] = set()
+        self._errors: list[BaseException] = []
+
+    def __getstate__(self) -> dict:
+        return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm,
+                "shm_min_bytes": self.shm_min_bytes, "recycle_min_bytes": self.recycle_min_bytes}
+
+    def __setstate__(self, state: dict) -> None:
+        self.endpoint, self.token = state["endpoint"], state["token"]
+        self.use_shm = state.get("use_shm", True)
+        self.shm_min_bytes = state.get("shm_min_bytes", shm.MIN_BYTES)
+        self.recycle_min_bytes = state.get("recycle_min_bytes", shm.RECYCLE_MIN)
+        self._reset()
+
+    # -- connection --------------------------------------------------------------------
+    async def _enter(self) -> None:
+        """Connect on first use (in this process, on this loop); raise a failed ``put_nowait``."""
+        if self._pid != os.getpid():  # a fork: the parent's sockets are not ours
+            self._reset()
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif self._loop is not loop:
+            raise RuntimeError("this AsyncZmqDataPlane is bound to another event loop; use a copy "
+                               "(copy.copy or pickle) per loop")
+        if self._schema is None:
+            if self._hello is None:
+                self._ctrl = _Link(self.endpoint, self.token or "", loop)
+                self._hello = loop.create_task(self._connect(loop))
+            try:
+                await asyncio.shield(self._hello)
+            except BaseException:
+                if self._hello.done():
+                    self._hello = None
+                raise
+        self._raise_sent()
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
+        """``hello`` to the controller, then connect every storage unit (and probe shared memory)."""
+        hello, _ = await self._ctrl.call("hello", {})
+        units = [_Link(ep, self.token or "", loop) for ep in hello["storage"]]
+        try:
+            prefixes = await _all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
+                else [None] * len(units)
+        except BaseException:
+            for u in units:
+                u.close()
+            raise
+        self._unit_endpoints, self._units, self._shm_prefix = list(hello["storage"]), units, prefixes
+        self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
+
+    async def _ctrl_call(self, op: str, **args: Any) -> Any:
+        await self._enter()
+        return (await self._ctrl.call(op, args))[0]
+
+    async def get_schema(self) -> Schema:
+        await self._enter()
+        return self._schema
+
+    async def transports(self) -> list[str]:
+        """Per storage unit: ``"shm"`` (big buffers through shared memory) or ``"zmq"``."""
+        await self._enter()
+        return ["zmq" if p is None else "shm" for p in self._shm_prefix]
+
+    async def storage_endpoints(self) -> list[str]:
+        """The storage units' endpoints, in shard order."""
+        await self._enter()
+        return list(self._unit_endpoints)
+
+    # -- writes ------------------------------------------------------------------------
+    async def put(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
+                  tags: Mapping[str, Sequence[int]] | None = None, timeout: float | None = None) -> list[int]:
+        """As :meth:`DataPlane.put`: validated whole, then allocate, write shards, commit."""
+        await self._enter()
+        return await self._put(*self._prepare(data, partition, rows, tags, copy=False), timeout)
+
+    def _prepare(self, data: Mapping[str, Any], partition: Hashable, rows: Sequence[int] | None,
+                 tags: Mapping[str, Sequence[int]] | None, copy: bool) -> tuple:
+        check_partition_name(partition)
+        rows, columns, n_rows, tag_lists = prepare_write(self._schema, data, rows, tags, copy=copy)
+        return partition, rows, columns, n_rows, tag_lists
+
+    async def _put(self, partition: Hashable, rows: list[int] | None, columns: dict, n_rows: int,
+                   tag_lists: dict, timeout: float | None) -> list[int]:
+        if rows == []:
+            return []
+        fields, ctrl = list(columns), self._ctrl
+        if rows is None:
+            rows = (await ctrl.call("alloc", {"partition": partition, "n": n_rows, "timeout": timeout}))[0]
+        else:
+            await ctrl.call("check_write", {"partition": partition, "rows": rows, "fields": fields})
+        commit = {"partition": partition, "rows": rows, "fields": fields, "tags": tag_lists, "abort": False}
+        by_unit: dict[int, list[tuple[int, int]]] = {}
+        for unit, i, j in runs(rows, len(self._units)):
+            by_unit.setdefault(unit, []).append((i, j))
+        big = sum(v.nbytes if isinstance(v, np.ndarray) else sum(r.nbytes for r in v)
+                  for v in columns.values()) >= self.shm_min_bytes  # else frames for every unit
+        try:
+            await _all([self._write(unit, rows, columns, spans, big) for unit, spans in by_unit.items()])
+        except BaseException:
+            await ctrl.call("commit", {**commit, "abort": True})
+            raise
+        await ctrl.call("commit", commit)
+        return list(rows)
+
+    async def _write(self, unit: int, rows: list[int], columns: dict, spans: list[tuple[int, int]],
+                     big: bool) -> None:
+        """One unit's rows (``spans`` of ``rows``): on one host and big enough, one
+        shared-memory segment written on a worker thread (the unit adopts it, else it is
+        unlinked here); else frames, one message per span."""
+        link, prefix = self._units[unit], self._shm_prefix[unit]
+        if prefix is not None and big:
+            mine = [r for i, j in spans for r in rows[i:j]]
+            spec, buffers = _concat_spec(columns, spans)
+            size = shm.segment_bytes(buffers)
+            if size >= self.shm_min_bytes:
+                leased = None
+                if size >= self.recycle_min_bytes:  # pages that exist write ~2x faster than fresh ones
+                    leased = (await link.call("shm_lease", {"n": size, "pid": os.getpid()}))[0]
+                name, refs = await self._loop.run_in_executor(None, shm.write_segment, prefix, "c", buffers, leased)
+                try:
+                    await link.call("write", {"rows": mine, "cols": spec, "shm": refs})
+                finally:
+                    shm.unlink(name)  # a no-op once the unit adopted (renamed) it
+                return
+        for i, j in spans:
+            spec, buffers = encode_columns({k: v[i:j] for k, v in columns.items()})
+            await link.call("write", {"rows": rows[i:j], "cols": spec}, buffers)
+
+    async def put_nowait(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
+                         tags: Mapping[str, Sequence[int]] | None = None) -> None:
+        """Validate and copy the write, start it and return at once (see the module docstring)."""
+        await self._enter()
+        prepared = self._prepare(data, partition, rows, tags, copy=True)  # the caller may reuse its arrays
+        task = self._loop.create_task(self._put(*prepared, None))
+        self._sent.add(task)
+        task.add_done_callback(self._put_done)
+
+    def _put_done(self, task: asyncio.Task) -> None:
+        self._sent.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self._errors.append(task.exception())
+
+    def _raise_sent(self) -> None:
+        if self._errors:
+            first, self._errors = self._errors[0], []
+            raise first
+
+    async def flush(self) -> None:
+        """Wait until every ``put_nowait`` of this client is applied; raise the first error."""
+        while self._sent:
+            await asyncio.wait(list(self._sent))
+        self._raise_sent()
+
+    async def seal(self, partition: Hashable) -> None:
+        check_partition_name(partition)
+        await self._ctrl_call("seal", partition=partition)
+
+    async def clear(self, partition: Hashable) -> None:
+        await self._ctrl_call("clear", partition=partition)
+
+    async def clear_rows(self, rows: Sequence[int]) -> None:
+        await self._ctrl_call("clear_rows", rows=[int(r) for r in rows])
+
+    async def reset_consumption(self, task: str) -> None:
+        await self._ctrl_call("reset_consumption", task=task)
+
+    async def close(self) -> None:
+        """Close the data plane for every client (as :meth:`DataPlane.close`)."""
+        await self._ctrl_call("close")
+
+    async def save(self, path: str | os.PathLike) -> None:
+        """Save the whole state on the servers' file system (``index.msgpack`` + one npz per unit)."""
+        await self._ctrl_call("save", path=os.path.abspath(path))
+
+    async def load(self, path: str | os.PathLike) -> None:
+        await self._ctrl_call("load", path=os.path.abspath(path))
+
+    # -- reads -------------------------------------------------------------------------
+    async def get_meta(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
+                       sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
+                       timeout: float | None = None) -> BatchMeta:
+        """As :meth:`DataPlane.get_meta`; waits server-side, so other calls go on."""
+        return (await self._get_meta(task, fields, n, partition, sampler, min_n, block, timeout, False))[0]
+
+    async def _get_meta(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None,
+                        sampler: Sampler | None, min_n: int | None, block: bool, timeout: float | None,
+                        pin: bool) -> tuple[BatchMeta, int | None]:
+        await self._enter()
+        fields, _ = check_request(self._schema, task, fields, n, min_n)
+        msg = await self._ctrl_call("get_meta", task=task, fields=fields, n=n, partition=partition,
+                                    sampler=sampler_to_msg(sampler), min_n=min_n, block=block,
+                                    timeout=timeout, pin=pin)
+        return meta_from_msg(msg), (msg[4] if len(msg) > 4 else None)
+
+    async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
+        """Fetch columns of ``meta.rows`` from the storage units, in ``meta.rows`` order."""
+        await self._enter()
+        names = self._schema.check_names(meta.fields if fields is None else fields)
+        rows = [int(r) for r in meta.rows]
+        out: dict[str, Any] = {}
+        for name in names:
+            f = self._schema[name]
+            out[name] = [None] * len(rows) if f.ragged else np.empty((len(rows), *f.shape), f.dtype)
+        by_unit: dict[int, list[tuple[int, int]]] = {}
+        for u, i, j in runs(rows, len(self._units)) if rows else []:
+            by_unit.setdefault(u, []).append((i, j))
+        replies = await _all([self._units[u].call("gather", {"rows": [r for i, j in spans for r in rows[i:j]],
+                                                              "fields": names, "pid": os.getpid(),
+                                                              "shm": None if self._shm_prefix[u] is None
+                                                              else self.shm_min_bytes})
+                              for u, spans in by_unit.items()])
+        whole = len(by_unit) == 1 and len(next(iter(by_unit.values()))) == 1
+        for (u, spans), (spec, frames) in zip(by_unit.items(), replies):
+            if isinstance(spec, dict):  # shared-memory refs (and frames for the small rest)
+                spec, frames = spec["cols"], shm.map_refs(spec["shm"], frames, self._shm_prefix[u] or "?")
+            for name, values in decode_columns(spec, frames).items():
+                if whole and not isinstance(out[name], list):
+                    out[name] = values  # the whole answer: no copy
+                    continue
+                k = 0
+                for i, j in spans:  # this unit's rows, in request order, back into place
+                    out[name][i:j] = values[k:k + j - i]
+                    k += j - i
+        return out
+
+    async def get_batch(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
+                        sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
+                        timeout: float | None = None) -> tuple[BatchMeta, Data]:
+        """``get_meta`` then ``get_data``, atomic with respect to ``clear``: the rows stay
+        pinned (their bytes kept) until read, then ``unpin`` is sent without waiting."""
+        meta, lease = await self._get_meta(task, fields, n, partition, sampler, min_n, block, timeout, True)
+        try:
+            return meta, await self.get_data(meta, meta.fields)
+        finally:
+            if lease is not None:
+                self._ctrl.send("unpin", {"lease": lease}, noreply=True)
+
+    async def tags(self, rows: Sequence[int]) -> dict[str, list[int]]:
+        return await self._ctrl_call("tags", rows=[int(r) for r in rows])
+
+    async def stats(self) -> dict[str, Any]:
+        """As :meth:`DataPlane.stats`, plus ``storage_units``, ``waiting`` (parked requests)
+        and ``pinned`` (rows handed out by ``get_batch`` and not read yet)."""
+        return await self._ctrl_call("stats")
+
+    # -- administration ----------------------------------------------------------------
+    async def shutdown_servers(self) -> None:
+        """Stop the controller and every storage unit (their processes exit)."""
+        await self._enter()
+        for link in self._units:
+            await link.call("shutdown", {})
+        await self._ctrl.call("shutdown", {})
+
+    async def aclose(self) -> None:
+        """Wait for sent puts (errors dropped: nobody is left to raise them to), then close
+        this core's sockets; the servers keep running. A later call reconnects."""
+        if self._loop is not None and self._loop is asyncio.get_running_loop():
+            while self._sent:
+                await asyncio.wait(list(self._sent))
+        for link in [self._ctrl, *self._units]:
+            if link is not None:
+                link.close()
+        self._reset()
+
+
+def _concat_spec(columns: Mapping[str, Any], spans: list[tuple[int, int]]) -> tuple[list[list], list[Any]]:
+    """As :func:`encode_columns` of the rows in ``spans`` one after another, without
+    concatenating: each buffer is the list of its per-span parts (written back to back)."""
+    parts = [encode_columns({k: v[i:j] for k, v in columns.items()}) for i, j in spans]
+    spec = [[name, kind, dtype, [sum(p[0][c][3][0] for p in parts), *shape[1:]]]
+            for c, (name, kind, dtype, shape) in enumerate(parts[0][0])]
+    return spec, [[p[1][b] for p in parts] for b in range(len(parts[0][1]))]
+
+
+async def _all(calls: Sequence[Any]) -> list[Any]:
+    """Await every call (so no reply is left behind); then raise the first error, if any."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results

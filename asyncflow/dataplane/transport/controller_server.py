@@ -1,0 +1,395 @@
+"""Distributed data plane servers: one controller + N storage units over ZeroMQ.
+
+Wiring (each box its own process; clients in any process)::
+
+    client --DEALER--> controller (ROUTER)   row ids, fields, tags: alloc/commit/get_meta/...
+    client --DEALER--> storage unit i (ROUTER)   raw column buffers of its rows (shard_of(row) == i)
+    controller --DEALER--> storage units     drops of cleared rows, save/load
+
+* The controller owns the control plane (a :class:`~asyncflow.dataplane.core.index.RowIndex`) and
+  never sees sample data; it hands out rows with the same
+  :func:`~asyncflow.dataplane.core.controller.try_sample` as the in-process ``DataPlane``.
+* A storage unit (:mod:`asyncflow.dataplane.transport.storage_server`) owns a
+  :class:`~asyncflow.dataplane.core.storage.Storage` of its shard and knows nothing of tasks; it
+  keeps received buffers as read-only views (no copy).
+* A put is ``alloc`` (new rows) or ``check_write`` (existing rows; reserves the
+  ``(row, field)`` pairs so two writers cannot both pass), then the writes to the units,
+  then ``commit``: rows become ready only after their data is stored, so a consumer can
+  never be handed a row whose bytes are not there.
+
+Concurrency: each server is one thread running a non-blocking ROUTER loop. A request
+that must wait (``get_meta`` for rows not ready yet, ``alloc`` without capacity) is
+*parked* with its deadline and retried after every state change, so a waiting client
+never holds up another; ``close`` answers every parked request with ``QueueClosed`` and
+an expired one gets ``QueueTimeout`` (checked at least every 50 ms).
+
+Safety: bind to 127.0.0.1 by default; with ``token`` set, a request without the same
+token is refused (``PermissionError``) before anything is decoded further. Every malformed
+request (garbage bytes, unknown op or field, bad dtype, wrong byte count) gets an error
+reply and changes nothing; the server goes on. No pickle on any socket. Shared-memory refs
+(same host) name only files under the storage unit's own prefix (:mod:`asyncflow.dataplane.transport.shm`).
+
+Atomic ``get_batch`` across processes: the client's ``get_batch`` is ``get_meta`` then
+fetches from the units, so a ``clear`` in between would free bytes it is about to read.
+It therefore asks with ``pin``: the answer carries a lease, and until the client sends
+``unpin`` (after its fetches were answered) the controller *defers* the storage drop of
+those rows. The index forgets cleared rows at once (ids are never reused, so deferring
+cannot alias newer data) and capacity counts them as free. A lease not released within
+:data:`LEASE_TTL_S` (a client that died mid-read) expires and its deferred drops happen.
+Plain ``get_meta`` + ``get_data`` stays unpinned: a clear in between fails the fetch with
+"not stored", never returns other data. A client that dies between ``check_write`` and
+``commit`` leaves its reservation (those fields of those rows stay unwritable until the
+rows are cleared).
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+
+from asyncflow.dataplane.core.rules import (
+    BatchMeta,
+    QueueClosed,
+    QueueTimeout,
+    check_request,
+    try_sample,
+)
+from asyncflow.dataplane.core.persist import load_state, save_state
+from asyncflow.dataplane.core.index import RowIndex, check_partition_name
+from asyncflow.dataplane.core.leases import Leases
+from asyncflow.dataplane.transport.protocol import (
+    ProtocolError,
+    error_to_msg,
+    meta_to_msg,
+    pack_header,
+    sampler_from_msg,
+    shard_of,
+    unpack_header,
+)
+from asyncflow.dataplane.core.schema import Schema, schema_to_msg, validate_tags
+
+__all__ = ["ControllerServer"]  # StorageServer: asyncflow.dataplane.transport.storage_server
+
+_PARKED = object()
+_POLL_MS = 50
+LEASE_TTL_S = 600.0  # a get_batch lease not released by then is dropped (its client died)
+
+
+class _Server:
+    """A ROUTER socket and the request loop shared by both servers."""
+
+    def __init__(self, bind: str, token: str | None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.token = token.encode() if token else None
+        self.running = True
+        self.parking_ops: frozenset[str] = frozenset()  # handlers that may answer later
+        self.ops: dict[str, Callable[..., Any]] = {"ping": lambda h, f: "pong", "shutdown": self._shutdown}
+
+    def _shutdown(self, header: dict, frames: list) -> None:
+        self.running = False
+
+    def reply(self, ident: bytes, rid: Any, result: Any = None, buffers: Sequence[Any] = (),
+              error: BaseException | None = None) -> None:
+        header = {"id": rid, "ok": True, "r": result} if error is None else {
+            "id": rid, "ok": False, "err": error_to_msg(error)}
+        self.sock.send_multipart([ident, pack_header(header), *buffers], copy=False)
+
+    def handle(self, frames: list) -> None:
+        ident, rest, header = frames[0], frames[1:], {}
+        try:
+            if not rest:
+                raise ProtocolError("empty message")
+            header = unpack_header(rest[0].buffer)
+            if self.token is not None and not hmac.compare_digest(
+                    str(header.get("tok", "")).encode(), self.token):
+                raise PermissionError("request refused: missing or wrong token")
+            op = self.ops.get(header.get("op"))
+            if op is None:
+                raise ProtocolError(f"unknown op {header.get('op')!r}; known: {sorted(self.ops)}")
+            if header.get("op") in self.parking_ops:
+                out = op(header, rest[1:], ident=ident)
+            else:
+                out = op(header, rest[1:])
+            if out is _PARKED or header.get("noreply"):
+                return
+            result, buffers = out if isinstance(out, tuple) else (out, ())
+            self.reply(ident, header.get("id"), result, buffers)
+        except Exception as exc:  # every failure becomes an error reply; the loop goes on
+            if not header.get("noreply"):
+                self.reply(ident, header.get("id") if isinstance(header, dict) else None, error=exc)
+
+    def on_idle(self) -> None:
+        pass
+
+    def serve_forever(self) -> None:
+        try:
+            while self.running:
+                if self.sock.poll(_POLL_MS):
+                    self.handle(self.sock.recv_multipart(copy=False))
+                self.on_idle()
+        finally:
+            self.ctx.destroy(linger=0)  # closes every socket of this server
+
+
+def _args(header: dict, *names: str) -> list[Any]:
+    try:
+        return [header["a"][n] for n in names]
+    except (KeyError, TypeError) as exc:
+        raise ProtocolError(f"op {header.get('op')!r}: missing argument {exc}") from None
+
+
+@dataclass
+class _Parked:
+    ident: bytes
+    header: dict
+    retry: Callable[[], Any]  # returns the answer, or None to keep waiting
+    deadline: float | None
+    timeout_msg: str = field(default="")
+
+
+class ControllerServer(_Server):
+    """The control plane: row ids, produced/consumed state, parked waiters."""
+
+    def __init__(self, schema: Schema, storage: Sequence[str], bind: str = "tcp://127.0.0.1:0",
+                 token: str | None = None, capacity: int | None = None) -> None:
+        super().__init__(bind, token)
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
+        self.schema, self.storage_endpoints, self.capacity = schema, list(storage), capacity
+        self.index = RowIndex()
+        self.closed = False
+        self.puts = self.gets = 0
+        self.reserved: set[tuple[int, str]] = set()
+        self.parked: list[_Parked] = []
+        self.units = []
+        for ep in self.storage_endpoints:
+            s = self.ctx.socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(ep)
+            self.units.append(s)
+        self._unit_rid = 0
+        self.leases = Leases(LEASE_TTL_S)
+        self.parking_ops = frozenset({"alloc", "get_meta"})
+        self.ops.update(
+            hello=lambda h, f: {"schema": schema_to_msg(self.schema), "storage": self.storage_endpoints},
+            alloc=self.alloc, check_write=self.check_write, commit=self.commit, get_meta=self.get_meta,
+            seal=self.seal, clear=self.clear, clear_rows=self.clear_rows, close=self.close,
+            reset_consumption=self.reset_consumption, tags=self.tags, stats=self.stats,
+            save=self.save, load=self.load, unpin=self.unpin,
+        )
+
+    # -- writes ------------------------------------------------------------------------
+    def alloc(self, header: dict, frames: list, ident: bytes) -> Any:
+        partition, n, timeout = _args(header, "partition", "n", "timeout")
+        check_partition_name(partition)
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"put of new rows needs n >= 1 rows, got {n!r}")
+        if self.capacity is not None and n > self.capacity:
+            raise ValueError(f"put of {n} new rows can never fit capacity {self.capacity}")
+
+        def retry() -> list[int] | None:
+            self._check_open(f"put of {n} rows into partition {partition!r}")
+            self.index.check_new(partition)
+            if self.capacity is None or self.index.live_rows + n <= self.capacity:
+                return self.index.allocate(partition, n)
+            return None
+
+        msg = (f"put timed out after {timeout}s waiting for room for {n} new rows in partition "
+               f"{partition!r} (capacity {self.capacity}); clear() a consumed partition to free room")
+        return self._answer_or_park(ident, header, retry, timeout, msg)
+
+    def check_write(self, header: dict, frames: list) -> None:
+        partition, rows, fields = _args(header, "partition", "rows", "fields")
+        self._check_open(f"put into rows of partition {partition!r}")
+        fields = self.schema.check_names(fields)
+        self.index.check_write(partition, rows, fields)
+        for name in fields:
+            for row in rows:
+                if (row, name) in self.reserved:
+                    raise ValueError(f"row {row} field {name!r} is being written by another put; fields are write-once")
+        self.reserved.update((row, name) for name in fields for row in rows)
+
+    def commit(self, header: dict, frames: list) -> None:
+        partition, rows, fields, tags, abort = _args(header, "partition", "rows", "fields", "tags", "abort")
+        fields = self.schema.check_names(fields)
+        self.reserved.difference_update((row, name) for name in fields for row in rows)
+        if abort:
+            return
+        tag_lists = validate_tags(tags, len(rows))
+        try:
+            self.index.check_write(partition, rows, fields)
+        except ValueError:
+            dead = [r for r in rows if not self.index.has_row(r)]
+            self._drop_on_units(dead)  # written after their partition was cleared
+            raise
+        self.index.mark_produced(partition, rows, fields, tag_lists)
+        self.puts += 1
+        self._wake()
+
+    def seal(self, header: dict, frames: list) -> None:
+        (partition,) = _args(header, "partition")
+        check_partition_name(partition)
+        self.index.seal(partition)
+        self._wake()
+
+    def clear(self, header: dict, frames: list) -> None:
+        (partition,) = _args(header, "partition")
+        self._drop_on_units(self.index.drop(partition))
+        self._wake()
+
+    def clear_rows(self, header: dict, frames: list) -> None:
+        (rows,) = _args(header, "rows")
+        self._drop_on_units(self.index.drop_rows([int(r) for r in rows]))
+        self._wake()
+
+    def reset_consumption(self, header: dict, frames: list) -> None:
+        (task,) = _args(header, "task")
+        self.index.reset_consumption(str(task))
+        self._wake()
+
+    def close(self, header: dict, frames: list) -> None:
+        self.closed = True
+        self._wake()
+
+    # -- reads -------------------------------------------------------------------------
+    def get_meta(self, header: dict, frames: list, ident: bytes) -> Any:
+        task, fields, n, partition, sampler, min_n, block, timeout = _args(
+            header, "task", "fields", "n", "partition", "sampler", "min_n", "block", "timeout")
+        pin = bool(header["a"].get("pin", False))
+        fields, min_n = check_request(self.schema, task, fields, n, min_n)
+        sampler = sampler_from_msg(sampler)
+        what = f"task {task!r} waiting for {min_n}..{n} rows with fields {fields} in partition {partition!r}"
+
+        def retry() -> list | None:
+            self._check_open(what)
+            meta = try_sample(self.index, task, fields, n, partition, sampler, min_n)
+            if meta is None and not block:
+                meta = BatchMeta(partition, [], fields)
+            if meta is None:
+                return None
+            self.gets += 1
+            if pin and meta.rows:
+                return [*meta_to_msg(meta), self.leases.pin(meta.rows, time.monotonic())]
+            return meta_to_msg(meta)
+
+        return self._answer_or_park(ident, header, retry, timeout, f"get_meta timed out after {timeout}s: {what}")
+
+    def unpin(self, header: dict, frames: list) -> None:
+        """Release a ``get_batch`` lease; drop its rows' bytes if they were cleared meanwhile.
+        An unknown lease (expired, or from before a ``load``) is ignored."""
+        (lease,) = _args(header, "lease")
+        self._send_drops(self.leases.release(lease))
+
+    def tags(self, header: dict, frames: list) -> dict:
+        return self.index.row_tags([int(r) for r in _args(header, "rows")[0]])
+
+    def stats(self, header: dict, frames: list) -> dict:
+        return {
+            "live_rows": self.index.live_rows, "partitions": self.index.row_counts(),
+            "consumed": dict(self.index.consumed_total), "dropped": dict(self.index.dropped_total),
+            "puts": self.puts, "gets": self.gets, "rows_allocated": self.index.rows_allocated,
+            "storage_units": len(self.units), "waiting": len(self.parked),
+            "pinned": self.leases.pinned, "deferred_drops": self.leases.deferred,
+        }
+
+    # -- persistence (waits for the units: an admin operation) ------------------------
+    def save(self, header: dict, frames: list) -> None:
+        """Index + each unit's *live* rows: rows cleared while leased still have bytes on
+        the units (until ``unpin``) but are no longer part of the state."""
+        (path,) = _args(header, "path")
+        save_state(path, self.schema, self.index.state())
+        n = len(self.units)
+        live: list[list[int]] = [[] for _ in range(n)]
+        for row in self.index.live():
+            live[shard_of(row, n)].append(row)
+        self._on_units("save", path, live)
+
+    def load(self, header: dict, frames: list) -> None:
+        (path,) = _args(header, "path")
+        state = load_state(path, self.schema)
+        self._on_units("load", path)
+        self.index, self.reserved = RowIndex.from_state(state), set()
+        self.leases = Leases(LEASE_TTL_S)  # the units' bytes were replaced
+        self._wake()
+
+    def _on_units(self, op: str, path: str, live: list[list[int]] | None = None) -> None:
+        for unit, sock in enumerate(self.units):
+            self._unit_rid += 1
+            a = {"path": path, "unit": unit, "n_units": len(self.units)}
+            if live is not None:
+                a["live"] = live[unit]
+            sock.send_multipart([pack_header({"op": op, "id": self._unit_rid, "a": a, "tok": self._tok()})])
+            while True:
+                reply = unpack_header(sock.recv_multipart()[0])
+                if reply.get("id") == self._unit_rid:
+                    break
+            if not reply["ok"]:
+                raise RuntimeError(f"storage unit {unit} {op} failed: {reply['err']['msg']}")
+
+    # -- internals ---------------------------------------------------------------------
+    def _tok(self) -> str:
+        return self.token.decode() if self.token else ""
+
+    def _drop_on_units(self, rows: Sequence[int]) -> None:
+        """Free the bytes of forgotten rows now, or at their last ``unpin`` if pinned."""
+        self._send_drops(self.leases.forget(rows))
+
+    def _send_drops(self, rows: Sequence[int]) -> None:
+        if not rows or not self.units:
+            return
+        n = len(self.units)
+        for unit, sock in enumerate(self.units):
+            mine = [r for r in rows if shard_of(r, n) == unit]
+            if mine:
+                sock.send_multipart([pack_header({"op": "drop", "noreply": True, "a": {"rows": mine},
+                                                  "tok": self._tok()})])
+
+    def _check_open(self, what: str) -> None:
+        if self.closed:
+            raise QueueClosed(f"data plane closed ({what})")
+
+    def _answer_or_park(self, ident: bytes, header: dict, retry: Callable[[], Any],
+                        timeout: float | None, timeout_msg: str) -> Any:
+        if timeout is not None and timeout < 0:
+            raise ValueError(f"timeout must be >= 0 or None, got {timeout}")
+        answer = retry()
+        if answer is not None:
+            return answer
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.parked.append(_Parked(ident, header, retry, deadline, timeout_msg))
+        return _PARKED
+
+    def _wake(self) -> None:
+        """Retry every parked request in arrival order; answer those that can be."""
+        still = []
+        for p in self.parked:
+            try:
+                answer = p.retry()
+            except Exception as exc:
+                self.reply(p.ident, p.header.get("id"), error=exc)
+                continue
+            if answer is None:
+                still.append(p)
+            else:
+                self.reply(p.ident, p.header.get("id"), answer)
+        self.parked = still
+
+    def on_idle(self) -> None:
+        now = time.monotonic()
+        self._send_drops(self.leases.expire(now))
+        if not self.parked:
+            return
+        expired = [p for p in self.parked if p.deadline is not None and p.deadline <= now]
+        if expired:
+            self.parked = [p for p in self.parked if p not in expired]
+            for p in expired:
+                self.reply(p.ident, p.header.get("id"), error=QueueTimeout(p.timeout_msg))

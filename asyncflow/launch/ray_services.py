@@ -1,0 +1,129 @@
+"""The services of a Ray job behind their plain-class APIs: the data plane and the weight store.
+
+The roles never see Ray: a :class:`RayDataPlane` has the methods of a data-plane client and
+a :class:`RayWeightStore` those of a weight store, each wrapping an actor handle. An error
+raised inside the actor (timeout, closed, schema) is re-raised as itself (:func:`ray_get`).
+They live here, not in :mod:`asyncflow.dataplane` / :mod:`asyncflow.weights`, because Ray is
+imported only under :mod:`asyncflow.launch`.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from asyncflow.dataplane import DataPlane
+from asyncflow.dataplane.transport.wire import pack_columns, unpack_columns
+
+
+def ray_get(ref, timeout=None):
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError from None
+    except ray.exceptions.RayTaskError as e:
+        cause = e.cause if getattr(e, "cause", None) is not None else None
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+class PackedDataPlane(DataPlane):
+    """The data-plane actor: a :class:`DataPlane` that takes and returns packed columns
+    (:mod:`asyncflow.dataplane.transport.wire`), so each column crosses processes as one buffer."""
+
+    def put_packed(self, packed, **kwargs):
+        return self.put(unpack_columns(packed), **kwargs)
+
+    def get_batch_packed(self, task, fields, n, **kwargs):
+        meta, data = self.get_batch(task, fields, n, **kwargs)
+        return meta, pack_columns(data)
+
+    def get_data_packed(self, meta, fields=None):
+        return pack_columns(self.get_data(meta, fields))
+
+
+class RayDataPlane:
+    """Client of a :class:`PackedDataPlane` actor with the :class:`DataPlane` methods.
+
+    ``put_nowait`` sends without waiting; the first error among the sent puts is raised
+    by the next call of this client (so nothing fails silently), ``flush`` waits for all.
+    Other methods are forwarded as blocking calls.
+    """
+
+    def __init__(self, handle):
+        self.handle = handle
+        self._sent: list = []
+
+    def __getstate__(self):
+        return {"handle": self.handle}  # a copy in another process has sent nothing
+
+    def __setstate__(self, state):
+        self.handle, self._sent = state["handle"], []
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name == "handle":  # unpickling looks these up before __init__
+            raise AttributeError(name)
+        method = getattr(self.handle, name)
+
+        def call(*a, **kw):
+            self._check_sent()
+            return ray_get(method.remote(*a, **kw))
+
+        return call
+
+    def put(self, data, partition=0, rows=None, tags=None, timeout=None):
+        self._check_sent()
+        return ray_get(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
+                                                  tags=tags, timeout=timeout))
+
+    def put_nowait(self, data, partition=0, rows=None, tags=None) -> None:
+        self._check_sent()
+        self._sent.append(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
+                                                        tags=tags))
+
+    def get_batch(self, task, fields, n, **kwargs):
+        self._check_sent()
+        meta, packed = ray_get(self.handle.get_batch_packed.remote(task, fields, n, **kwargs))
+        return meta, unpack_columns(packed)
+
+    def get_data(self, meta, fields=None):
+        self._check_sent()
+        return unpack_columns(ray_get(self.handle.get_data_packed.remote(meta, fields)))
+
+    def flush(self) -> None:
+        refs, self._sent = self._sent, []
+        for ref in refs:
+            ray_get(ref)
+
+    def _check_sent(self) -> None:
+        if self._sent:
+            done, self._sent = ray.wait(self._sent, num_returns=len(self._sent), timeout=0)
+            for ref in done:
+                ray_get(ref)
+
+
+class RayWeightStore:
+    """Client of a weight-store actor.
+
+    ``publish`` puts the buffers into Ray's object store once (host shared memory) and
+    hands the store only a reference, without waiting; subscribers read the buffers
+    from shared memory, so the store actor never copies or pickles weights.
+    """
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def publish(self, version, buffers):
+        self.handle.publish.remote(version, {"ref": [ray.put(dict(buffers))]})  # a list: not resolved
+
+    def wait_newer(self, version, timeout):
+        got = ray_get(self.handle.wait_newer.remote(version, timeout))
+        if got is None:
+            return None
+        return got[0], ray_get(got[1]["ref"][0])
+
+    def latest_version(self):
+        return ray_get(self.handle.latest_version.remote())
+
+    def close(self):
+        return ray_get(self.handle.close.remote())

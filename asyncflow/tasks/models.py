@@ -1,0 +1,93 @@
+"""The initial policy: a user's model folder (checked before any worker starts), or the
+built-in tiny model warm-started by SFT on the task (cached by recipe).
+
+Heavy imports (torch, transformers) stay inside the functions: the driver imports this
+module before it knows whether a model is needed, and ``--help`` must stay instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from asyncflow.config import ConfigError, RunConfig
+from asyncflow.tasks.registry import build_task
+
+
+def load_model(path: str | Path):
+    """(model, tokenizer) from a local Hugging Face folder; never downloads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars in every worker drown the run's own
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    return model, tokenizer
+
+
+def check_model_folder(path: str) -> str:
+    """The resolved folder if it holds a causal LM and a tokenizer; else a one-line ConfigError.
+
+    Checked in the driver before any worker starts, so a wrong ``model.path`` fails in a
+    second with what was expected, not deep inside a remote process.
+    """
+    p = Path(path).expanduser()
+    what = f"model.path = '{path}'"
+    if not p.is_dir():
+        raise ConfigError(f"{what}: no such folder (expected a Hugging Face model folder saved with save_pretrained)")
+    if not (p / "config.json").is_file():
+        raise ConfigError(f"{what}: no config.json there (expected a Hugging Face model folder saved with save_pretrained)")
+    from transformers import AutoConfig, AutoTokenizer
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+    except Exception as e:
+        raise ConfigError(f"{what}: config.json cannot be read ({str(e).splitlines()[0]})") from None
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ConfigError(f"{what}: model_type '{config.model_type}' is not a causal LM "
+                          "(AutoModelForCausalLM cannot load it; give a decoder-only model such as Qwen2 or Llama)")
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if not any((p / f).is_file() for f in files):  # AutoTokenizer may build an empty one instead of failing
+        raise ConfigError(f"{what}: no tokenizer there (expected tokenizer.json or tokenizer_config.json; "
+                          "save one with tokenizer.save_pretrained(path))")
+    try:
+        AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except Exception as e:
+        raise ConfigError(f"{what}: the tokenizer cannot be loaded ({str(e).splitlines()[0]})") from None
+    return str(p)
+
+
+def _warmstart_device(cfg: RunConfig) -> str:
+    """SFT runs on ``resources.device`` when this process sees that GPU (a Ray driver may not)."""
+    import torch
+
+    dev = cfg.resources.device
+    return dev if dev != "cpu" and torch.cuda.is_available() else "cpu"
+
+
+def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = None) -> tuple[str, dict[str, Any]]:
+    """Return the folder every worker loads the initial policy from, and how it was made.
+
+    ``model.path`` set: that folder. Otherwise the built-in tiny model, warm-started by
+    SFT (cached by recipe, so the next run skips it) unless ``warmstart.enabled`` is off.
+    """
+    if cfg.model.path:
+        return check_model_folder(cfg.model.path), {"source": "path"}
+    task = build_task(cfg)
+    if cfg.warmstart.enabled:
+        from asyncflow.tasks.warmstart import load_or_warm_start  # torch: only when a warm-start runs
+
+        _, _, info = load_or_warm_start(Path(cfg.warmstart.cache_dir).expanduser(), task=task,
+                                        model_dims=cfg.model.dims(), target_acc=cfg.warmstart.target_acc,
+                                        warmup_steps=cfg.warmstart.warmup_steps, near_every=cfg.warmstart.near_every,
+                                        seed=cfg.seed, progress=progress, device=_warmstart_device(cfg))
+        return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
+    from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model  # torch
+
+    tok = build_char_tokenizer()
+    model = build_tiny_model(tok, seed=cfg.seed, **cfg.model.dims())
+    out = run_dir / "initial_model"
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return str(out), {"source": "random"}

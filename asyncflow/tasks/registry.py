@@ -1,0 +1,46 @@
+"""Tasks by name: the built-in ones, and a user's own by import path.
+
+``task.name`` is either a built-in name (a key of :data:`FACTORIES`) or an import path
+``package.module:factory`` / ``path/to/file.py:factory``: ``factory(cfg) -> Task`` (a class
+whose constructor takes the run config works too). Adding a built-in task is its module
+plus one line in :data:`FACTORIES` (and its name in
+:data:`asyncflow.config.BUILTIN_TASKS`, which the config validates against; a test keeps
+the two equal). Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from asyncflow.config import ConfigError, RunConfig
+from asyncflow.tasks.addition import AdditionTask
+from asyncflow.tasks.arith_tasks import CountdownTask, MultistepTask
+from asyncflow.tasks.base import Task
+from asyncflow.tasks.dataset_task import DatasetTask
+from asyncflow.tasks.plugins import load_callable
+
+TaskFactory = Callable[[RunConfig], Task]
+
+FACTORIES: dict[str, TaskFactory] = {
+    "addition": lambda cfg: AdditionTask(digits=cfg.task.digits, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed),
+    "countdown": lambda cfg: CountdownTask(terms=cfg.task.terms or 3, holdout_frac=cfg.task.holdout_frac,
+                                           seed=cfg.seed),
+    "multistep": lambda cfg: MultistepTask(terms=cfg.task.terms or 4, holdout_frac=cfg.task.holdout_frac,
+                                           seed=cfg.seed),
+    "dataset": DatasetTask,
+}
+
+
+def build_task(cfg: RunConfig) -> Task:
+    """The task named by ``cfg.task.name`` (built-in, or ``module:factory`` of the user's)."""
+    name = cfg.task.name
+    if name in FACTORIES:
+        return FACTORIES[name](cfg)
+    factory = load_callable(name, what="task.name")
+    task = factory(cfg)
+    missing = [a for a in ("train", "heldout", "reward", "greedy_eval_tokens") if not hasattr(task, a)]
+    if missing:
+        raise ConfigError(f"task.name = '{name}': the task it built has no {', '.join(missing)} "
+                          "(a task needs train, heldout, reward(prompt, response, answer) and greedy_eval_tokens; "
+                          "see asyncflow/tasks/base.py)")
+    return task

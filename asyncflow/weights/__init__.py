@@ -1,0 +1,1 @@
+"""How weights reach rollout: the host-memory store, the publisher and the subscriber."""

@@ -1,0 +1,168 @@
+"""Role builders: one function per role, registered by name in :data:`BUILDERS`.
+
+A worker (:mod:`asyncflow.workflow.worker`) loads the model, tokenizer and task once, puts
+them in a :class:`RoleContext`, and calls the builder of each role it hosts, in
+:data:`BUILD_ORDER`. A builder only wires: it makes the role's engine from the context and
+returns the role; it starts nothing. Adding a role is one builder here and its name in the
+worker plan (:mod:`asyncflow.workflow.plan`).
+
+Sharing rules (why the order matters): the actor is built first and trains ``ctx.model``
+itself; the rollout engine of a colocated (``sync``) worker decodes with that same model (no
+weight copy); reference and critic take copies (a critic hosted alone takes the model).
+Only the actor of rank 0 publishes weights, and only outside ``sync``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.config import RunConfig
+from asyncflow.engines.collective import Collective
+from asyncflow.engines.critic import CriticEngine
+from asyncflow.engines.inference import InferenceEngine, SamplingParams
+from asyncflow.engines.sglang_engine import SGLangEngine
+from asyncflow.engines.training import TrainEngine, lr_multiplier
+from asyncflow.engines.vllm_engine import VLLMEngine
+from asyncflow.tasks.base import Task
+from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+from asyncflow.weights.subscriber import WeightSubscriber
+from asyncflow.workflow.feeder import PromptFeeder
+from asyncflow.workflow.plan import rewards_in_rollout
+from asyncflow.workflow.roles.actor import ActorRole
+from asyncflow.workflow.roles.base import Role
+from asyncflow.workflow.roles.critic import CriticRole
+from asyncflow.workflow.roles.reference import ReferenceRole
+from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
+from asyncflow.workflow.roles.rollout import RolloutRole
+
+
+@dataclass
+class RoleContext:
+    """What a worker hands its role builders (built once per worker process)."""
+
+    cfg: RunConfig
+    plane: Any  # the data-plane client (:class:`~asyncflow.dataplane.api.DataPlaneClient`)
+    weights: Any  # the weight store (None in a solo bench run)
+    model: Any  # the policy this worker loaded (a Hugging Face causal LM)
+    tokenizer: Any
+    task: Task
+    model_dir: str
+    hosted: list[str]  # the roles of this worker
+    rank: int = 0  # the actor's data-parallel rank
+    group: Collective | None = None  # the actor's data-parallel group (set by join_dp)
+    _reward: Callable | None = field(default=None, repr=False)
+
+    def reward_fn(self) -> Callable:
+        """The task's reward, or ``reward.fn`` wrapped with its timeout, error score and counters (one per worker)."""
+        if not self.cfg.reward.fn:
+            return self.task.reward
+        if self._reward is None:
+            r = self.cfg.reward
+            self._reward = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key, batched=r.batched)
+        return self._reward
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def passes(cfg: RunConfig) -> dict:
+    """How every training engine (actor, reference, critic) runs its forward/backward passes."""
+    t = cfg.train
+    return {"max_tokens_per_micro": t.max_tokens_per_micro, "split_padding": t.split_padding,
+            "dtype": cfg.model.dtype}
+
+
+def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
+    """The LR multiplier of ``train``'s schedule (actor and critic alike)."""
+    t = cfg.train
+    return partial(lr_multiplier, total=t.steps, warmup=t.warmup_steps, schedule=t.lr_schedule,
+                   min_ratio=t.min_lr_ratio)
+
+
+def algorithm(cfg: RunConfig) -> Algorithm:
+    return Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
+
+
+def build_actor(ctx: RoleContext) -> Role:
+    cfg, r, t = ctx.cfg, ctx.cfg.rollout, ctx.cfg.train
+    fsdp = t.dp > 1 and t.strategy == "fsdp"
+    engine = TrainEngine(ctx.model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
+                         grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
+                         collective=ctx.group, fsdp=fsdp, **passes(cfg))
+    publish = ctx.weights.publish if (ctx.weights is not None and cfg.mode != "sync" and ctx.rank == 0) else None
+    return ActorRole(engine, ctx.plane, cfg.batch_size, r.group_size, t.micro_prompts, cfg.effective_staleness,
+                     algorithm=algorithm(cfg), publish=publish, group=ctx.group)
+
+
+def _inference_engine(ctx: RoleContext) -> Any:
+    """The built-in engine on ``ctx.model``, or (``rollout.engine=vllm|sglang``) the adapter
+    loading the same model folder on the GPU."""
+    cfg, r, tok = ctx.cfg, ctx.cfg.rollout, ctx.tokenizer
+    if r.engine == "builtin":
+        return InferenceEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                               dtype=cfg.model.dtype)
+    dtype = "float32" if cfg.model.dtype == "float32" else "bfloat16"
+    adapter = VLLMEngine if r.engine == "vllm" else SGLangEngine
+    return adapter(ctx.model_dir, tok.eos_token_id, r.max_batch, dtype, cfg.seed)
+
+
+def _scoring(ctx: RoleContext) -> dict:
+    """Rollout's extras when it computes rewards: a :class:`GroupScorer` (over a RewardRole
+    that is never run as a role: its calls, remote calls and error counting only); with
+    DAPO dynamic sampling also the algorithm's reward shaping, the keep-or-drop rule and a
+    prompt feeder (drops consume prompts faster than one partition a step)."""
+    cfg = ctx.cfg
+    role = RewardRole(ctx.plane, ctx.reward_fn(), ctx.decode, concurrency=cfg.reward.concurrency,
+                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+    extras: dict = {"scorer": GroupScorer(role)}
+    if cfg.algorithm.dynamic_sampling:
+        extras.update(shape=algorithm(cfg).shaped_rewards, drop_flat=True,
+                      feed=PromptFeeder(cfg, ctx.tokenizer, ctx.task, ctx.plane, unlimited=True).fill)
+    return extras
+
+
+def build_rollout(ctx: RoleContext) -> Role:
+    cfg, r = ctx.cfg, ctx.cfg.rollout
+    engine = _inference_engine(ctx)
+    subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if cfg.mode != "sync" else None
+    sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
+    return RolloutRole(engine, ctx.plane, sp, r.group_size, cfg.train.prompts_per_step, cfg.effective_staleness,
+                       subscriber, r.recompute_on_swap, r.on_swap, overprovision=r.overprovision,
+                       **(_scoring(ctx) if rewards_in_rollout(cfg) else {}))
+
+
+def build_reward(ctx: RoleContext) -> Role:
+    cfg = ctx.cfg
+    return RewardRole(ctx.plane, ctx.reward_fn(), ctx.decode, micro=cfg.batch_size, concurrency=cfg.reward.concurrency,
+                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+
+
+def build_reference(ctx: RoleContext) -> Role:
+    ref_model = copy.deepcopy(ctx.model).eval()
+    engine = TrainEngine(ref_model, ctx.tokenizer.pad_token_id, temperature=ctx.cfg.rollout.temperature,
+                         **passes(ctx.cfg))
+    return ReferenceRole(engine, ctx.plane)
+
+
+def build_critic(ctx: RoleContext) -> Role:
+    cfg, t, a = ctx.cfg, ctx.cfg.train, ctx.cfg.algorithm
+    # the policy's weights as backbone; a copy unless this worker hosts the critic alone
+    lm = ctx.model if ctx.hosted == ["critic"] else copy.deepcopy(ctx.model)
+    engine = CriticEngine(lm, ctx.tokenizer.pad_token_id, lr=a.critic_lr or t.lr, weight_decay=t.weight_decay,
+                          grad_clip=t.grad_clip, schedule=lr_schedule(cfg), **passes(cfg))
+    return CriticRole(engine, ctx.plane, algorithm(cfg), cfg.batch_size, epochs=a.critic_epochs)
+
+
+BUILDERS: dict[str, Callable[[RoleContext], Role]] = {
+    "actor": build_actor,
+    "rollout": build_rollout,
+    "reward": build_reward,
+    "reference": build_reference,
+    "critic": build_critic,
+}
+BUILD_ORDER = ("actor", "rollout", "reward", "reference", "critic")  # the actor's model first (see above)

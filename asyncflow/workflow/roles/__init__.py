@@ -1,0 +1,1 @@
+"""The roles: plain classes with a poll loop (rollout, reward, reference, actor, critic)."""

@@ -1,0 +1,29 @@
+"""Reference role: log-probs of a frozen copy of the initial policy, for the KL term."""
+
+from __future__ import annotations
+
+from asyncflow.engines.training import TrainEngine
+from asyncflow.workflow.roles.base import Role
+
+FIELDS = ["prompt_ids", "response_ids"]
+
+
+class ReferenceRole(Role):
+    name = "reference"
+
+    def __init__(self, engine: TrainEngine, plane, micro: int = 32):
+        super().__init__()
+        self.engine, self.plane, self.micro = engine, plane, micro
+
+    def poll(self, timeout: float) -> int:
+        got = self.fetch(self.plane, "reference", FIELDS, self.micro, None, timeout)
+        if got is None:
+            return 0
+        meta, data = got
+        with self.work():
+            ref = self.engine.logprobs([p.tolist() for p in data["prompt_ids"]],
+                                       [r.tolist() for r in data["response_ids"]])
+            self.plane.put_nowait({"ref_logprobs": ref}, partition=meta.partition, rows=meta.rows)
+            self.items += len(meta.rows)
+        self.linger(len(meta.rows), self.micro)
+        return len(meta.rows)
