@@ -56,9 +56,17 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
 
+from asyncflow.bench.solo import bound, measure_roles
 from asyncflow.config import ConfigError, RunConfig
+from asyncflow.launch.registry import get_launcher
+from asyncflow.tasks.models import prepare_model
+from asyncflow.workflow.cores import pinnable_cores
+from asyncflow.workflow.driver import train
+from asyncflow.workflow.launcher import Launcher
+from asyncflow.workflow.plan import plan_workers
 
 WORKLOADS = {
     "a": {"rollout": {"gen_len": "longtail"}},
@@ -92,13 +100,10 @@ def _variant(cfg: RunConfig, workload: str, spec: str, steps: int, run_dir: str)
     return RunConfig.model_validate(data)
 
 
-def run_bench(cfg: RunConfig, config=None, overrides=(), samples: int | None = None,
-              workloads=("a", "b"), modes=("sync", "stream", "async", "async:2"), out: str | None = None,
+def run_bench(cfg: RunConfig, config: str | None = None, overrides: Sequence[str] = (), samples: int | None = None,
+              workloads: Sequence[str] = ("a", "b"), modes: Sequence[str] = ("sync", "stream", "async", "async:2"),
+              out: str | None = None,
               quality: bool = False, repeat: int = 2, seeds: list[int] | None = None) -> dict:
-    from asyncflow.launch.registry import get_launcher
-    from asyncflow.tasks.models import prepare_model
-    from asyncflow.workflow.driver import train
-
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad:
         raise ConfigError(f"unknown workload {bad} (workloads: a, b)")
@@ -154,59 +159,74 @@ def _finish(rounds) -> list[dict]:
         return done.value
 
 
-def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int = 1):
+def _rounds(cfg: RunConfig, w: str, modes: Sequence[str], steps: int, model_dir: str, launcher: Launcher,
+            root: Path, train: Callable[..., dict], repeat: int = 1) -> Generator[int, None, list[dict]]:
     """Measure workload ``w`` one mode per ``next`` (its run, then its roles alone unless
     this round already ran that kind of solo); after the last round, return
-    (``StopIteration.value``) its rows."""
-    from asyncflow.bench.solo import bound, measure_roles
-    from asyncflow.workflow.cores import pinnable_cores
-    from asyncflow.workflow.plan import plan_workers
+    (``StopIteration.value``) its rows.
 
-    def role_cores(vcfg) -> dict[str, tuple[int, ...]]:  # each role's cores in the mode's runs (if pinned)
-        specs = plan_workers(vcfg, launcher.cpus, pinnable_cores(vcfg, launcher))
+    Each round runs every mode, each followed by its roles alone (once per round and
+    kind): this machine's speed drifts by +-15% over minutes, so a bound measured minutes
+    away from its runs would be off by as much; interleaved, each round's runs and solos
+    share the machine's speed of the moment."""
+    wl = _Workload(cfg, w, modes, steps, model_dir, launcher, root)
+    for i in range(repeat):
+        solo_done: set[tuple] = set()
+        for mode in modes:
+            wl.measure(mode, i, repeat, train, solo_done)
+            yield i
+    return wl.rows()
+
+
+class _Workload:
+    """One workload's runs and solo runs across the rounds, and the rows they make."""
+
+    def __init__(self, cfg: RunConfig, w: str, modes: Sequence[str], steps: int, model_dir: str,
+                 launcher: Launcher, root: Path):
+        self.cfg, self.w, self.modes, self.steps, self.model_dir, self.launcher = cfg, w, modes, steps, model_dir, launcher
+        self.vcfgs = {mode: _variant(cfg, w, mode, steps, str(root)) for mode in modes}  # modes: specs, e.g. "async:2"
+        self.runs: dict[str, list[dict]] = {mode: [] for mode in modes}
+        self.solos: dict[tuple, list[dict]] = {}
+        self.solo_cpu: dict[tuple, list[dict]] = {}  # CPU seconds of each role's thread in the same solo runs
+
+    def role_cores(self, vcfg: RunConfig) -> dict[str, tuple[int, ...]]:
+        """Each role's cores in the mode's runs (if pinned)."""
+        specs = plan_workers(vcfg, self.launcher.cpus, pinnable_cores(vcfg, self.launcher))
         return {role: spec.cores for spec in specs[::-1] for role in spec.roles if spec.cores}  # rank 0 last: wins
 
-    def solo_key(vcfg) -> tuple[int, bool, tuple]:  # (threads per role, continuous rollout, pinned cores)
-        threads = (vcfg.resources.sync_threads or launcher.cpus) if vcfg.mode == "sync" else vcfg.resources.threads_per_role
-        return threads, vcfg.mode == "async", tuple(sorted(role_cores(vcfg).items()))
+    def solo_key(self, vcfg: RunConfig) -> tuple[int, bool, tuple]:
+        """(threads per role, continuous rollout, pinned cores): what makes two solo runs alike."""
+        cpus = self.launcher.cpus
+        threads = (vcfg.resources.sync_threads or cpus) if vcfg.mode == "sync" else vcfg.resources.threads_per_role
+        return threads, vcfg.mode == "async", tuple(sorted(self.role_cores(vcfg).items()))
 
-    # Each round runs every mode, each followed by its roles alone (once per round and
-    # kind): this machine's speed drifts by +-15% over minutes, so a bound measured
-    # minutes away from its runs would be off by as much; interleaved, each round's
-    # runs and solos share the machine's speed of the moment.
-    vcfgs = {mode: _variant(cfg, w, mode, steps, str(root)) for mode in modes}  # modes: specs, e.g. "async:2"
-    runs: dict[str, list[dict]] = {mode: [] for mode in modes}
-    solos: dict[tuple, list[dict]] = {}
-    solo_cpu: dict[tuple, list[dict]] = {}  # CPU seconds of each role's thread in the same solo runs
-    for i in range(repeat):
-        solo_done = set()
-        for mode in modes:
-            vcfg = vcfgs[mode]
-            of = f" (round {i + 1} of {repeat})" if repeat > 1 else ""
-            print(f"[bench] workload {w} ({WORKLOAD_TEXT[w]}): {mode}{of} ...", flush=True)
-            s = train(vcfg, launcher=launcher, evaluate=False)
-            runs[mode].append({"workload": w, "mode": mode, "samples_per_s": s["steady_samples_per_s"],
-                               "tokens_per_s": s["steady_tokens_per_s"], "wall_s": s["wall_s"], "busy": s["busy"],
-                               "on_cpu": s.get("on_cpu", {}), "cpu_per_sample": _per_sample(s),
-                               "cpu": s["cpu"], "max_staleness": s["max_staleness"], "run_dir": s["run_dir"]})
-            key = solo_key(vcfg)
-            if key not in solo_done:
-                solo_done.add(key)
-                print(f"[bench] workload {w}: roles alone on {key[0]} thread(s), "
-                      f"{'continuous' if key[1] else 'step-by-step'} rollout{', pinned' if key[2] else ''}{of} ...",
-                      flush=True)
-                used: dict[str, float] = {}
-                solos.setdefault(key, []).append(measure_roles(vcfg, model_dir, steps, key[0], key[1], dict(key[2]),
-                                                               cpu=used))
-                solo_cpu.setdefault(key, []).append(used)
-            yield i
+    def measure(self, mode: str, i: int, repeat: int, train: Callable[..., dict], solo_done: set[tuple]) -> None:
+        """Round ``i``'s run of ``mode``, then its roles alone (unless this round ran that kind)."""
+        vcfg, w = self.vcfgs[mode], self.w
+        of = f" (round {i + 1} of {repeat})" if repeat > 1 else ""
+        print(f"[bench] workload {w} ({WORKLOAD_TEXT[w]}): {mode}{of} ...", flush=True)
+        s = train(vcfg, launcher=self.launcher, evaluate=False)
+        self.runs[mode].append({"workload": w, "mode": mode, "samples_per_s": s["steady_samples_per_s"],
+                                "tokens_per_s": s["steady_tokens_per_s"], "wall_s": s["wall_s"], "busy": s["busy"],
+                                "on_cpu": s.get("on_cpu", {}), "cpu_per_sample": _per_sample(s),
+                                "cpu": s["cpu"], "max_staleness": s["max_staleness"], "run_dir": s["run_dir"]})
+        key = self.solo_key(vcfg)
+        if key in solo_done:
+            return
+        solo_done.add(key)
+        print(f"[bench] workload {w}: roles alone on {key[0]} thread(s), "
+              f"{'continuous' if key[1] else 'step-by-step'} rollout{', pinned' if key[2] else ''}{of} ...", flush=True)
+        used: dict[str, float] = {}
+        self.solos.setdefault(key, []).append(measure_roles(vcfg, self.model_dir, self.steps, key[0], key[1],
+                                                            dict(key[2]), cpu=used))
+        self.solo_cpu.setdefault(key, []).append(used)
 
-    def bounding(role: str, key: tuple) -> list[tuple]:
+    def bounding(self, role: str, key: tuple) -> list[tuple]:
         """The solo kinds whose runs may bound ``role`` in a mode of solo kind ``key``: its
         own for rollout, every kind on the same threads and cores for the others."""
-        return [key] if role == "rollout" else [k for k in solos if (k[0], k[2]) == (key[0], key[2])]
+        return [key] if role == "rollout" else [k for k in self.solos if (k[0], k[2]) == (key[0], key[2])]
 
-    def fastest(role: str, key: tuple) -> tuple[float, float | None]:
+    def fastest(self, role: str, key: tuple) -> tuple[float, float | None]:
         """(seconds, CPU seconds) of ``role``'s fastest solo run that may bound a mode of
         solo kind ``key``. Only rollout's work depends on how it is fed (step by step or
         continuously); every other role takes its fastest run on the same threads and cores,
@@ -214,37 +234,39 @@ def _rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int 
         was 20-65% slower on the same steps, rows in completion order making costlier
         micro-batches; a bound from it alone flattered async.) The fastest, because other
         load only ever adds time and every mode and kind got as many tries."""
-        return min(((r[role], used.get(role)) for k in bounding(role, key)
-                    for r, used in zip(solos[k], solo_cpu[k]) if role in r), key=lambda t: t[0])
+        return min(((r[role], used.get(role)) for k in self.bounding(role, key)
+                    for r, used in zip(self.solos[k], self.solo_cpu[k]) if role in r), key=lambda t: t[0])
 
-    rows, keys = [], []
-    for mode in modes:
-        best = max(runs[mode], key=lambda r: r["samples_per_s"])
-        rows.append({**best, "runs": [r["samples_per_s"] for r in runs[mode]],
-                     "max_staleness": max(r["max_staleness"] for r in runs[mode])})
-        keys.append((vcfgs[mode], solo_key(vcfgs[mode])))
+    def in_round(self, role: str, key: tuple, i: int) -> float:
+        """``role``'s solo seconds in round ``i`` alone, by the rule of :meth:`fastest`."""
+        return min(self.solos[k][i][role] for k in self.bounding(role, key) if role in self.solos[k][i])
 
-    def in_round(role: str, key: tuple, i: int) -> float:
-        """``role``'s solo seconds in round ``i`` alone, by the rule of :func:`fastest`."""
-        return min(solos[k][i][role] for k in bounding(role, key) if role in solos[k][i])
-
-    samples = (steps - 1) * cfg.batch_size
-    for row, (vcfg, key), mode in zip(rows, keys, modes):
-        picked = {role: fastest(role, key) for role in solos[key][0]}
-        seconds = {role: t for role, (t, _) in picked.items()}
-        b, limit = bound(vcfg.mode, seconds, samples)
-        row.update(solo_s=seconds, solo_runs=solos[key], bound=b, bound_limit=limit,
-                   efficiency=row["samples_per_s"] / b)
-        # each round's run against that round's own bound: the spread shows the machine's drift
-        row["round_efficiency"] = [
-            run["samples_per_s"] / bound(vcfg.mode, {role: in_round(role, key, i) for role in solos[key][i]}, samples)[0]
-            for i, run in enumerate(runs[mode])]
-        if vcfg.mode != "sync" and key[0] == 1:  # one thread per role: its thread's CPU is the role's
-            row["gap"] = gap_factors(row, limit, *picked[limit], samples)
-    sync = next((r for r in rows if r["mode"] == "sync"), None)
-    for row in rows:
-        row["vs_sync"] = row["samples_per_s"] / sync["samples_per_s"] if sync else None
-    return rows
+    def rows(self) -> list[dict]:
+        """One row per mode: its fastest run against the bound of the fastest solo runs."""
+        samples = (self.steps - 1) * self.cfg.batch_size
+        rows = []
+        for mode in self.modes:
+            runs, vcfg = self.runs[mode], self.vcfgs[mode]
+            key = self.solo_key(vcfg)
+            row = {**max(runs, key=lambda r: r["samples_per_s"]), "runs": [r["samples_per_s"] for r in runs],
+                   "max_staleness": max(r["max_staleness"] for r in runs)}
+            picked = {role: self.fastest(role, key) for role in self.solos[key][0]}
+            seconds = {role: t for role, (t, _) in picked.items()}
+            b, limit = bound(vcfg.mode, seconds, samples)
+            row.update(solo_s=seconds, solo_runs=self.solos[key], bound=b, bound_limit=limit,
+                       efficiency=row["samples_per_s"] / b)
+            # each round's run against that round's own bound: the spread shows the machine's drift
+            row["round_efficiency"] = [
+                run["samples_per_s"] / bound(vcfg.mode, {role: self.in_round(role, key, i)
+                                                         for role in self.solos[key][i]}, samples)[0]
+                for i, run in enumerate(runs)]
+            if vcfg.mode != "sync" and key[0] == 1:  # one thread per role: its thread's CPU is the role's
+                row["gap"] = gap_factors(row, limit, *picked[limit], samples)
+            rows.append(row)
+        sync = next((r for r in rows if r["mode"] == "sync"), None)
+        for row in rows:
+            row["vs_sync"] = row["samples_per_s"] / sync["samples_per_s"] if sync else None
+        return rows
 
 
 def _per_sample(summary: dict) -> dict[str, float]:

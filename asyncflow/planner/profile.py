@@ -32,10 +32,12 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from asyncflow.config import RunConfig
+from asyncflow.planner.sim import Workload
 
 
 def _min_time(fn, reps: int = 3) -> float:
@@ -241,15 +243,34 @@ def step_seconds(run_dir: str) -> list[float]:
     return list(np.diff(elapsed))
 
 
-def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None):
+def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None) -> Workload:
     """The simulator's workload for ``cfg``, with lengths and prompt length from a profile."""
-    from asyncflow.planner.sim import Workload
 
     return Workload(prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.group_size,
                     prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
                     steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
                     (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
                     reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True)
+
+
+def _costs(model: Any, tok: Any, task: Any, prompts: list[list[int]], cfg: RunConfig) -> dict:
+    """Weight export and load times, the weights' size, and the reward's cost per sample."""
+    from asyncflow.engines.inference import InferenceEngine  # lazy: torch, profiling only
+    from asyncflow.engines.training import TrainEngine  # lazy: torch, profiling only
+
+    eng = TrainEngine(model, tok.pad_token_id)
+    out: dict = {"export_s": _min_time(eng.export_weights, 5)}
+    w = eng.export_weights()
+    out["param_bytes"] = int(sum(v.nbytes for v in w.values()))
+    inf = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, cfg.rollout.max_batch, cfg.seed)
+    out["load_s"] = _min_time(lambda: inf.load_weights(1, w), 5)
+    probs = task.train[:200]
+    t = time.perf_counter()
+    for p in probs:
+        task.reward(p.prompt, p.answer, p.answer)
+        tok.decode(prompts[0], skip_special_tokens=True)
+    out["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
+    return out
 
 
 def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, calibrate: bool = True,
@@ -280,21 +301,7 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
         torch.set_num_threads(1)
         model, tok = load_model(model_dir)  # untouched weights for the length distribution
         prof["lengths"] = {str(k): v for k, v in _lengths(model, tok, prompts, cfg).items()}
-        from asyncflow.engines.inference import InferenceEngine
-        from asyncflow.engines.training import TrainEngine
-
-        eng = TrainEngine(model, tok.pad_token_id)
-        prof["export_s"] = _min_time(eng.export_weights, 5)
-        w = eng.export_weights()
-        prof["param_bytes"] = int(sum(v.nbytes for v in w.values()))
-        inf = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, cfg.rollout.max_batch, cfg.seed)
-        prof["load_s"] = _min_time(lambda: inf.load_weights(1, w), 5)
-        probs = task.train[:200]
-        t = time.perf_counter()
-        for p in probs:
-            task.reward(p.prompt, p.answer, p.answer)
-            tok.decode(prompts[0], skip_special_tokens=True)
-        prof["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
+        prof.update(_costs(model, tok, task, prompts, cfg))
         if calibrate:
             for t in sorted({1, ncpu}):
                 print(f"[profile] calibration: roles alone through the role code on {t} thread(s) ...", flush=True)

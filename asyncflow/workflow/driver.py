@@ -64,7 +64,7 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
         steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
         ahead = cfg.effective_staleness + 2 + -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)
 
-        def submit(v: int):  # feed prompts for every admissible step, then queue step v on the trainer
+        def submit(v: int) -> list | None:  # feed prompts for every admissible step, then queue step v on the trainer
             if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
                 feeder.fill(v + ahead)  # (over-provisioned groups reach further ahead)
             return job.submit(v) if v < steps else None
