@@ -1,5 +1,5 @@
 """Algorithm library: advantage estimators, policy losses, KL estimators, off-policy corrections.
 
 One file per concern (``advantages``, ``losses``, ``kl``, ``corrections``); ``algorithm``
-binds them to a config for the actor; ``grpo`` keeps the original GRPO API.
+binds them to a config for the actor.
 """

@@ -358,7 +358,7 @@ def format_table(report: dict) -> str:
     gaps = [r for r in report["rows"] if r.get("gap")]
     if gaps:
         lines.append("efficiency = busy x on a core x CPU/sample alone/in the run x solo wall/CPU "
-                     "(the limiting role's; see asyncflow.bench.gap_factors):")
+                     "(the limiting role's; see asyncflow.bench.run.gap_factors):")
         for r in gaps:
             g = r["gap"]
             lines.append(f"  {r['workload']} {r['mode']:<8}{r['efficiency']:>4.0%} ~ {g['role']} busy {g['busy']:.0%} "

@@ -88,7 +88,7 @@ class WarmStartConfig(_Section):
     target_acc: float = Field(0.65, gt=0, le=1, description="Stop SFT at this held-out greedy accuracy.")
     cache_dir: str = Field("~/.cache/asyncflow/warmstart", description="Warm-started models are cached here.")
     warmup_steps: int = Field(0, ge=0, description="SFT learning-rate warmup steps (0 = none). 200 makes the "
-                                                   "warm-start's length steadier across seeds; see the README.")
+                                                   "warm-start's length steadier across seeds; see docs/benchmarks.md.")
     near_every: int | None = Field(None, gt=0, description="Evaluate every N SFT steps once an evaluation reached half "
                                                            "the target, to stop closer to it (None = every 50).")
 
@@ -137,7 +137,7 @@ class RewardConfig(_Section):
     latency_ms: tuple[float, float] | None = Field(
         None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
     concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
-    fn: str | None = Field(None, description="Reward function 'package.module:function', called (prompt, response, sample) "
+    fn: str | None = Field(None, description="Reward function 'package.module:function' or 'path/to/file.py:function', called (prompt, response, sample) "
                                               "-> float or dict of named scores; None = the task's built-in reward.")
     key: str | None = Field(None, description="fn returns a dict: the named score used as the reward (None = sum of all).")
     timeout_s: float | None = Field(10.0, gt=0, description="fn: seconds per call before it scores on_error (None = no limit).")
