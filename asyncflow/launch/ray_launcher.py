@@ -96,13 +96,14 @@ class RayLauncher:
             raise ConfigError(f"resources.device={device}, but the Ray cluster has no GPU "
                               f"(ray.cluster_resources() lists none): set resources.device=cpu")
 
-    def one_host(self) -> bool:
+    @staticmethod
+    def one_host() -> bool:
         """Every alive node of the Ray cluster is this machine (a local instance)."""
-        self._start()
         here = ray.util.get_node_ip_address()
         return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
 
     def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
+        self._start()
         if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
             kind = "zmq" if self.one_host() else "ray"
         if kind == "zmq":
