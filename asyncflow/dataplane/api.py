@@ -1,9 +1,10 @@
 """The data-plane client interface: :class:`DataPlaneClient`, what every role and feeder uses.
 
-Three deployments implement it with the same semantics (one contract test runs against
-each): the in-process :class:`~asyncflow.dataplane.core.controller.DataPlane`, the ZeroMQ
-client :class:`~asyncflow.dataplane.transport.client.ZmqDataPlane`, and the Ray actor
-client ``asyncflow.launch.ray_services.RayDataPlane``.
+Three deployments implement it with the same semantics (one contract test,
+``tests/test_contracts_dataplane.py``, runs against each): the in-process
+:class:`~asyncflow.dataplane.core.controller.DataPlane`, the ZeroMQ client
+:class:`~asyncflow.dataplane.transport.client.ZmqDataPlane`, and the Ray actor client
+``asyncflow.launch.ray_services.RayDataPlane``.
 
 Invariants every implementation keeps: a put is all-or-nothing and fields are write-once;
 a row is handed to a task at most once (until ``reset_consumption``) and never before all

@@ -1,15 +1,22 @@
 """Built-in training engine: per-token log-probs and optimizer steps on a HF causal LM.
 
-Protocol (what roles call; an engine never knows which algorithm runs):
+Protocol (:class:`TrainingEngine`, what roles call; an engine never knows which algorithm runs):
 
 * ``logprobs(prompts, responses) -> list[np.ndarray]``: per response token, under
   ``log_softmax(logits / temperature)`` (the quantity the inference engine records);
-* ``forward_backward(batch, loss_fn) -> metrics``: accumulates gradients of one
-  micro-batch; the loss function receives per-token tensors (and ``batch.entropy``, the
-  per-token entropy, when it sets ``needs_entropy``) and returns a scalar already
-  normalised for the whole step (so accumulation over micro-batches equals one big batch);
+* ``forward_backward(prompts, responses, extras, loss_fn) -> metrics``: accumulates
+  gradients of one micro-batch; the loss function receives per-token tensors (and
+  ``batch.entropy``, the per-token entropy, when it sets ``needs_entropy``) and returns a
+  scalar already normalised for the whole step (so accumulation over micro-batches equals
+  one big batch);
 * ``optimizer_step(grad_scale=1.0) -> metrics``: scale, clip, step, zero grads, bump the policy version;
 * ``export_weights() -> dict[str, np.ndarray]``: host copies of every parameter.
+
+:class:`TrainEngine` implements it (the actor's and the reference's engine). The critic's
+:class:`~asyncflow.engines.critic.CriticEngine` shares the optimizer half
+(``forward_backward``, ``optimizer_step``, ``export_weights``) but is not a
+``TrainingEngine``: a value model has no log-probs (its ``logprobs`` raises ``TypeError``;
+``values`` takes its place).
 
 Sequences are packed right-padded in one tensor; response tokens are located by the
 prompt length of each row, so ragged prompts and responses need no extra bookkeeping.
@@ -40,7 +47,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 import torch
@@ -234,6 +241,37 @@ def lr_multiplier(step: int, total: int, warmup: int = 0, schedule: str = "const
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@runtime_checkable
+class TrainingEngine(Protocol):
+    """What the actor and reference roles call on a training engine (see the module doc).
+
+    Invariants (``tests/test_contracts_training.py`` checks each implementation):
+
+    * ``logprobs`` returns one float32 array per response, of that response's length, of
+      finite values ``<= 0``; it changes nothing (no gradient, no step);
+    * ``forward_backward`` only accumulates gradients: the weights change at
+      ``optimizer_step``, which also adds 1 to ``version`` and returns ``grad_norm`` and ``lr``;
+    * ``export_weights`` returns host numpy copies by parameter name that, loaded into a
+      fresh model of the same architecture
+      (:func:`asyncflow.engines.inference.load_named_weights`), give the same ``logprobs``.
+    """
+
+    version: int  # optimizer steps taken (the policy version of the weights)
+
+    def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Per response token log-probs, one array per response."""
+
+    def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                         extras: dict[str, Any], loss_fn: LossFn) -> dict:
+        """Accumulate the gradient of ``loss_fn`` on these rows; their metrics."""
+
+    def optimizer_step(self, grad_scale: float = 1.0) -> dict:
+        """Scale, clip, step, zero the gradients, bump ``version``; ``{"grad_norm", "lr"}``."""
+
+    def export_weights(self) -> dict[str, np.ndarray]:
+        """Host copies of every parameter, by name."""
 
 
 class TrainEngine:

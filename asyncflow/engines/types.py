@@ -1,18 +1,26 @@
-"""The records every inference engine speaks (built-in, fake, vLLM, SGLang); no torch here.
+"""The inference engine protocol (:class:`Engine`, :class:`EngineBatch`) and the records
+every inference engine speaks (built-in, fake, vLLM, SGLang); no torch here.
 
-The rollout role talks to an engine only through these and a small protocol:
-``engine.version``, ``engine.max_batch``, ``engine.new_batch(sampling)`` returning a batch
-with ``add(requests) -> [Completion]``, ``step() -> [Completion]``, ``len()``,
-``version``, ``recompute_cache()``, ``drop_all() -> [Request]`` and ``drop(which) -> [Request]``
-(the live rows whose request ``which(req)`` is true: over-provisioned stragglers); and
+The rollout role talks to an engine only through these: ``engine.version``,
+``engine.max_batch``, ``engine.new_batch(sampling)`` returning an :class:`EngineBatch`
+(``add(requests) -> [Completion]``, ``step() -> [Completion]``, ``len()``, ``version``,
+``recompute_cache()``, ``drop_all() -> [Request]`` and ``drop(which) -> [Request]``, the
+live rows whose request ``which(req)`` is true: over-provisioned stragglers); and
 ``engine.load_weights(version, tensors)``. Completions carry one log-prob and one policy
 version per generated token.
+
+Implementations (one contract test, ``tests/test_contracts_inference.py``, runs against
+each): the built-in :class:`asyncflow.engines.inference.InferenceEngine`, the test double
+:class:`asyncflow.engines.fake.FakeEngine`, and the adapters
+:class:`asyncflow.engines.adapters.StepEngine` (:class:`~asyncflow.engines.vllm_engine.VLLMEngine`,
+:class:`~asyncflow.engines.sglang_engine.SGLangEngine`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass
@@ -46,3 +54,64 @@ class Completion:
     version: int  # oldest policy version that produced any of its tokens
     finished_on_eos: bool
     token_versions: list[int] = field(default_factory=list)  # policy version that sampled each token
+
+
+@runtime_checkable
+class EngineBatch(Protocol):
+    """Sequences decoding together (continuous batching); what ``Engine.new_batch`` returns.
+
+    Invariants every implementation keeps:
+
+    * every request added comes back exactly once, as a :class:`Completion` returned by
+      ``add`` or a later ``step`` (unless ``drop_all``/``drop`` returned it first), with
+      ``len(logprobs) == len(token_versions) == len(response_ids)`` and
+      ``1 <= len(response_ids) <= max_new_tokens`` (the request's, else the sampling's);
+    * ``add`` sets each request's ``version`` to the batch's ``version``; every token
+      records the batch ``version`` when it was sampled, and ``Completion.version`` is the
+      oldest of them (the caller moves ``version`` after a weight swap);
+    * ``len(batch)`` is the number of live (unfinished, not dropped) requests;
+      ``drop_all()`` returns exactly those and leaves the batch empty; ``drop(which)``
+      returns and removes the live ones whose request ``which(req)`` is true;
+    * ``recompute_cache()`` keeps every live request (their already generated tokens too)
+      and continues them under the engine's current weights.
+    """
+
+    version: int
+
+    def __len__(self) -> int: ...
+
+    def add(self, requests: list[Request]) -> list[Completion]:
+        """Start ``requests``; the ones that finished at their first token."""
+
+    def step(self) -> list[Completion]:
+        """Generate (at least) one token for the live requests; the ones that finished."""
+
+    def recompute_cache(self) -> None:
+        """Continue the live requests under the current weights (partial rollout)."""
+
+    def drop_all(self) -> list[Request]:
+        """Remove every live request; return them."""
+
+    def drop(self, which: Callable[[Request], bool]) -> list[Request]:
+        """Remove the live requests for which ``which(req)`` is true; return them."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """An inference engine as the rollout role drives it (see the module doc).
+
+    ``version`` is the policy version of the weights it runs (writable: a colocated trainer
+    moves the tag); ``load_weights(version, tensors)`` copies host buffers, by parameter name
+    (numpy or torch; a checksum entry is not passed), into the model and sets ``version``,
+    so batches made afterwards sample at the new version. ``max_batch`` is how many
+    requests one batch may hold at once.
+    """
+
+    version: int
+    max_batch: int
+
+    def new_batch(self, sampling: SamplingParams) -> EngineBatch:
+        """An empty batch at the engine's current ``version``."""
+
+    def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
+        """Swap in ``tensors`` (between two ``step`` calls) and set ``version``."""

@@ -111,6 +111,7 @@ class RayLauncher:
 
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
+        self._start()  # else the actor call would start Ray itself: all CPUs, and never shut down here
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,
                                                                 enable_task_events=False).remote(schema))
 

@@ -28,6 +28,11 @@ Three more shapes, same scores and error policy:
   ``on_error`` and counts each one; a bad single entry counts only its sample.
 * **async batched**: ``async def`` with ``reward.batched: true``.
 
+The signatures are declared once, here: :class:`RewardFn` (per sample, sync or ``async def``)
+and :class:`BatchedRewardFn`; :class:`RewardFunction` turns either into the
+:class:`~asyncflow.tasks.base.TaskReward` the roles call (``rf(prompt, response, answer)``),
+and ``tests/test_contracts_rewards.py`` checks that every shape scores alike.
+
 Invariants: :meth:`RewardFunction.score`, ``__call__`` and :meth:`RewardFunction.score_batch`
 work for every shape (a per-sample call of a batched function is a batch of one; a sync
 call of an async function runs on the function's own loop thread), always return finite
@@ -52,14 +57,33 @@ import math
 import numbers
 import re
 import threading
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Protocol, runtime_checkable
 
 from asyncflow.config import ConfigError
 from asyncflow.tasks.plugins import load_callable
 
-RewardFn = Callable[[str, str, dict], Any]
+Score = float | dict[str, float]  # a reward, or named scores (see the module doc)
+
+
+@runtime_checkable
+class RewardFn(Protocol):
+    """A user's per-sample reward (``reward.fn``), ``def`` or ``async def``:
+    ``fn(prompt, response, sample) -> float | dict[str, float]``, ``sample`` holding the
+    dataset row's fields (at least ``answer``). It may raise or hang: :class:`RewardFunction`
+    scores that ``on_error`` and counts it."""
+
+    def __call__(self, prompt: str, response: str, sample: dict) -> Score: ...
+
+
+@runtime_checkable
+class BatchedRewardFn(Protocol):
+    """A user's batched reward (``reward.fn`` with ``reward.batched: true``), ``def`` or
+    ``async def``: lists in, one score per sample out, in order."""
+
+    def __call__(self, prompts: list[str], responses: list[str], samples: list[dict]) -> Sequence[Score]: ...
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _GSM8K = re.compile(r"####\s*([^\n]+)")
@@ -150,7 +174,7 @@ class RewardError(ConfigError):
     """A reward function that cannot be loaded (one line naming ``reward.fn`` and the fix)."""
 
 
-def load_reward_fn(path: str) -> RewardFn:
+def load_reward_fn(path: str) -> RewardFn | BatchedRewardFn:
     """Resolve ``"package.module:function"`` or ``"path/to/file.py:function"`` to the function."""
     try:
         return load_callable(path, "reward.fn")
@@ -169,7 +193,7 @@ class RewardFunction:
     Python cannot kill a thread); a timed-out coroutine is cancelled. Both score ``on_error``.
     """
 
-    def __init__(self, fn: RewardFn, timeout_s: float | None = 10.0, on_error: float = 0.0,
+    def __init__(self, fn: RewardFn | BatchedRewardFn, timeout_s: float | None = 10.0, on_error: float = 0.0,
                  key: str | None = None, max_workers: int = 4, batched: bool = False):
         self.fn, self.timeout_s, self.on_error, self.key = fn, timeout_s, float(on_error), key
         self.batched = bool(batched)

@@ -10,7 +10,7 @@ Invariants
 ----------
 * Versions only grow: a store never serves an older version than it served before.
 * A staged version is complete (all buffers copied) before ``swap_if_ready`` can see it.
-* ``wait_newer(v)`` returns the first version ``> v`` or ``None`` on timeout/close.
+* ``wait_newer(v)`` returns the newest version once it is ``> v``, or ``None`` on timeout/close.
 * Weights travel *sealed* (:func:`seal`: a CRC-32 per tensor); a subscriber verifies its
   local copy before staging it, and a corrupted or partial set is rejected (logged and
   counted in ``rejected``) while the weights in use stay.
@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 import zlib
-from typing import Callable, Mapping, Protocol
+from typing import Mapping, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -60,10 +60,36 @@ def verify(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     return tensors
 
 
+@runtime_checkable
 class WeightSource(Protocol):
-    def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> bool | None: ...
-    def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None: ...
-    def latest_version(self) -> int: ...
+    """A weight store: what the trainer publishes to and a :class:`~asyncflow.weights.subscriber.WeightSubscriber`
+    waits on. Implementations: :class:`WeightStore` (in process) and
+    ``asyncflow.launch.ray_services.RayWeightStore`` (an actor holding one); one contract
+    test (``tests/test_contracts_weights.py``) runs against each.
+
+    Invariants:
+
+    * versions only grow: a publish of a version ``<=`` the newest is ignored, and
+      ``latest_version`` (``-1`` before any publish) never goes down;
+    * ``wait_newer(v, timeout)`` returns ``(version, buffers)`` of the newest version once it
+      is ``> v`` (at once if it already is), or ``None`` when ``timeout`` passes or the store
+      is closed first;
+    * the buffers come back as published (a sealed set, :func:`seal`, still verifies);
+    * ``publish`` may return before the version is visible (a remote store does not wait);
+      ``close`` wakes every waiter.
+    """
+
+    def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> bool | None:
+        """Keep ``buffers`` as ``version`` if it is newer than every version so far."""
+
+    def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None:
+        """The newest ``(version, buffers)`` once newer than ``version``; ``None`` on timeout or close."""
+
+    def latest_version(self) -> int:
+        """The newest version published (``-1``: none)."""
+
+    def close(self) -> None:
+        """Wake every waiter (they get ``None``); later waits return ``None`` at once."""
 
 
 class WeightStore:

@@ -5,6 +5,16 @@ version, copies it into host memory beside the worker and verifies it (``staged`
 worker swaps it in at its own micro-batch boundary (:meth:`WeightSubscriber.swap_if_ready`),
 so only that local copy is exposed to generation. A corrupted or partial set is rejected
 (logged, counted in ``rejected``) and the weights in use stay.
+
+Invariants (``tests/test_contracts_weights.py``, over every
+:class:`~asyncflow.weights.store.WeightSource`):
+
+* ``apply`` runs only inside :meth:`WeightSubscriber.swap_if_ready`, on the caller's
+  thread, with a verified set (checksum entry removed) of a version newer than ``version``;
+* ``staged_version()`` is the version the next swap would apply (``version`` if none);
+  ``version`` only grows, and ``swaps`` counts the applied versions;
+* a set that fails :func:`~asyncflow.weights.store.verify` is never staged: it is counted in
+  ``rejected`` and a later good version is staged as usual.
 """
 
 from __future__ import annotations
@@ -12,13 +22,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
-from typing import Callable, Mapping, Protocol
+from typing import Callable, Mapping
 
 import numpy as np
 
-log = logging.getLogger(__name__)
 from asyncflow.weights.store import WeightSource, WeightTransferError, verify
+
+log = logging.getLogger(__name__)
 
 
 class WeightSubscriber:

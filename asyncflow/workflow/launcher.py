@@ -3,7 +3,8 @@
 A launcher decides *where* things run; the job (:mod:`asyncflow.workflow.job`) decides
 *what* runs. The workflow declares this interface and :mod:`asyncflow.launch` implements it
 (``local``: threads of this process; ``ray``: Ray actors), so the layers point down: the
-workflow never imports a launcher. One contract test runs against every implementation.
+workflow never imports a launcher. One contract test (``tests/test_contracts_launcher.py``)
+runs against every implementation.
 
 Invariants: ``spawn`` builds the object from picklable arguments (a Ray launcher builds it
 in another process); ``result`` raises ``TimeoutError`` when ``timeout`` passes and the

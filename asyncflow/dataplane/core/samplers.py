@@ -17,7 +17,8 @@ A sampler is one method (the TransferQueue contract)::
 Samplers are stateless, small and picklable, so the same object can be sent to a remote
 controller; the controller may call ``sample`` several times for one request (once per
 wake-up), and only commits the result it returns. A sampler raises ``ValueError`` when the
-tags it needs are missing; the request then fails without consuming anything.
+tags it needs are missing; the request then fails without consuming anything. One contract
+test (``tests/test_contracts_samplers.py``, a property test) runs against every sampler.
 
 >>> ready, tags = [3, 4, 5, 6], {"group": {3: 0, 4: 1, 5: 0, 6: 1}}
 >>> SequentialSampler().sample(ready, 2, tags)

@@ -1,4 +1,19 @@
-"""Base of every role: the poll loop and busy-time accounting.
+"""What a role is (:class:`Role`, the base of every role): the poll loop and busy-time accounting.
+
+A role is a plain class (never a Ray actor itself: a worker hosts it) with
+
+* ``name``: its name in stats and traces (``rollout``, ``reward``, ``reference``, ``critic``, ``actor``);
+* ``poll(timeout) -> int``: one round of its loop body, the rows it finished; with nothing
+  to do it returns ``0`` within about ``timeout`` seconds (it never blocks longer);
+* ``run(stop)``: ``poll`` until ``stop`` is set or the data plane closes; any other error is
+  kept in ``error`` (the worker's health check raises it) and re-raised;
+* ``stats() -> dict``: at least ``busy_s``, ``busy_cpu_s`` and ``items``;
+* ``busy_s``, ``busy_cpu_s``, ``items``, ``spans``, ``error``: see below.
+
+The actor is the one role the driver *steps* instead of polling (``train_step(v)``: one
+training step on partition ``v``, raising ``QueueTimeout`` when its rows do not come within
+its ``wait_timeout_s``); it has no ``poll`` loop. One contract test
+(``tests/test_contracts_roles.py``) checks every role class against this.
 
 ``busy_s`` counts seconds spent computing (inside :meth:`Role.work` sections), not
 waiting on the data plane or on weights; ``busy_s / wall`` is the role's busy fraction.
@@ -23,7 +38,14 @@ MAX_SPANS = 200_000
 
 
 class Role:
-    name = "role"
+    """Base of every role (the contract is the module doc's)."""
+
+    name: str = "role"
+    busy_s: float  # seconds inside work() sections
+    busy_cpu_s: float  # CPU seconds this thread got inside them
+    items: int  # rows produced
+    error: BaseException | None  # the error that stopped run(), if any
+    spans: list[tuple[float, float]]  # (wall-clock start, seconds) of each work() section
 
     def __init__(self) -> None:
         self.busy_s = 0.0
@@ -62,6 +84,7 @@ class Role:
         return (meta, data) if meta.rows else None
 
     def poll(self, timeout: float) -> int:  # pragma: no cover - interface
+        """One round of the role's loop: the rows it finished (0 within ~``timeout`` when idle)."""
         raise NotImplementedError
 
     def run(self, stop: threading.Event, timeout: float = 0.05) -> None:

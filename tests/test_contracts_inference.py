@@ -1,0 +1,225 @@
+"""Contract of the inference engine protocol (:class:`asyncflow.engines.types.Engine` and
+:class:`~asyncflow.engines.types.EngineBatch`), run against every engine.
+
+``ENGINES`` lists the implementations (adding one is one line): the built-in engine on the
+tiny model, the deterministic ``FakeEngine``, the adapters' shared ``StepEngine`` over a
+scripted backend (the pure-Python half of the vLLM and SGLang adapters, with the engine
+faked at its edge), and the real vLLM and SGLang engines, which need their package and a
+CUDA GPU and skip cleanly otherwise. Each case gives an engine and a weight set its
+``load_weights`` accepts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from asyncflow.engines.adapters import StepEngine, Update
+from asyncflow.engines.types import Completion, Engine, EngineBatch, Request, SamplingParams
+
+torch.set_num_threads(1)
+
+EOS = 2
+MAX_BATCH = 4
+SAMPLING = SamplingParams(temperature=1.0, max_new_tokens=5)
+
+
+def _tiny(seed: int):
+    from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+
+    return build_tiny_model(build_char_tokenizer(), seed=seed, hidden_size=32, num_layers=1, num_heads=2,
+                            num_kv_heads=1, intermediate_size=64)
+
+
+def _named(model) -> dict[str, np.ndarray]:
+    return {n: p.detach().numpy().copy() for n, p in model.named_parameters()}
+
+
+class ScriptedBackend:
+    """A stand-in external engine (the adapters' ``Backend``): one token per poll per live
+    submission, cumulative updates, an answer length scripted from the prompt."""
+
+    def __init__(self):
+        self.live: dict[str, tuple] = {}
+        self.loads = 0
+
+    def submit(self, rid, prompt_ids, max_tokens, min_tokens, sampling):
+        length = min(max_tokens, max(min_tokens, 1 + sum(prompt_ids) % 4))
+        self.live[rid] = (list(prompt_ids), length, min_tokens, [], [])
+
+    def poll(self) -> list[Update]:
+        out = []
+        for rid, (prompt, length, min_tokens, toks, lps) in list(self.live.items()):
+            pos = len(prompt) + len(toks)
+            last = len(toks) + 1 == length
+            toks.append(EOS if last and length > min_tokens else 4 + pos % 10)
+            lps.append(-0.1 * (1 + pos % 7))
+            if last:
+                del self.live[rid]
+            reason = ("stop" if toks[-1] == EOS else "length") if last else None
+            out.append(Update(rid, list(toks), list(lps), last, reason))
+        return out
+
+    def abort(self, rids):
+        for rid in rids:
+            self.live.pop(rid, None)
+
+    def load(self, weights):
+        self.loads += 1
+        return "scripted"
+
+
+def _builtin(tmp_path):
+    from asyncflow.engines.inference import InferenceEngine
+
+    return InferenceEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
+
+
+def _fake(tmp_path):
+    from asyncflow.engines.fake import FakeEngine
+
+    return FakeEngine(eos_id=EOS, max_batch=MAX_BATCH), {"w": np.zeros(2, np.float32)}
+
+
+def _adapter(tmp_path):
+    return StepEngine(ScriptedBackend(), EOS, MAX_BATCH), {"model.w": np.zeros(2, np.float32)}
+
+
+def _real(lib: str, module: str, cls: str):
+    def make(tmp_path):
+        pytest.importorskip(lib)
+        if not torch.cuda.is_available():
+            pytest.skip(f"{lib} needs a CUDA GPU")
+        import importlib
+
+        from asyncflow.engines.tiny import build_char_tokenizer
+
+        model = _tiny(0)
+        model.save_pretrained(tmp_path / "m")
+        build_char_tokenizer().save_pretrained(tmp_path / "m")
+        engine_cls = getattr(importlib.import_module(f"asyncflow.engines.{module}"), cls)
+        return engine_cls(str(tmp_path / "m"), EOS, max_batch=MAX_BATCH, dtype="float32"), _named(_tiny(1))
+
+    return make
+
+
+ENGINES = {
+    "builtin": _builtin,
+    "fake": _fake,
+    "adapter": _adapter,
+    "vllm": _real("vllm", "vllm_engine", "VLLMEngine"),
+    "sglang": _real("sglang", "sglang_engine", "SGLangEngine"),
+}
+
+
+@pytest.fixture(params=list(ENGINES))
+def case(request, tmp_path):
+    engine, weights = ENGINES[request.param](tmp_path)
+    yield engine, weights
+    close = getattr(engine, "shutdown", None)
+    if callable(close):
+        close()
+
+
+def requests(n: int, **kw) -> list[Request]:
+    return [Request(key=f"r{i}", prompt_ids=[1, 5 + i % 7, 6 + i % 3], **kw) for i in range(n)]
+
+
+def drain(batch: EngineBatch, limit: int = 200) -> list[Completion]:
+    done = []
+    for _ in range(limit):
+        if not len(batch):
+            return done
+        done += batch.step()
+    raise AssertionError(f"{len(batch)} requests still live after {limit} steps")
+
+
+def check_completion(c: Completion, req: Request, versions: set[int]) -> None:
+    limit = req.max_new_tokens or SAMPLING.max_new_tokens
+    assert list(c.prompt_ids) == req.prompt_ids
+    assert 1 <= len(c.response_ids) <= limit
+    assert len(c.logprobs) == len(c.response_ids) == len(c.token_versions)
+    assert all(math.isfinite(x) and x <= 0.0 for x in c.logprobs), c.logprobs
+    assert set(c.token_versions) <= versions and c.version == min(c.token_versions)
+    assert list(c.token_versions) == sorted(c.token_versions)
+    assert c.finished_on_eos == (c.response_ids[-1] == EOS)
+
+
+# --------------------------------------------------------------------------- the contract
+
+
+def test_is_an_engine(case):
+    engine, _ = case
+    assert isinstance(engine, Engine)
+    assert isinstance(engine.max_batch, int) and engine.max_batch >= 1 and engine.version == 0
+    batch = engine.new_batch(SAMPLING)
+    assert isinstance(batch, EngineBatch) and len(batch) == 0 and batch.version == 0
+    assert batch.step() == [] and batch.drop_all() == []
+
+
+def test_every_request_comes_back_exactly_once(case):
+    """Continuous batching as the rollout role drives it: refill free slots, step."""
+    engine, _ = case
+    pending = requests(7) + requests(3, max_new_tokens=2)
+    for i, r in enumerate(pending[7:]):
+        r.key = f"short{i}"
+    by_key = {r.key: r for r in pending}
+    batch, done = engine.new_batch(SAMPLING), []
+    todo = list(pending)
+    for _ in range(200):
+        free = engine.max_batch - len(batch)
+        if free and todo:
+            done += batch.add([todo.pop(0) for _ in range(min(free, len(todo)))])
+        if not todo and not len(batch):
+            break
+        assert len(batch) <= engine.max_batch
+        done += batch.step()
+    keys = [c.key for c in done]
+    assert sorted(keys) == sorted(by_key), "every request once, none twice"
+    for c in done:
+        check_completion(c, by_key[c.key], {0})
+        assert by_key[c.key].version == 0  # add stamps the batch's version
+
+
+def test_version_bumps_after_load_weights(case):
+    engine, weights = case
+    batch = engine.new_batch(SAMPLING)
+    reqs = requests(3, min_new_tokens=4)
+    done = batch.add(reqs)
+    done += batch.step()
+    assert not done and len(batch) == 3  # all live: none may stop before 4 tokens
+    engine.load_weights(1, weights)
+    assert engine.version == 1
+    batch.version = engine.version  # as the rollout role does at a swap
+    batch.recompute_cache()
+    assert len(batch) == 3  # partial rollout: every live request continues
+    done = drain(batch)
+    assert sorted(c.key for c in done) == ["r0", "r1", "r2"]
+    for c in done:
+        check_completion(c, next(r for r in reqs if r.key == c.key), {0, 1})
+        assert c.version == 0 and c.token_versions[0] == 0 and c.token_versions[-1] == 1
+    fresh = engine.new_batch(SAMPLING)
+    assert fresh.version == 1
+    new = requests(2)
+    out = fresh.add(new) + drain(fresh)
+    assert all(set(c.token_versions) == {1} and c.version == 1 for c in out) and len(out) == 2
+    assert all(r.version == 1 for r in new)
+
+
+def test_drop_all_returns_the_live_requests(case):
+    engine, _ = case
+    batch = engine.new_batch(SAMPLING)
+    reqs = requests(3, min_new_tokens=3)
+    assert batch.add(reqs) == [] and len(batch) == 3
+    assert batch.step() == []
+    dropped = batch.drop_all()
+    assert sorted(r.key for r in dropped) == ["r0", "r1", "r2"] and all(isinstance(r, Request) for r in dropped)
+    assert len(batch) == 0 and batch.step() == [] and batch.drop_all() == []
+    reqs = requests(3, min_new_tokens=3)
+    batch.add(reqs)
+    assert [r.key for r in batch.drop(lambda r: r.key == "r1")] == ["r1"] and len(batch) == 2
+    assert batch.drop(lambda r: False) == []
+    assert sorted(c.key for c in drain(batch)) == ["r0", "r2"]  # the rest go on, once each
