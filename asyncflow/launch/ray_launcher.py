@@ -103,7 +103,7 @@ class RayLauncher:
         return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
 
     def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
-        self._start()
+        self._start()  # (else an actor call would start Ray itself: all CPUs, never shut down here)
         if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
             kind = "zmq" if self.one_host() else "ray"
         if kind == "zmq":
@@ -111,7 +111,6 @@ class RayLauncher:
 
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
-        self._start()  # else the actor call would start Ray itself: all CPUs, and never shut down here
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,
                                                                 enable_task_events=False).remote(schema))
 

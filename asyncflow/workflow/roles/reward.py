@@ -37,11 +37,12 @@ from typing import Callable
 
 import numpy as np
 
+from asyncflow.tasks.base import TaskReward
 from asyncflow.dataplane import QueueTimeout
 from asyncflow.workflow.fields import decode_text
 from asyncflow.workflow.roles.base import Role
 
-RewardFn = Callable[[str, str, str], float]
+RewardFn = TaskReward  # what RewardRole calls: (prompt, response, answer) -> float
 FIELDS = ["prompt_ids", "response_ids", "answer"]
 
 
