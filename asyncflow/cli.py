@@ -91,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0
-            from asyncflow.observe.report import format_summary
             from asyncflow.api import train
+            from asyncflow.observe.report import format_summary
 
             print(format_summary(train(cfg)))
             return 0

@@ -11,12 +11,9 @@ heavy import).
 from __future__ import annotations
 
 import difflib
-import os
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -39,7 +36,7 @@ class ModelConfig(_Section):
                                "float32 master weights and AdamW states).")
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelConfig":
+    def _heads(self) -> ModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
                              f"and num_heads by num_kv_heads ({self.num_kv_heads})")
@@ -119,7 +116,7 @@ class RolloutConfig(_Section):
 
 
     @model_validator(mode="after")
-    def _engine_installed(self) -> "RolloutConfig":
+    def _engine_installed(self) -> RolloutConfig:
         if self.engine != "builtin" and not engine_installed(self.engine):
             raise ValueError(f"rollout.engine={self.engine} needs the {self.engine} package, which is not installed: "
                              f"pip install 'asyncflow[{self.engine}]' on a CUDA machine, or set rollout.engine=builtin")
@@ -151,7 +148,7 @@ class RewardConfig(_Section):
                                "plane (for a heavy local reward that should not take rollout's CPU).")
 
     @model_validator(mode="after")
-    def _fn_path(self) -> "RewardConfig":
+    def _fn_path(self) -> RewardConfig:
         if self.fn is not None and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
             raise ValueError(f"fn = '{self.fn}' is not an import path: write 'package.module:function' "
                              f"(e.g. asyncflow.tasks.rewards:math_answer)")
@@ -202,7 +199,7 @@ class AlgorithmConfig(_Section):
                                                            "penalty's full size).")
 
     @model_validator(mode="after")
-    def _algorithm(self) -> "AlgorithmConfig":
+    def _algorithm(self) -> AlgorithmConfig:
         if self.kl_in_reward and self.kl_coef <= 0:
             raise ValueError("kl_in_reward = true needs kl_coef > 0 (set algorithm.kl_coef=0.01, "
                              "or algorithm.kl_in_reward=false)")
@@ -287,7 +284,7 @@ class RunConfig(_Section):
         return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         if self.task.name == "dataset" and not self.task.path:
             raise ValueError("task.name=dataset needs task.path (a local .jsonl or .parquet file, or a save_to_disk folder)")
         if self.task.name == "dataset" and not self.model.path:

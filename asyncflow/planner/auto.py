@@ -23,9 +23,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from asyncflow.config import RunConfig
 

@@ -50,11 +50,11 @@ class ProfiledCost:
     pipeline: dict = field(default_factory=dict)  # measured in a short real run: step_overhead_s, transfer_s
 
     @classmethod
-    def load(cls, path: str | Path) -> "ProfiledCost":
+    def load(cls, path: str | Path) -> ProfiledCost:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ProfiledCost":
+    def from_dict(cls, d: dict) -> ProfiledCost:
         return cls(curves={int(k): v for k, v in d["curves"].items()}, export_s_=d["export_s"], load_s=d["load_s"],
                    reward_per_sample_s=d["reward_s_per_sample"], calibration={int(k): v for k, v in d.get("calibration", {}).items()},
                    interference=d.get("interference", 1.0), pipeline=d.get("pipeline", {}))

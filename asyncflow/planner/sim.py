@@ -51,8 +51,9 @@ milliseconds.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 

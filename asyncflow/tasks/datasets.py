@@ -29,9 +29,10 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 REQUIRED = ("prompt", "answer")
 KEEP_ERRORS = 20

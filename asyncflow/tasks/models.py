@@ -7,8 +7,9 @@ module before it knows whether a model is needed, and ``--help`` must stay insta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncflow.config import ConfigError, RunConfig
 from asyncflow.tasks.registry import build_task

@@ -42,17 +42,17 @@ no rank empty; no token-budget chunks) and joins rank 0's export each step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.dataplane import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.collective import Collective
 from asyncflow.engines.training import TrainEngine, take_rows
 from asyncflow.weights.store import seal
-from asyncflow.dataplane import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
-from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.workflow.roles.base import Role
 
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]

@@ -58,9 +58,9 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from asyncflow.dataplane import QueueTimeout
 from asyncflow.engines.types import Completion, Request, SamplingParams
 from asyncflow.weights.subscriber import WeightSubscriber
-from asyncflow.dataplane import QueueTimeout
 from asyncflow.workflow.placement import GroupPlacer
 from asyncflow.workflow.roles.base import Role
 
