@@ -37,7 +37,8 @@ def check_model_folder(path: str) -> str:
     if not p.is_dir():
         raise ConfigError(f"{what}: no such folder (expected a Hugging Face model folder saved with save_pretrained)")
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{what}: no config.json there (expected a Hugging Face model folder saved with save_pretrained)")
+        raise ConfigError(f"{what}: no config.json there (expected a Hugging "
+                          f"Face model folder saved with save_pretrained)")
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
