@@ -98,7 +98,7 @@ class FakeBatch:
         self.rows = []
         return reqs
 
-    def drop(self, which) -> list[Request]:
+    def drop(self, which: Callable[[Request], bool]) -> list[Request]:
         out = [r.req for r in self.rows if which(r.req)]
         self.rows = [r for r in self.rows if not which(r.req)]
         return out
@@ -135,8 +135,9 @@ class FakeEngine:
                 self.total_slots += self.max_batch
                 done += batch.step()
             results += done
-            for c in done if on_done else ():
-                on_done(c)
+            if on_done:
+                for c in done:
+                    on_done(c)
         return results
 
     def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:

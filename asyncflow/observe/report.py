@@ -22,10 +22,17 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from asyncflow.config import RunConfig
 
 
 class Progress:
     """tqdm bar over RL steps (and a line for the warm-start); silent when disabled."""
+
+    bar: Any  # tqdm bars, None until started (tqdm is imported only when a bar is shown)
+    _ws: Any
 
     def __init__(self, steps: int, enabled: bool = True):
         self.steps, self.enabled, self.bar, self._ws = steps, enabled, None, None
@@ -137,7 +144,8 @@ class RunMeter:
         self.stragglers, self._stragglers = stragglers, (0, 0)
         self.t0, self.stats0, self.cpu0 = time.perf_counter(), stats(), machine_cpu_s()
         self.steps = self.samples = self.tokens = 0
-        self.steady0: tuple | None = None  # (time, stats, samples, tokens, machine cpu) at the end of step 1
+        # (time, stats, samples, tokens, machine cpu) at the end of step 1
+        self.steady0: tuple[float, dict, int, int, float | None] | None = None
 
     def step(self, m: dict) -> dict:
         """Add one step's metrics (``samples``, ``tokens``); return them with rates added."""
@@ -163,7 +171,8 @@ class RunMeter:
     def finish(self) -> dict:
         """Totals for :func:`summarize`: whole run, and steady state (after step 1)."""
         wall, stats, cpu = time.perf_counter() - self.t0, self.stats(), machine_cpu_s()
-        t1, stats1, s1, k1, c1 = self.steady0 if self.steps > 1 else (self.t0, self.stats0, 0, 0, self.cpu0)
+        t1, stats1, s1, k1, c1 = (self.steady0 if self.steps > 1 and self.steady0 is not None
+                                  else (self.t0, self.stats0, 0, 0, self.cpu0))
         steady_wall = wall - (t1 - self.t0)
         return {"samples": self.samples, "tokens": self.tokens, "wall_s": wall, "stats": stats,
                 "steady_samples": self.samples - s1, "steady_tokens": self.tokens - k1,
@@ -172,7 +181,8 @@ class RunMeter:
                 "cpu": cpu_use(stats1, stats, (c1, cpu), steady_wall)}
 
 
-def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: str) -> dict:
+def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None, totals: dict, run_dir: Path,
+              ckpt: str) -> dict:
     """The end-of-run summary (``summary.json``) from :meth:`RunMeter.finish` totals."""
     actor = totals["stats"].get("actor", {})
     rollout = totals["stats"].get("rollout", {})

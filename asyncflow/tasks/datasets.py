@@ -169,7 +169,7 @@ def _arrow_rows(shards: list[Path]) -> Iterator[tuple[int, Any]]:
             yield n, row
 
 
-def _get(row: dict, dotted: str):
+def _get(row: dict, dotted: str) -> Any:
     cur: Any = row
     for part in dotted.split("."):
         if not isinstance(cur, dict) or part not in cur:
@@ -178,7 +178,7 @@ def _get(row: dict, dotted: str):
     return cur
 
 
-def _sample(row, fields: dict[str, str]) -> Sample:
+def _sample(row: Any, fields: dict[str, str]) -> Sample:
     if isinstance(row, _BadRow):
         raise row
     if not isinstance(row, dict):

@@ -59,7 +59,8 @@ from typing import Any
 from asyncflow.config import ConfigError
 from asyncflow.tasks.plugins import load_callable
 
-RewardFn = Callable[[str, str, dict], Any]
+# fn(prompt, response, sample) -> score, or batched fn(prompts, responses, samples) -> scores; sync or async
+RewardFn = Callable[..., Any]
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _GSM8K = re.compile(r"####\s*([^\n]+)")
@@ -262,19 +263,20 @@ class RewardFunction:
             self.calls += n
             self.batches += batch
 
-    def _one(self, value) -> float:
+    def _one(self, value: Any) -> float:
         reward = self._reduce(value)
         return self._fail("non_number") if reward is None else reward
 
-    def _reduce(self, value) -> float | None:
+    def _reduce(self, value: Any) -> float | None:
         if isinstance(value, dict):
             scores = {k: _finite(v) for k, v in value.items()}
-            if not scores or any(v is None for v in scores.values()) or (self.key and self.key not in scores):
+            finite = {k: v for k, v in scores.items() if v is not None}
+            if not scores or len(finite) < len(scores) or (self.key and self.key not in scores):
                 return None
             with self._lock:
-                for k, v in scores.items():
-                    self._named.setdefault(k, []).append(v)
-            return scores[self.key] if self.key else float(sum(scores.values()))
+                for k, f in finite.items():
+                    self._named.setdefault(k, []).append(f)
+            return finite[self.key] if self.key else float(sum(finite.values()))
         return _finite(value)
 
     def _fail(self, kind: str, n: int = 1) -> float:
@@ -285,7 +287,7 @@ class RewardFunction:
     def stats(self) -> dict:
         """Counters (samples; ``reward_batches``: calls of a batched function) and the mean of each named score."""
         with self._lock:
-            out = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
+            out: dict[str, float] = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
             if self.batched:
                 out["reward_batches"] = self.batches
             out.update({f"score_{k}": sum(v) / len(v) for k, v in self._named.items() if v})
@@ -297,7 +299,7 @@ class RewardFunction:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
-def _finite(v) -> float | None:
+def _finite(v: object) -> float | None:
     """``v`` as a finite float if it is a real number (bool and numpy scalars included), else None."""
     if not isinstance(v, numbers.Real):
         return None  # strings, None, lists... ("1" is not a score: it is a bug in the function)

@@ -112,7 +112,7 @@ class _Server:
             if self.token is not None and not hmac.compare_digest(
                     str(header.get("tok", "")).encode(), self.token):
                 raise PermissionError("request refused: missing or wrong token")
-            op = self.ops.get(header.get("op"))
+            op = self.ops.get(header.get("op", ""))
             if op is None:
                 raise ProtocolError(f"unknown op {header.get('op')!r}; known: {sorted(self.ops)}")
             if header.get("op") in self.parking_ops:
