@@ -27,8 +27,12 @@ import platform
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from asyncflow.config import RunConfig
+
+if TYPE_CHECKING:
+    from asyncflow.planner.sim import Allocation
 
 
 def fingerprint(cfg: RunConfig, cpus: int | None = None) -> dict:
@@ -58,7 +62,7 @@ def cached_profile(cfg: RunConfig, path: Path, cpus: int | None = None) -> dict 
     return prof if prof.get("fingerprint") == json.loads(json.dumps(fingerprint(cfg, cpus))) else None
 
 
-def apply_plan(cfg: RunConfig, alloc) -> RunConfig:
+def apply_plan(cfg: RunConfig, alloc: Allocation) -> RunConfig:
     """``cfg`` with the allocation's mode, staleness, micro-batch and threads, ``plan: off``."""
     data = cfg.model_dump()
     data.update(mode=alloc.mode, plan="off")

@@ -29,9 +29,10 @@ rest best first.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from asyncflow.config import RunConfig
-from asyncflow.planner.sim import Allocation, SimResult, simulate
+from asyncflow.planner.sim import Allocation, CostModel, SimResult, simulate
 
 MODES = ("sync", "stream", "async")
 TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equal
@@ -44,7 +45,7 @@ def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
     return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch)
 
 
-def predict(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int | None = None,
+def predict(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int | None = None,
             alloc: Allocation | None = None) -> SimResult:
     from asyncflow.planner.profile import workload_from
 
@@ -70,7 +71,7 @@ def team_limit(cpus: int) -> int:
     return max(1, min(cpus, int(cpus - load + 0.5)))
 
 
-def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
+def candidates(cfg: RunConfig, cpus: int, modes: Sequence[str] = MODES, max_staleness: int = 3,
                max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
     P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
     micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
@@ -87,7 +88,7 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
     return out
 
 
-def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES,
+def search(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int = 12, modes: Sequence[str] = MODES,
            max_threads: int | None = None) -> list[tuple[Allocation, SimResult]]:
     """Every candidate with its simulated result, the plan first (``max_threads``: largest
     thread team, e.g. :func:`team_limit`; None = ``cpus``)."""
@@ -105,7 +106,7 @@ def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=M
 def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int,
                 current: tuple[Allocation, SimResult] | None = None) -> str:
     best_a, best = ranked[0]
-    by_mode = {}
+    by_mode: dict[str, tuple[Allocation, SimResult]] = {}
     for a, r in ranked:
         by_mode.setdefault(a.mode, (a, r))
     lines = [f"== asyncflow plan: {cpus} CPU cores (simulated on the profiled costs) ==",

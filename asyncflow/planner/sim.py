@@ -51,6 +51,7 @@ milliseconds.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -229,6 +230,7 @@ class _Job:
             return
         del self.unfinished[ans.group]
         step = ans.partition if ans.partition >= 0 else self.placer.complete(ans.group)
+        assert step is not None  # only soft (over-provisioned) groups go unplaced; the simulator has none
         self.placement[ans.group] = step
         self.group_left[(step, ans.group)] = len(group)
         for x in group:
@@ -270,7 +272,7 @@ class _Job:
         chunk = max(1, wl.token_chunk)
         while True:
             if only is None and self.version > version:
-                ctx = wl.prompt_len + (np.mean([x.done for x in live]) if live else 0.0)
+                ctx = wl.prompt_len + (float(np.mean([x.done for x in live])) if live else 0.0)
                 yield from self.work("rollout", f"swap v{self.version}", cost.swap_s(len(live), ctx, threads), threads)
                 version = self.version
             n = min(total - fetched, wl.prompts_per_step - taken,
@@ -338,7 +340,7 @@ class _Job:
             yield from self.train(v, self.a.actor_res)
             yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
             self.step_end.append(self.env.now)
-            self.env.at(self.env.now + self.cost.transfer_s(), lambda v=v: self.publish(v + 1))
+            self.env.at(self.env.now + self.cost.transfer_s(), functools.partial(self.publish, v + 1))
 
     def publish(self, version: int) -> None:
         self.version = max(self.version, version)
@@ -367,7 +369,7 @@ class _Job:
             raise RuntimeError(f"simulation stalled after {len(ends)} of {self.wl.steps} steps ({self.a.describe()})")
         t0, t1 = (ends[0], ends[-1]) if len(ends) > 1 else (0.0, ends[-1])
         n = (len(ends) - 1 if len(ends) > 1 else 1) * self.wl.batch
-        busy = defaultdict(float)
+        busy: defaultdict[str, float] = defaultdict(float)
         for role, _, s, d in self.spans:
             busy[role] += max(0.0, min(s + d, t1) - max(s, t0))
         busy["reward"] = self.cost.reward_s(1) * n  # its own CPU, FIFO: busy = compute of the window's samples
