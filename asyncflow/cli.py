@@ -11,7 +11,8 @@ import argparse
 import os
 import sys
 
-from asyncflow.config import ConfigError, dump_config, load_config
+from asyncflow.bench.run import run_bench  # light: it imports the launchers only when it runs
+from asyncflow.config import ConfigError, RunConfig, dump_config, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,13 +52,13 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _planner(args, cfg) -> int:
-    from asyncflow.planner.profile import run_profile
+def _planner(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from asyncflow.planner.profile import run_profile  # lazy: numpy and the profiler, keeps --help fast
 
     if args.command == "profile" or not os.path.exists(args.profile):
         run_profile(cfg, out=args.profile, cpus=args.cpus)
     if args.command == "plan":
-        from asyncflow.planner.search import plan
+        from asyncflow.planner.search import plan  # lazy: numpy and the simulator, keeps --help fast
 
         print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace, gantt=args.gantt))
     return 0
@@ -86,21 +87,19 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config, overrides)
         if args.command == "train":
             if cfg.plan == "auto":
-                from asyncflow.planner.auto import resolve
+                from asyncflow.planner.auto import resolve  # lazy: numpy and the planner, keeps --help fast
 
                 cfg, text = resolve(cfg, log=lambda m: print(m, file=sys.stderr))
                 print("# plan=auto\n" + "\n".join(f"# {line}".rstrip() for line in text.splitlines()), flush=True)
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0
-            from asyncflow.api import train
-            from asyncflow.observe.report import format_summary
+            from asyncflow.api import train  # lazy: torch, transformers, keeps --help fast
+            from asyncflow.observe.report import format_summary  # lazy: tqdm, needed only after a run
 
             print(format_summary(train(cfg)))
             return 0
         if args.command == "bench":
-            from asyncflow.bench.run import run_bench
-
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
                       modes=args.modes.split(","), out=args.out, quality=args.quality,
                       repeat=args.repeat, seeds=_seeds(args.seeds))

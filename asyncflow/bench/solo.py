@@ -30,24 +30,24 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from asyncflow.config import RunConfig
+from asyncflow.dataplane import DataPlane
+from asyncflow.tasks.registry import build_task
 from asyncflow.workflow.cores import pinned
+from asyncflow.workflow.feeder import PromptFeeder
+from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.plan import rewards_in_rollout
+from asyncflow.workflow.worker import Worker
 
 
 class _Solo:
     """One process's roles over an in-process data plane, driven by hand."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool):
-        from asyncflow.dataplane import DataPlane
-        from asyncflow.tasks.registry import build_task
-        from asyncflow.workflow.feeder import PromptFeeder
-        from asyncflow.workflow.fields import SCHEMA
-        from asyncflow.workflow.worker import Worker
-
         solo = cfg.model_copy(update={"mode": "sync"}, deep=True)  # shared model, no weight transfer
         solo.train.steps = 10**6  # the feeder never runs out
-        from asyncflow.workflow.plan import rewards_in_rollout
-
         reward = [] if rewards_in_rollout(cfg) else ["reward"]  # else rollout scores (its time includes it)
         self.roles = ["rollout"] + reward + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor"]
         self.plane = DataPlane(SCHEMA)
@@ -92,8 +92,6 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
     each role computes on ``cores[role]`` when given (its cores in the mode's runs).
     ``cpu`` (a dict, if given) receives the CPU seconds each role's thread got in its
     compute sections over the same steps (:attr:`Role.busy_cpu_s`)."""
-    import torch
-
     s = _Solo(cfg, model_dir, steps, threads, continuous)
     middle = s.roles[1:-1]  # reward (and reference)
     on = (cores or {}).get

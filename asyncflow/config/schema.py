@@ -11,6 +11,7 @@ heavy import).
 from __future__ import annotations
 
 import difflib
+import importlib.util
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -131,8 +132,6 @@ class RolloutConfig(_Section):
 
 def engine_installed(name: str) -> bool:
     """Is the optional inference engine ``name`` importable? (find_spec: nothing is imported)"""
-    import importlib.util
-
     return importlib.util.find_spec(name) is not None
 
 

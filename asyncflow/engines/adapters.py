@@ -1,4 +1,4 @@
-"""What the external engine adapters (vLLM, SGLang) share; pure Python, no engine import.
+"""What the external engine adapters (vLLM, SGLang) share; no engine import (see import_engine).
 
 Design
 ------
@@ -31,6 +31,9 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
+import torch
+
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.")
@@ -55,9 +58,6 @@ def hf_name(name: str) -> str:
 def named_tensors(buffers: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``(hf_name, torch tensor)`` for every weight in ``buffers`` (numpy or torch), sorted by
     name, without the checksum entry. Numpy buffers are wrapped without a copy."""
-    import numpy as np
-    import torch
-
     out = []
     for name in sorted(buffers):
         if name == CHECKSUMS:

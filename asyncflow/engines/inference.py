@@ -51,8 +51,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from asyncflow.engines.device import model_device
+from asyncflow.engines.training import autocast
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
 __all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Request", "SamplingParams",
@@ -99,8 +101,6 @@ class GenerationBatch:
         """
         if not requests:
             return []
-        from transformers import DynamicCache
-
         lens = [len(r.prompt_ids) for r in requests]
         L = max(lens)
         ids = torch.full((len(requests), L), self.pad_id, dtype=torch.long)
@@ -220,8 +220,6 @@ class GenerationBatch:
         """Rebuild the KV cache of the live rows under the current weights (partial rollout)."""
         if not self.rows:
             return
-        from transformers import DynamicCache
-
         assert self.mask is not None  # rows are live
         R, T = self.mask.shape
         ids = torch.full((R, T), self.pad_id, dtype=torch.long)
@@ -234,8 +232,6 @@ class GenerationBatch:
         self._forward(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache)
 
     def _forward(self, **kw: Any) -> Any:
-        from asyncflow.engines.training import autocast
-
         with autocast(self.dtype, self.device):
             return self.model(use_cache=True, **kw)
 

@@ -13,6 +13,8 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from asyncflow.config import ConfigError
 from asyncflow.dataplane import DataPlane
+from asyncflow.engines.collective import ThreadRendezvous
+from asyncflow.engines.device import resolve_device
 from asyncflow.weights.store import WeightStore
 
 
@@ -28,8 +30,6 @@ class LocalLauncher:
     @staticmethod
     def check_device(device: str) -> None:
         """``device`` must exist in this process (the roles run here)."""
-        from asyncflow.engines.device import resolve_device
-
         try:
             resolve_device(device)
         except ValueError as e:
@@ -44,8 +44,6 @@ class LocalLauncher:
 
     def dp_rendezvous(self, rank0, world: int):
         """What ``world`` trainer ranks (threads here) share to form their group."""
-        from asyncflow.engines.collective import ThreadRendezvous
-
         return ThreadRendezvous(world)
 
     def spawn(self, spec, cls, *args):

@@ -33,6 +33,7 @@ import os
 import ray
 
 from asyncflow.config import ConfigError
+from asyncflow.dataplane.transport.deploy import launch
 from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
 from asyncflow.weights.store import WeightStore
 
@@ -106,8 +107,6 @@ class RayLauncher:
         if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
             kind = "zmq" if self.one_host() else "ray"
         if kind == "zmq":
-            from asyncflow.dataplane.transport.deploy import launch
-
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,

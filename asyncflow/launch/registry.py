@@ -13,7 +13,7 @@ def get_launcher(name: str) -> Launcher:
     if name == "local":
         return LocalLauncher()
     if name == "ray":
-        from asyncflow.launch.ray_launcher import RayLauncher  # imports Ray: only when asked for
+        from asyncflow.launch.ray_launcher import RayLauncher  # lazy: ray, optional until launcher=ray
 
         return RayLauncher()
     raise ValueError(f"unknown launcher '{name}' (choose local or ray)")

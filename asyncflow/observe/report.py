@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
 
@@ -31,7 +33,7 @@ if TYPE_CHECKING:
 class Progress:
     """tqdm bar over RL steps (and a line for the warm-start); silent when disabled."""
 
-    bar: Any  # tqdm bars, None until started (tqdm is imported only when a bar is shown)
+    bar: Any  # tqdm bars, None until started
     _ws: Any
 
     def __init__(self, steps: int, enabled: bool = True):
@@ -41,8 +43,6 @@ class Progress:
         if not self.enabled:
             return
         if self._ws is None:
-            from tqdm import tqdm
-
             self._ws = tqdm(desc="warm-start (SFT)", unit="step", leave=False, file=sys.stderr)
         self._ws.update(step - self._ws.n)
         post = {"loss": f"{loss:.3f}"}
@@ -55,8 +55,6 @@ class Progress:
             self._ws.close()
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         self.bar = tqdm(total=self.steps, desc="RL", unit="step", file=sys.stderr)
         if acc0 is not None:
             self.bar.set_postfix(heldout_acc=f"{acc0:.1%}")

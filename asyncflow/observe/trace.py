@@ -91,10 +91,10 @@ def write_gantt(trace: str | Path | dict | Iterable[Span], path: str | Path, tit
     """PNG Gantt chart of ``trace`` (a trace.json path, a Chrome trace dict, or spans):
     one row per track, busy spans as bars, busy fraction of the whole run in the label."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib, the optional [plot] extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib
     except ImportError:
         raise PlotUnavailable('a Gantt chart needs matplotlib: '
                               'pip install -c constraints.txt "asyncflow[plot]"') from None

@@ -27,12 +27,12 @@ import platform
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from asyncflow.config import RunConfig
-
-if TYPE_CHECKING:
-    from asyncflow.planner.sim import Allocation
+from asyncflow.planner import profile as profiler  # light: torch only when it profiles; tests replace run_profile
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search, team_limit
+from asyncflow.planner.sim import Allocation
 
 
 def fingerprint(cfg: RunConfig, cpus: int | None = None) -> dict:
@@ -82,17 +82,12 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     returns ``cfg`` unchanged and an empty text."""
     if cfg.plan != "auto":
         return cfg, ""
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search, team_limit
-
     cpus = cpus or os.cpu_count() or 1
     path = Path(profile) if profile else profile_path(cfg)
     prof = cached_profile(cfg, path, cpus)
     if prof is None:
-        from asyncflow.planner.profile import run_profile
-
         log(f"[plan=auto] no profile of this machine and model at {path}: profiling (~30-70 s) ...")
-        prof = run_profile(cfg, out=str(path), cpus=cpus)
+        prof = profiler.run_profile(cfg, out=str(path), cpus=cpus)
     else:
         log(f"[plan=auto] reusing the profile {path} (measured {prof.get('created', '?')})")
     cost = ProfiledCost.from_dict(prof)

@@ -43,6 +43,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.search import predict
+
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
 
@@ -73,9 +76,6 @@ def sync_steps(tracks: Tracks) -> list[dict]:
 def fit_pipeline(run: RunConfig, prof: dict, tracks: Tracks, ncpu: int) -> dict:
     """Role factors, sync step overhead and data latency of the one-thread sync run ``run``
     (its trace ``tracks``), against the simulator's prediction on the profile ``prof``."""
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
-
     steps = sync_steps(tracks)
     if not steps:
         raise ValueError("the calibration run's trace has fewer than two steps")

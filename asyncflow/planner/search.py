@@ -28,10 +28,14 @@ rest best first.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
 
 from asyncflow.config import RunConfig
+from asyncflow.observe.trace import write_gantt, write_sim_trace
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.profile import workload_from
 from asyncflow.planner.sim import Allocation, CostModel, SimResult, simulate
 
 MODES = ("sync", "stream", "async")
@@ -47,8 +51,6 @@ def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
 
 def predict(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int | None = None,
             alloc: Allocation | None = None) -> SimResult:
-    from asyncflow.planner.profile import workload_from
-
     wl = workload_from(cfg, prof, steps=steps)
     return simulate(wl, alloc or allocation_for(cfg, cpus), cost, cores=cpus)
 
@@ -138,11 +140,6 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int,
 def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None,
          gantt: str | None = None) -> str:
     """``asyncflow plan``: search on the profiled costs and format the plan."""
-    import json
-    import os
-
-    from asyncflow.planner.costs import ProfiledCost
-
     cpus = cpus or os.cpu_count() or 1
     prof = json.loads(open(profile).read())
     cost = ProfiledCost.from_dict(prof)
@@ -158,13 +155,9 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
         text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
                  "the plan may be wrong: re-run `asyncflow profile` on a quiet machine")
     if trace:
-        from asyncflow.observe.trace import write_sim_trace
-
         write_sim_trace(ranked[0][1], trace)
         text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
     if gantt:
-        from asyncflow.observe.trace import write_gantt
-
         write_gantt(ranked[0][1].spans, gantt, f"simulated: {ranked[0][0].describe()}")
         text += f"\nGantt chart of the planned run: {gantt}"
     return text

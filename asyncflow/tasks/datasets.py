@@ -114,7 +114,7 @@ def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
 
 def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow, an optional dependency
     except ImportError:
         raise DatasetError(f"dataset '{p}': reading Parquet needs pyarrow (pip install pyarrow)") from None
     yield from enumerate(pq.read_table(p).to_pylist(), 1)
@@ -151,8 +151,8 @@ def _hf_folder(p: Path, split: str) -> tuple[Path, list[Path]]:
 
 def _arrow_rows(shards: list[Path]) -> Iterator[tuple[int, Any]]:
     try:
-        import pyarrow as pa
-        import pyarrow.ipc as ipc
+        import pyarrow as pa  # lazy: pyarrow, an optional dependency
+        import pyarrow.ipc as ipc  # lazy: pyarrow
     except ImportError:
         raise DatasetError(f"dataset '{shards[0].parent}': reading save_to_disk folders needs pyarrow "
                            f"(pip install pyarrow)") from None
