@@ -28,7 +28,9 @@ bound, and two processes sharing memory bandwidth.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -75,7 +77,7 @@ class _Solo:
     def train(self, v: int) -> None:
         self.w.roles["actor"].train_step(v)
 
-    def timed(self, fn, first: int, last: int) -> float:
+    def timed(self, fn: Callable[[int], object], first: int, last: int) -> float:
         t = time.perf_counter()
         for v in range(first, last):
             fn(v)
@@ -98,7 +100,7 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
     seconds: dict[str, float] = {}
     used = cpu if cpu is not None else {}
 
-    def timed(name: str, fn, first: int, last: int) -> None:
+    def timed(name: str, fn: Callable[[int], object], first: int, last: int) -> None:
         role = s.w.roles[name]
         with pinned(on(name)):
             c = role.busy_cpu_s
@@ -113,7 +115,7 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
             for name in middle:
                 with pinned(on(name)):
                     s.consume(name, 0)
-                timed(name, lambda v, n=name: s.consume(n, v), 1, steps)
+                timed(name, functools.partial(s.consume, name), 1, steps)
         else:  # sync / stream: one step's batch at a time, phase after phase
             for v in range(steps):
                 phases = [("rollout", s.generate)] + [(n, lambda v, n=n: s.consume(n, v)) for n in middle]
@@ -136,5 +138,5 @@ def bound(mode: str, seconds: dict[str, float], samples: int) -> tuple[float, st
     """(samples/s bound, what limits it) for ``mode`` from solo role seconds."""
     if mode == "sync":
         return samples / sum(seconds.values()), "sum of phases"
-    slowest = max(seconds, key=seconds.get)
+    slowest = max(seconds, key=seconds.__getitem__)
     return samples / seconds[slowest], slowest

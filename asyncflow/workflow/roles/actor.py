@@ -45,12 +45,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
-from asyncflow.dataplane import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
 from asyncflow.dataplane.api import DataPlaneClient
+from asyncflow.dataplane.core.rules import Data
 from asyncflow.engines.collective import Collective
 from asyncflow.engines.training import TrainEngine, take_rows
 from asyncflow.weights.store import seal
@@ -85,19 +87,20 @@ class ActorRole(Role):
 
     def _fetcher_for(self, v: int) -> Callable[[int], Future]:
         """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
-        sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
+        sampler: Sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
         if self.world > 1:
             sampler = TokenBalancedSampler(self.world, sampler)
 
-        def get(want: int):
+        def get(want: int) -> BatchMeta:
             return self.plane.get_meta("actor", self.fields, n=want, partition=v, sampler=sampler,
                                     min_n=want, block=True, timeout=self.wait_timeout_s)
 
-        def fetch(want: int):
+        def fetch(want: int) -> tuple[BatchMeta, Data]:
             if self.world == 1:
                 return self.plane.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
                                          min_n=want, block=True, timeout=self.wait_timeout_s)
-            meta = None
+            assert self.group is not None  # world > 1
+            meta: BatchMeta | Exception | None = None
             if self.rank == 0:
                 try:
                     meta = get(want)
@@ -113,6 +116,7 @@ class ActorRole(Role):
     def _clear(self, v: int) -> None:
         """Free partition ``v`` once every rank has read its rows (on the prefetch thread)."""
         if self.world > 1:
+            assert self.group is not None
             self.group.barrier()
         if self.rank == 0:
             self.plane.clear(v)
@@ -140,6 +144,7 @@ class ActorRole(Role):
         else:
             submit = self._fetcher_for(v)
             nxt = submit(min(micro, self.batch_size))
+        lengths: list[int]
         seen, metrics, rewards, lengths, pending = 0, [], [], [], []
         while seen < self.batch_size:
             t = time.perf_counter()
@@ -186,7 +191,7 @@ class ActorRole(Role):
 
     def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:
         """Advantages over the whole step (batch-level estimators), then train each part."""
-        merged = {"reward": np.concatenate([d["reward"] for d in parts]),
+        merged: dict[str, Any] = {"reward": np.concatenate([d["reward"] for d in parts]),
                   "group": np.concatenate([d["group"] for d in parts])}
         for k in ("response_ids", "logprobs", "ref_logprobs"):
             if k in parts[0]:
