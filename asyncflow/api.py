@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from asyncflow.config import RunConfig
+from asyncflow.launch.local import LocalLauncher
 from asyncflow.launch.registry import get_launcher
+from asyncflow.planner.auto import resolve  # light: it imports the profiler's torch only when it profiles
 from asyncflow.workflow import driver
 from asyncflow.workflow.launcher import Launcher
 
@@ -26,13 +28,9 @@ def train(cfg: RunConfig, launcher: Launcher | None = None, run_dir: Path | None
     a launcher passed in is left running (several jobs may share one).
     """
     if cfg.plan == "auto":
-        from asyncflow.planner.auto import resolve  # profiles with torch: only for plan=auto
-
         cfg, text = resolve(cfg)
         print(text, flush=True)
     if cfg.resources.device != "cpu" and cfg.launcher == "local" and launcher is None:
-        from asyncflow.launch.local import LocalLauncher
-
         LocalLauncher.check_device(cfg.resources.device)  # before a warm-start, not after it
     owns = launcher is None
     launcher = launcher or get_launcher(cfg.launcher)

@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from asyncflow.config import ConfigError, dump_config, load_config
+from asyncflow.config import ConfigError, RunConfig, dump_config, load_config
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("config", nargs="?", help="YAML config file (optional)")
     b.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     b.add_argument("--samples", type=int, default=None, help="samples per measured run (default from the bench preset)")
-    b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, long-tailed), b (+ remote reward latency)")
+    b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, "
+                                                      "long-tailed), b (+ remote reward latency)")
     b.add_argument("--modes", default="sync,stream,async,async:2",
                    help="comma list of modes; async:K runs async with staleness bound K")
     b.add_argument("--repeat", type=int, default=2,
@@ -45,17 +46,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="profile JSON to write (profile) or read (plan; measured first if missing)")
         q.add_argument("--cpus", type=int, default=None, help="CPU budget (default: this machine's cores)")
         q.add_argument("--trace", default=None, help="plan: write a Chrome trace (Perfetto) of the planned run here")
-        q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of the planned run here (needs [plot])")
+        q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of "
+                                                     "the planned run here (needs [plot])")
     return p
 
 
-def _planner(args, cfg) -> int:
-    from asyncflow.planner.profile import run_profile
+def _planner(args: argparse.Namespace, cfg: RunConfig) -> int:
+    from asyncflow.planner.profile import run_profile  # lazy: numpy and the profiler, keeps --help fast
 
     if args.command == "profile" or not os.path.exists(args.profile):
         run_profile(cfg, out=args.profile, cpus=args.cpus)
     if args.command == "plan":
-        from asyncflow.planner.search import plan
+        from asyncflow.planner.search import plan  # lazy: numpy and the simulator, keeps --help fast
 
         print(plan(cfg, args.profile, cpus=args.cpus, trace=args.trace, gantt=args.gantt))
     return 0
@@ -84,20 +86,20 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(config, overrides)
         if args.command == "train":
             if cfg.plan == "auto":
-                from asyncflow.planner.auto import resolve
+                from asyncflow.planner.auto import resolve  # lazy: numpy and the planner, keeps --help fast
 
                 cfg, text = resolve(cfg, log=lambda m: print(m, file=sys.stderr))
                 print("# plan=auto\n" + "\n".join(f"# {line}".rstrip() for line in text.splitlines()), flush=True)
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0
-            from asyncflow.observe.report import format_summary
-            from asyncflow.api import train
+            from asyncflow.api import train  # lazy: torch, transformers, keeps --help fast
+            from asyncflow.observe.report import format_summary  # lazy: tqdm, needed only after a run
 
             print(format_summary(train(cfg)))
             return 0
         if args.command == "bench":
-            from asyncflow.bench.run import run_bench
+            from asyncflow.bench.run import run_bench  # lazy: torch and the launchers; keeps --help fast
 
             run_bench(cfg, config, overrides, samples=args.samples, workloads=args.workloads.split(","),
                       modes=args.modes.split(","), out=args.out, quality=args.quality,

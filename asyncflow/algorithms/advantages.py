@@ -33,9 +33,12 @@ the actor reads the advantages it writes (see :mod:`asyncflow.workflow.roles.cri
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
+
+# One value per answer: a list, or a 1-D array.
+Floats = Sequence[float] | np.ndarray
 
 GROUP_LEVEL = ("grpo", "dr_grpo", "rloo")
 BATCH_LEVEL = ("reinforce_pp", "reinforce_pp_baseline")
@@ -43,11 +46,11 @@ CRITIC_LEVEL = ("gae",)
 ESTIMATORS = GROUP_LEVEL + BATCH_LEVEL + CRITIC_LEVEL
 
 
-def _f64(x) -> np.ndarray:
+def _f64(x: object) -> np.ndarray:
     return np.asarray(x, dtype=np.float64)
 
 
-def group_mean_baseline(scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
+def group_mean_baseline(scores: Floats, groups: np.ndarray) -> np.ndarray:
     """``s_i - mean`` of ``s`` over ``i``'s group."""
     scores, out = _f64(scores), np.zeros(len(scores))
     for g in np.unique(groups):
@@ -56,7 +59,7 @@ def group_mean_baseline(scores: np.ndarray, groups: np.ndarray) -> np.ndarray:
     return out
 
 
-def grpo_advantages(scores, groups, eps: float = 1e-6) -> np.ndarray:
+def grpo_advantages(scores: Floats, groups: np.ndarray, eps: float = 1e-6) -> np.ndarray:
     """GRPO: group mean/std normalised, one value per answer."""
     scores, out = _f64(scores), np.zeros(len(scores))
     for g in np.unique(groups):
@@ -66,12 +69,12 @@ def grpo_advantages(scores, groups, eps: float = 1e-6) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def dr_grpo_advantages(scores, groups) -> np.ndarray:
+def dr_grpo_advantages(scores: Floats, groups: np.ndarray) -> np.ndarray:
     """Dr.GRPO: group mean subtracted, no std division."""
     return group_mean_baseline(scores, groups).astype(np.float32)
 
 
-def rloo_advantages(scores, groups) -> np.ndarray:
+def rloo_advantages(scores: Floats, groups: np.ndarray) -> np.ndarray:
     """RLOO: leave-one-out baseline, ``s_i - mean_{j != i} s_j``."""
     scores, out = _f64(scores), np.zeros(len(scores))
     for g in np.unique(groups):
@@ -83,7 +86,8 @@ def rloo_advantages(scores, groups) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def token_rewards(rewards, lengths: Sequence[int], penalties: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+def token_rewards(rewards: Floats, lengths: Sequence[int],
+                  penalties: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
     """Per-token rewards: the outcome ``r_i`` on the last token, minus each token's penalty."""
     rows = []
     for i, n in enumerate(lengths):
@@ -115,14 +119,16 @@ def whiten_tokens(rows: Sequence[np.ndarray], eps: float = 1e-6) -> list[np.ndar
     return [((_f64(r) - mu) / (sd + eps)).astype(np.float32) for r in rows]
 
 
-def reinforce_pp_advantages(rewards, lengths, penalties=None, gamma: float = 1.0,
+def reinforce_pp_advantages(rewards: Floats, lengths: Sequence[int],
+                            penalties: Sequence[np.ndarray] | None = None, gamma: float = 1.0,
                             eps: float = 1e-6) -> list[np.ndarray]:
     """REINFORCE++: batch-whitened returns-to-go of the per-token rewards."""
     return whiten_tokens(returns_to_go(token_rewards(rewards, lengths, penalties), gamma), eps)
 
 
-def reinforce_pp_baseline_advantages(rewards, groups, lengths, penalties=None, gamma: float = 1.0,
-                                     eps: float = 1e-6) -> list[np.ndarray]:
+def reinforce_pp_baseline_advantages(rewards: Floats, groups: Sequence[int] | np.ndarray,
+                                     lengths: Sequence[int], penalties: Sequence[np.ndarray] | None = None,
+                                     gamma: float = 1.0, eps: float = 1e-6) -> list[np.ndarray]:
     """REINFORCE++-baseline: group-mean-centred outcome reward, then as REINFORCE++."""
     centred = group_mean_baseline(rewards, np.asarray(groups))
     return reinforce_pp_advantages(centred, lengths, penalties, gamma, eps)
@@ -149,7 +155,7 @@ def gae(rewards: Sequence[np.ndarray], values: Sequence[np.ndarray], gamma: floa
     return advs, rets
 
 
-def ppo_targets(rewards, values: Sequence[np.ndarray], penalties: Sequence[np.ndarray] | None = None,
+def ppo_targets(rewards: Floats, values: Sequence[np.ndarray], penalties: Sequence[np.ndarray] | None = None,
                 gamma: float = 1.0, lam: float = 1.0) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """PPO: per-token rewards (outcome on the last token, minus each token's KL penalty), then
     :func:`gae` on the critic's ``values`` (one row per answer, its response length)."""
@@ -157,7 +163,7 @@ def ppo_targets(rewards, values: Sequence[np.ndarray], penalties: Sequence[np.nd
     return gae(rows, values, gamma, lam)
 
 
-def compute_advantages(name: str, rewards, groups, lengths: Sequence[int],
+def compute_advantages(name: str, rewards: Floats, groups: Sequence[int] | np.ndarray, lengths: Sequence[int],
                        penalties: Sequence[np.ndarray] | None = None, eps: float = 1e-6) -> list[np.ndarray]:
     """Per-token advantage rows of estimator ``name`` (one of :data:`ESTIMATORS`)."""
     groups = np.asarray(groups)

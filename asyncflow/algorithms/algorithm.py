@@ -13,16 +13,21 @@ PPO (estimator ``gae``, :attr:`needs_critic`): the critic role calls
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from asyncflow.algorithms.advantages import BATCH_LEVEL, CRITIC_LEVEL, ESTIMATORS, compute_advantages, ppo_targets
 from asyncflow.algorithms.corrections import Correction
 from asyncflow.algorithms.kl import kl_estimate
-from asyncflow.algorithms.losses import PolicyLoss
-from asyncflow.algorithms.value import ValueLoss
+from asyncflow.algorithms.losses import LossAgg, PolicyLoss
 from asyncflow.algorithms.shaping import overlong_penalty
+from asyncflow.algorithms.value import ValueLoss
+
+if TYPE_CHECKING:
+    from asyncflow.config import AlgorithmConfig
 
 
 @dataclass
@@ -31,8 +36,8 @@ class Algorithm:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: float | None = None
-    ratio_level: str = "token"
-    loss_agg: str = "seq-mean-token-mean"
+    ratio_level: Literal["token", "sequence"] = "token"
+    loss_agg: LossAgg = "seq-mean-token-mean"
     kl_coef: float = 0.0
     kl_estimator: str = "k3"
     kl_in_reward: bool = False
@@ -51,10 +56,10 @@ class Algorithm:
             raise ValueError(f"unknown advantage estimator {self.estimator!r} (known: {', '.join(ESTIMATORS)})")
 
     @classmethod
-    def from_config(cls, a, max_new_tokens: int = 0) -> "Algorithm":
+    def from_config(cls, a: AlgorithmConfig, max_new_tokens: int = 0) -> Algorithm:
         """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``);
         ``max_new_tokens`` (``rollout.max_new_tokens``) is needed by the overlong penalty."""
-        name = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name
+        name: str = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name
         name = "gae" if name == "ppo" else name
         low = a.clip_low if a.clip_low is not None else a.clip_eps
         high = a.clip_high if a.clip_high is not None else a.clip_eps
@@ -92,7 +97,7 @@ class Algorithm:
         return [self.kl_coef * kl_estimate(self.kl_estimator, np.asarray(lp, np.float64), np.asarray(ref, np.float64))
                 for lp, ref in zip(data["logprobs"], data["ref_logprobs"])]
 
-    def shaped_rewards(self, rewards, lengths) -> np.ndarray:
+    def shaped_rewards(self, rewards: Sequence[float] | np.ndarray, lengths: Sequence[int]) -> np.ndarray:
         """The rewards advantages are computed from: raw scores plus the overlong penalty."""
         r = np.asarray(rewards, dtype=np.float64)
         if self.overlong_buffer > 0:

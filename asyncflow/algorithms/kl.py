@@ -14,27 +14,30 @@ business: every estimator is 0 where ``logp == logp_ref``, so zero-padded rows s
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
 
 KLEstimator = Literal["k1", "k2", "k3"]
+# torch tensors (a differentiable loss term) or numpy arrays (a penalty folded into the reward)
+ArrayT = TypeVar("ArrayT", torch.Tensor, np.ndarray)
 
 
-def _exp(x):
+def _exp(x: ArrayT) -> ArrayT:
     return torch.exp(x) if isinstance(x, torch.Tensor) else np.exp(x)
 
 
-def kl_k1(logp, ref_logp):
+def kl_k1(logp: ArrayT, ref_logp: ArrayT) -> ArrayT:
     return logp - ref_logp
 
 
-def kl_k2(logp, ref_logp):
+def kl_k2(logp: ArrayT, ref_logp: ArrayT) -> ArrayT:
     return 0.5 * (logp - ref_logp) ** 2
 
 
-def kl_k3(logp, ref_logp):
+def kl_k3(logp: ArrayT, ref_logp: ArrayT) -> ArrayT:
     d = ref_logp - logp
     return _exp(d) - d - 1
 
@@ -42,7 +45,7 @@ def kl_k3(logp, ref_logp):
 KL_ESTIMATORS: dict[str, Callable] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
 
 
-def kl_estimate(name: str, logp, ref_logp):
+def kl_estimate(name: str, logp: ArrayT, ref_logp: ArrayT) -> ArrayT:
     """Per-token KL estimate ``name`` (k1, k2 or k3) of ``logp`` against ``ref_logp``."""
     try:
         fn = KL_ESTIMATORS[name]

@@ -35,8 +35,9 @@ equivalent, see ``TrainEngine.optimizer_step(grad_scale=...)``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -81,7 +82,7 @@ def clipped_pg(ratio: torch.Tensor, adv: torch.Tensor, clip_low: float, clip_hig
     return pg, flags
 
 
-def pad_rows(rows, mask: torch.Tensor) -> torch.Tensor:
+def pad_rows(rows: Iterable[Any], mask: torch.Tensor) -> torch.Tensor:
     """List of 1-D arrays -> ``[B, R]`` float tensor matching ``mask`` (0 past each row; on
     ``mask``'s device, filled on the host and copied once)."""
     out = torch.zeros(mask.shape, dtype=mask.dtype)
@@ -91,7 +92,7 @@ def pad_rows(rows, mask: torch.Tensor) -> torch.Tensor:
     return out.to(mask.device)
 
 
-def advantages_tensor(adv, mask: torch.Tensor) -> torch.Tensor:
+def advantages_tensor(adv: np.ndarray | Sequence[Any], mask: torch.Tensor) -> torch.Tensor:
     """Per-sequence ``[B]`` array (broadcast) or per-token rows -> ``[B, R]``."""
     if isinstance(adv, np.ndarray) and adv.ndim == 1 and adv.dtype != object:
         return torch.as_tensor(adv, dtype=torch.float32, device=mask.device)[:, None].expand_as(mask)
@@ -123,7 +124,7 @@ class PolicyLoss:
         """Ask the engine for per-token entropy (always: it is also logged as a metric)."""
         return True
 
-    def __call__(self, logp: torch.Tensor, batch, extras: dict) -> tuple[torch.Tensor, dict]:
+    def __call__(self, logp: torch.Tensor, batch: Any, extras: dict) -> tuple[torch.Tensor, dict]:
         mask = batch.mask
         lengths = mask.sum(1)
         behav = pad_rows(extras["logprobs"], mask)

@@ -19,8 +19,9 @@ Explained variance of values ``V`` against returns ``R`` over the valid tokens:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,7 +48,7 @@ class ValueLoss:
     clip: float | None = 0.2
     vf_coef: float = 1.0
 
-    def __call__(self, vpred: torch.Tensor, batch, extras: dict) -> tuple[torch.Tensor, dict]:
+    def __call__(self, vpred: torch.Tensor, batch: Any, extras: dict) -> tuple[torch.Tensor, dict]:
         mask = batch.mask
         old = pad_rows(extras["values"], mask)
         ret = pad_rows(extras["returns"], mask)

@@ -28,26 +28,28 @@ bound, and two processes sharing memory bandwidth.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
+
+import torch
 
 from asyncflow.config import RunConfig
+from asyncflow.dataplane import DataPlane
+from asyncflow.tasks.registry import build_task
 from asyncflow.workflow.cores import pinned
+from asyncflow.workflow.feeder import PromptFeeder
+from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.plan import rewards_in_rollout
+from asyncflow.workflow.worker import Worker
 
 
 class _Solo:
     """One process's roles over an in-process data plane, driven by hand."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool):
-        from asyncflow.dataplane import DataPlane
-        from asyncflow.tasks.registry import build_task
-        from asyncflow.workflow.feeder import PromptFeeder
-        from asyncflow.workflow.fields import SCHEMA
-        from asyncflow.workflow.worker import Worker
-
         solo = cfg.model_copy(update={"mode": "sync"}, deep=True)  # shared model, no weight transfer
         solo.train.steps = 10**6  # the feeder never runs out
-        from asyncflow.workflow.plan import rewards_in_rollout
-
         reward = [] if rewards_in_rollout(cfg) else ["reward"]  # else rollout scores (its time includes it)
         self.roles = ["rollout"] + reward + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor"]
         self.plane = DataPlane(SCHEMA)
@@ -75,7 +77,7 @@ class _Solo:
     def train(self, v: int) -> None:
         self.w.roles["actor"].train_step(v)
 
-    def timed(self, fn, first: int, last: int) -> float:
+    def timed(self, fn: Callable[[int], object], first: int, last: int) -> float:
         t = time.perf_counter()
         for v in range(first, last):
             fn(v)
@@ -92,15 +94,13 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
     each role computes on ``cores[role]`` when given (its cores in the mode's runs).
     ``cpu`` (a dict, if given) receives the CPU seconds each role's thread got in its
     compute sections over the same steps (:attr:`Role.busy_cpu_s`)."""
-    import torch
-
     s = _Solo(cfg, model_dir, steps, threads, continuous)
     middle = s.roles[1:-1]  # reward (and reference)
     on = (cores or {}).get
     seconds: dict[str, float] = {}
     used = cpu if cpu is not None else {}
 
-    def timed(name: str, fn, first: int, last: int) -> None:
+    def timed(name: str, fn: Callable[[int], object], first: int, last: int) -> None:
         role = s.w.roles[name]
         with pinned(on(name)):
             c = role.busy_cpu_s
@@ -115,7 +115,7 @@ def measure_roles(cfg: RunConfig, model_dir: str, steps: int, threads: int, cont
             for name in middle:
                 with pinned(on(name)):
                     s.consume(name, 0)
-                timed(name, lambda v, n=name: s.consume(n, v), 1, steps)
+                timed(name, functools.partial(s.consume, name), 1, steps)
         else:  # sync / stream: one step's batch at a time, phase after phase
             for v in range(steps):
                 phases = [("rollout", s.generate)] + [(n, lambda v, n=n: s.consume(n, v)) for n in middle]
@@ -138,5 +138,5 @@ def bound(mode: str, seconds: dict[str, float], samples: int) -> tuple[float, st
     """(samples/s bound, what limits it) for ``mode`` from solo role seconds."""
     if mode == "sync":
         return samples / sum(seconds.values()), "sum of phases"
-    slowest = max(seconds, key=seconds.get)
+    slowest = max(seconds, key=seconds.__getitem__)
     return samples / seconds[slowest], slowest

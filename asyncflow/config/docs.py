@@ -80,7 +80,7 @@ def _value(v: Any) -> str:
 
 
 def _default(info: FieldInfo) -> Any:
-    return info.default_factory() if info.default_factory is not None else info.default
+    return info.get_default(call_default_factory=True)
 
 
 def _cell(text: str) -> str:

@@ -75,7 +75,7 @@ def _describe(e: ValidationError, path: Any) -> str:
     src = f" in '{path}'" if path else ""
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     if err["type"] == "extra_forbidden":
-        parent = RunConfig
+        parent: type[BaseModel] = RunConfig
         for k in err["loc"][:-1]:
             ann = parent.model_fields[str(k)].annotation
             parent = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else parent

@@ -1,4 +1,4 @@
-"""What the external engine adapters (vLLM, SGLang) share; pure Python, no engine import.
+"""What the external engine adapters (vLLM, SGLang) share; no engine import (see import_engine).
 
 Design
 ------
@@ -27,8 +27,12 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
 
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
@@ -54,9 +58,6 @@ def hf_name(name: str) -> str:
 def named_tensors(buffers: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """``(hf_name, torch tensor)`` for every weight in ``buffers`` (numpy or torch), sorted by
     name, without the checksum entry. Numpy buffers are wrapped without a copy."""
-    import numpy as np
-    import torch
-
     out = []
     for name in sorted(buffers):
         if name == CHECKSUMS:
@@ -82,6 +83,7 @@ class Backend(Protocol):
                sampling: SamplingParams) -> None: ...
     def poll(self) -> list[Update]: ...
     def abort(self, rids: Sequence[str]) -> None: ...
+    def load(self, weights: list[tuple[str, Any]]) -> Any: ...
 
 
 class _Row:
@@ -150,7 +152,7 @@ class StepBatch:
             self.backend.abort([rid for rid, _ in rows])
         return [row.req for _, row in rows]
 
-    def drop(self, which) -> list[Request]:
+    def drop(self, which: Callable[[Request], bool]) -> list[Request]:
         """Abort the live submissions whose request ``which(req)`` is true; their requests."""
         rids = [rid for rid, row in self.rows.items() if which(row.req)]
         if rids:
@@ -186,15 +188,17 @@ class StepEngine:
         self.load_path = self.backend.load(named_tensors(tensors))
         self.version = version
 
-    def generate(self, requests: Iterable[Request], sampling: SamplingParams, on_done=None) -> list[Completion]:
+    def generate(self, requests: Iterable[Request], sampling: SamplingParams,
+                 on_done: Callable[[Completion], None] | None = None) -> list[Completion]:
         """All ``requests`` (the engine schedules them), results in completion order."""
         batch, results = self.new_batch(sampling), []
         batch.add(requests)
         while len(batch):
             done = batch.step()
             results += done
-            for c in done if on_done else ():
-                on_done(c)
+            if on_done:
+                for c in done:
+                    on_done(c)
         return results
 
 

@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 
 class Collective(Protocol):
@@ -56,8 +58,6 @@ class TorchGroup:
     """Ranks as processes: ``torch.distributed`` (gloo) initialised at ``address``."""
 
     def __init__(self, address: str, rank: int, world: int, timeout_s: float = 900.0):
-        import torch.distributed as dist
-
         self.rank, self.world, self._dist = rank, world, dist
         dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))

@@ -19,7 +19,8 @@ predictions. ``version`` counts critic updates.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -27,11 +28,14 @@ import torch
 from asyncflow.engines.device import model_device
 from asyncflow.engines.training import TokenBatch, TrainEngine
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 
 class ValueModel(torch.nn.Module):
     """``base_model`` of a causal LM + a zero-initialised scalar head: ``[B, L]`` values."""
 
-    def __init__(self, lm: torch.nn.Module):
+    def __init__(self, lm: PreTrainedModel):
         super().__init__()
         self.backbone = lm.base_model
         self.head = torch.nn.Linear(lm.config.hidden_size, 1)
@@ -44,7 +48,7 @@ class ValueModel(torch.nn.Module):
         return self.head(hidden.float())[..., 0]
 
 
-def token_values(model: ValueModel, batch: TokenBatch) -> torch.Tensor:
+def token_values(model: torch.nn.Module, batch: TokenBatch) -> torch.Tensor:
     """Per response token values ``[B, R]`` (0 where masked)."""
     v = model(batch.input_ids, batch.attention_mask)
     return v.gather(1, batch.gather_index()) * batch.mask
@@ -53,7 +57,7 @@ def token_values(model: ValueModel, batch: TokenBatch) -> torch.Tensor:
 class CriticEngine(TrainEngine):
     """Training engine of a :class:`ValueModel` (built from a causal LM the caller owns)."""
 
-    def __init__(self, lm: torch.nn.Module, pad_id: int, **kwargs):
+    def __init__(self, lm: PreTrainedModel, pad_id: int, **kwargs: Any):
         super().__init__(ValueModel(lm), pad_id, **kwargs)
 
     def _forward(self, batch: TokenBatch, entropy: bool = False) -> torch.Tensor:
@@ -69,5 +73,6 @@ class CriticEngine(TrainEngine):
         self.model.train(was_training)
         return [v[i, : n].numpy().astype(np.float32) for i, n in enumerate(batch.response_lens)]
 
-    def logprobs(self, prompts, responses):  # pragma: no cover - a critic has no policy
+    def logprobs(self, prompts: Sequence[Sequence[int]],  # pragma: no cover - a critic has no policy
+                 responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
         raise TypeError("CriticEngine has no log-probs: call values()")

@@ -27,7 +27,8 @@ like the built-in engine.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
@@ -54,7 +55,7 @@ class _FakeRow:
 class FakeBatch:
     """Rows decoding together; one scripted token per row per :meth:`step`."""
 
-    def __init__(self, engine: "FakeEngine", sampling: SamplingParams):
+    def __init__(self, engine: FakeEngine, sampling: SamplingParams):
         self.engine, self.sampling = engine, sampling
         self.rows: list[_FakeRow] = []
         self.version = engine.version
@@ -97,7 +98,7 @@ class FakeBatch:
         self.rows = []
         return reqs
 
-    def drop(self, which) -> list[Request]:
+    def drop(self, which: Callable[[Request], bool]) -> list[Request]:
         out = [r.req for r in self.rows if which(r.req)]
         self.rows = [r for r in self.rows if not which(r.req)]
         return out
@@ -134,8 +135,9 @@ class FakeEngine:
                 self.total_slots += self.max_batch
                 done += batch.step()
             results += done
-            for c in done if on_done else ():
-                on_done(c)
+            if on_done:
+                for c in done:
+                    on_done(c)
         return results
 
     def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:

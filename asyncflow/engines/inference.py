@@ -44,14 +44,17 @@ the same batch, used by the sync mode and evaluation) and ``load_weights``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+from transformers import DynamicCache
 
 from asyncflow.engines.device import model_device
+from asyncflow.engines.training import autocast
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
 __all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Request", "SamplingParams",
@@ -80,7 +83,7 @@ class GenerationBatch:
         self.sampling = sampling
         self.generator = generator
         self.rows: list[_Row] = []
-        self.cache = None  # transformers DynamicCache
+        self.cache: Any = None  # a transformers DynamicCache while rows are live
         self.mask: torch.Tensor | None = None  # [R, T] long
         self.next_pos: torch.Tensor | None = None  # [R] position of the next input token
         self.next_tok: torch.Tensor | None = None  # [R] last sampled token (not yet in cache)
@@ -98,8 +101,6 @@ class GenerationBatch:
         """
         if not requests:
             return []
-        from transformers import DynamicCache
-
         lens = [len(r.prompt_ids) for r in requests]
         L = max(lens)
         ids = torch.full((len(requests), L), self.pad_id, dtype=torch.long)
@@ -119,11 +120,13 @@ class GenerationBatch:
         self._merge(new_rows, cache, mask, next_pos)
         return self._sample_and_append(logits, first=len(self.rows) - len(new_rows))
 
-    def _merge(self, rows: list[_Row], cache, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+    def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
         if not self.rows:
             self.rows, self.cache, self.mask, self.next_pos = rows, cache, mask, next_pos
             self.next_tok = torch.zeros(len(rows), dtype=torch.long, device=self.device)
             return
+        assert self.mask is not None  # set while rows are live
+        assert self.next_pos is not None and self.next_tok is not None
         T_old, T_new = self.mask.shape[1], mask.shape[1]
         T = max(T_old, T_new)
         for layer_old, layer_new in zip(self.cache.layers, cache.layers):
@@ -141,6 +144,8 @@ class GenerationBatch:
         if not keep:
             self.rows, self.cache, self.mask, self.next_pos, self.next_tok = [], None, None, None, None
             return
+        assert self.mask is not None  # set while rows are live
+        assert self.next_pos is not None and self.next_tok is not None
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
         self.rows = [self.rows[i] for i in keep]
         self.mask = self.mask[idx]
@@ -159,6 +164,7 @@ class GenerationBatch:
         """Decode one token for every row; return the rows that finished."""
         if not self.rows:
             return []
+        assert self.mask is not None and self.next_pos is not None and self.next_tok is not None  # rows are live
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], 1)
         out = self._forward(input_ids=self.next_tok[:, None], attention_mask=self.mask,
                             position_ids=self.next_pos[:, None], past_key_values=self.cache)
@@ -176,6 +182,7 @@ class GenerationBatch:
             logp = token_logprob(logits, tok, self.sampling)  # ...but record the policy's own log-prob
         else:
             tok, logp = sample_tokens(logits, self.sampling, self.generator)
+        assert self.next_tok is not None  # set by _merge
         self.next_tok[first:] = tok
         done: list[Completion] = []
         keep = list(range(first))
@@ -200,7 +207,7 @@ class GenerationBatch:
         self._keep([])
         return reqs
 
-    def drop(self, which) -> list[Request]:
+    def drop(self, which: Callable[[Request], bool]) -> list[Request]:
         """Remove the live rows whose request ``which(req)`` is true; return their requests."""
         out = [row.req for row in self.rows if which(row.req)]
         if out:
@@ -213,8 +220,7 @@ class GenerationBatch:
         """Rebuild the KV cache of the live rows under the current weights (partial rollout)."""
         if not self.rows:
             return
-        from transformers import DynamicCache
-
+        assert self.mask is not None  # rows are live
         R, T = self.mask.shape
         ids = torch.full((R, T), self.pad_id, dtype=torch.long)
         for i, row in enumerate(self.rows):
@@ -225,9 +231,7 @@ class GenerationBatch:
         self.cache = DynamicCache()
         self._forward(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache)
 
-    def _forward(self, **kw):
-        from asyncflow.engines.training import autocast
-
+    def _forward(self, **kw: Any) -> Any:
         with autocast(self.dtype, self.device):
             return self.model(use_cache=True, **kw)
 

@@ -8,12 +8,16 @@ A data-parallel trainer's ranks are threads too: they share a
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 from asyncflow.config import ConfigError
+from asyncflow.dataplane import DataPlane, Schema
+from asyncflow.engines.collective import ThreadRendezvous
+from asyncflow.engines.device import resolve_device
 from asyncflow.weights.store import WeightStore
-from asyncflow.dataplane import DataPlane
 
 
 class LocalLauncher:
@@ -28,42 +32,38 @@ class LocalLauncher:
     @staticmethod
     def check_device(device: str) -> None:
         """``device`` must exist in this process (the roles run here)."""
-        from asyncflow.engines.device import resolve_device
-
         try:
             resolve_device(device)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
+    def data_plane(self, schema: Schema, kind: str = "auto", storage_units: int = 2) -> DataPlane:
         """The in-process data plane (``kind`` only matters to the Ray launcher)."""
         return DataPlane(schema)
 
-    def weight_store(self):
+    def weight_store(self) -> WeightStore:
         return WeightStore()
 
-    def dp_rendezvous(self, rank0, world: int):
+    def dp_rendezvous(self, rank0: Any, world: int) -> ThreadRendezvous:
         """What ``world`` trainer ranks (threads here) share to form their group."""
-        from asyncflow.engines.collective import ThreadRendezvous
-
         return ThreadRendezvous(world)
 
-    def spawn(self, spec, cls, *args):
+    def spawn(self, spec: Any, cls: Callable[..., Any], *args: Any) -> Any:
         return cls(*args)
 
-    def submit(self, handle, method: str, *args):
+    def submit(self, handle: Any, method: str, *args: Any) -> Future:
         return self._pool.submit(getattr(handle, method), *args)
 
-    def result(self, fut, timeout: float):
+    def result(self, fut: Future, timeout: float) -> Any:
         try:
             return fut.result(timeout)
         except FutureTimeout:  # a distinct class before Python 3.11
             raise TimeoutError from None
 
-    def call(self, handle, method: str, *args):
+    def call(self, handle: Any, method: str, *args: Any) -> Any:
         return getattr(handle, method)(*args)
 
-    def release(self, obj) -> None:
+    def release(self, obj: Any) -> None:
         """Nothing to free in process (threads stop with ``Worker.stop``)."""
 
     def shutdown(self) -> None:

@@ -29,12 +29,19 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from asyncflow.config import ConfigError
-from asyncflow.weights.store import WeightStore
+from asyncflow.dataplane import Schema
+from asyncflow.dataplane.transport.client import ZmqDataPlane
+from asyncflow.dataplane.transport.deploy import Deployment, launch
 from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
+from asyncflow.weights.store import WeightStore
+
+if TYPE_CHECKING:
+    from asyncflow.workflow.plan import WorkerSpec
 
 
 def _worker_env() -> dict:
@@ -54,7 +61,7 @@ class RayLauncher:
         self._owns = False  # this launcher called ray.init (and shuts Ray down)
         self._owns_host = False  # a local instance started here: the machine is the job's (resources.pin_cores)
         self._cpus = self._gpus = 0
-        self._deployments: list = []  # ZeroMQ data planes started by data_plane()
+        self._deployments: list[Deployment] = []  # ZeroMQ data planes started by data_plane()
 
     def _start(self) -> None:
         """Start (or connect to) Ray on first use, not when the launcher is made: the driver
@@ -64,7 +71,7 @@ class RayLauncher:
         self._started = True
         if not ray.is_initialized():
             address = os.environ.get("RAY_ADDRESS")
-            kwargs = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
+            kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True,
                           configure_logging=True)
             if address:
                 ray.init(address=address, **kwargs)
@@ -102,43 +109,42 @@ class RayLauncher:
         here = ray.util.get_node_ip_address()
         return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
 
-    def data_plane(self, schema, kind: str = "auto", storage_units: int = 2):
+    def data_plane(self, schema: Schema, kind: str = "auto",
+                   storage_units: int = 2) -> ZmqDataPlane | RayDataPlane:
         self._start()  # (else an actor call would start Ray itself: all CPUs, never shut down here)
         if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
             kind = "zmq" if self.one_host() else "ray"
         if kind == "zmq":
-            from asyncflow.dataplane.transport.deploy import launch
-
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,
                                                                 enable_task_events=False).remote(schema))
 
-    def weight_store(self):
+    def weight_store(self) -> RayWeightStore:
         self._start()
         return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16,
                                                               enable_task_events=False).remote())
 
-    def dp_rendezvous(self, rank0, world: int) -> str:
+    def dp_rendezvous(self, rank0: Any, world: int) -> str:
         """A ``tcp://`` address with a free port on rank 0's machine, where ``world`` trainer
         ranks (actor processes) join one gloo group (``torch.distributed``)."""
         return self.call(rank0, "dp_address")
 
-    def spawn(self, spec, cls, *args):
+    def spawn(self, spec: WorkerSpec, cls: type, *args: Any) -> Any:
         self._start()
         return ray.remote(cls).options(num_cpus=spec.cpus, num_gpus=spec.gpus, max_concurrency=4, name=None,
                                        enable_task_events=False, **_worker_env()).remote(*args)
 
-    def submit(self, handle, method: str, *args):
+    def submit(self, handle: Any, method: str, *args: Any) -> ray.ObjectRef:
         return getattr(handle, method).remote(*args)
 
-    def result(self, ref, timeout: float):
+    def result(self, ref: ray.ObjectRef, timeout: float) -> Any:
         return ray_get(ref, timeout)
 
-    def call(self, handle, method: str, *args):
+    def call(self, handle: Any, method: str, *args: Any) -> Any:
         return ray_get(getattr(handle, method).remote(*args))
 
-    def release(self, obj) -> None:
+    def release(self, obj: Any) -> None:
         """Kill the actor behind ``obj`` (a worker handle or a client) and free its CPUs."""
         for dep in [d for d in self._deployments if d.endpoint == getattr(obj, "endpoint", None)]:
             self._deployments.remove(dep)

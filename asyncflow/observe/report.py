@@ -20,12 +20,21 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+if TYPE_CHECKING:
+    from asyncflow.config import RunConfig
 
 
 class Progress:
     """tqdm bar over RL steps (and a line for the warm-start); silent when disabled."""
+
+    bar: Any  # tqdm bars, None until started
+    _ws: Any
 
     def __init__(self, steps: int, enabled: bool = True):
         self.steps, self.enabled, self.bar, self._ws = steps, enabled, None, None
@@ -34,8 +43,6 @@ class Progress:
         if not self.enabled:
             return
         if self._ws is None:
-            from tqdm import tqdm
-
             self._ws = tqdm(desc="warm-start (SFT)", unit="step", leave=False, file=sys.stderr)
         self._ws.update(step - self._ws.n)
         post = {"loss": f"{loss:.3f}"}
@@ -48,8 +55,6 @@ class Progress:
             self._ws.close()
         if not self.enabled:
             return
-        from tqdm import tqdm
-
         self.bar = tqdm(total=self.steps, desc="RL", unit="step", file=sys.stderr)
         if acc0 is not None:
             self.bar.set_postfix(heldout_acc=f"{acc0:.1%}")
@@ -137,7 +142,8 @@ class RunMeter:
         self.stragglers, self._stragglers = stragglers, (0, 0)
         self.t0, self.stats0, self.cpu0 = time.perf_counter(), stats(), machine_cpu_s()
         self.steps = self.samples = self.tokens = 0
-        self.steady0: tuple | None = None  # (time, stats, samples, tokens, machine cpu) at the end of step 1
+        # (time, stats, samples, tokens, machine cpu) at the end of step 1
+        self.steady0: tuple[float, dict, int, int, float | None] | None = None
 
     def step(self, m: dict) -> dict:
         """Add one step's metrics (``samples``, ``tokens``); return them with rates added."""
@@ -149,7 +155,8 @@ class RunMeter:
         r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
         if self.stragglers:
             carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
-            m = {**m, "groups_carried": carried - self._stragglers[0], "groups_restarted": restarted - self._stragglers[1]}
+            m = {**m, "groups_carried": carried - self._stragglers[0],
+                 "groups_restarted": restarted - self._stragglers[1]}
             self._stragglers = (carried, restarted)
         if self.drops:
             scored, dropped = r.get("groups_scored", 0), r.get("groups_dropped", 0)
@@ -162,7 +169,8 @@ class RunMeter:
     def finish(self) -> dict:
         """Totals for :func:`summarize`: whole run, and steady state (after step 1)."""
         wall, stats, cpu = time.perf_counter() - self.t0, self.stats(), machine_cpu_s()
-        t1, stats1, s1, k1, c1 = self.steady0 if self.steps > 1 else (self.t0, self.stats0, 0, 0, self.cpu0)
+        t1, stats1, s1, k1, c1 = (self.steady0 if self.steps > 1 and self.steady0 is not None
+                                  else (self.t0, self.stats0, 0, 0, self.cpu0))
         steady_wall = wall - (t1 - self.t0)
         return {"samples": self.samples, "tokens": self.tokens, "wall_s": wall, "stats": stats,
                 "steady_samples": self.samples - s1, "steady_tokens": self.tokens - k1,
@@ -171,7 +179,8 @@ class RunMeter:
                 "cpu": cpu_use(stats1, stats, (c1, cpu), steady_wall)}
 
 
-def summarize(cfg, init: dict, acc0, acc1, totals: dict, run_dir: Path, ckpt: str) -> dict:
+def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None, totals: dict, run_dir: Path,
+              ckpt: str) -> dict:
     """The end-of-run summary (``summary.json``) from :meth:`RunMeter.finish` totals."""
     actor = totals["stats"].get("actor", {})
     rollout = totals["stats"].get("rollout", {})
@@ -238,7 +247,9 @@ def format_summary(s: dict) -> str:
     on = f" on {s['device']}" if s.get("device", "cpu") != "cpu" else ""
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}){on} ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
-            f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
+            f"({s['samples']} samples in {s['wall_s']:.1f} s; "
+            f"after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
             f"busy fraction      {busy} (after step 1)\n" + oncpu + cores +
-            f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
+            f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), "
+            f"dropped {s['dropped_stale']}\n"
             f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, trace.json, checkpoint/)\n")

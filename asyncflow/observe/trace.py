@@ -14,7 +14,9 @@ line, with the fix) when it is missing.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from asyncflow.config import ConfigError
 
@@ -22,11 +24,15 @@ ROLES = ["rollout", "reward", "reference", "actor"]
 COLORS = {"rollout": "#4c72b0", "reward": "#55a868", "reference": "#8172b2", "actor": "#c44e52"}
 
 
+# (role, name, start seconds, duration seconds)
+Span = tuple[str, str, float, float]
+
+
 class PlotUnavailable(ConfigError):
     """matplotlib is not installed."""
 
 
-def chrome_trace(spans, process: str = "asyncflow") -> dict:
+def chrome_trace(spans: Iterable[Span], process: str = "asyncflow") -> dict:
     """``spans``: iterable of (role, name, start seconds, duration seconds)."""
     tids: dict[str, int] = {}
     events = []
@@ -39,30 +45,30 @@ def chrome_trace(spans, process: str = "asyncflow") -> dict:
     return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
 
-def write_trace(spans, path: str | Path, process: str = "asyncflow") -> Path:
+def write_trace(spans: Iterable[Span], path: str | Path, process: str = "asyncflow") -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(spans, process)))
     return path
 
 
-def write_sim_trace(result, path: str | Path) -> Path:
+def write_sim_trace(result: Any, path: str | Path) -> Path:
+    """``result``: a :class:`asyncflow.planner.sim.SimResult` (its ``spans``)."""
     return write_trace(result.spans, path, "asyncflow (simulated)")
 
 
-def tracks(trace) -> tuple[str, dict[str, list[tuple[float, float]]]]:
+def tracks(trace: str | Path | dict | Iterable[Span]) -> tuple[str, dict[str, list[tuple[float, float]]]]:
     """(title, {track: [(start s, seconds), ...]}) of a trace path, trace dict or spans."""
-    if isinstance(trace, (str, Path)):
-        trace = json.loads(Path(trace).read_text())
-    if isinstance(trace, dict):
-        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+    data = json.loads(Path(trace).read_text()) if isinstance(trace, (str, Path)) else trace
+    if isinstance(data, dict):
+        names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
                  if e.get("ph") == "M" and e.get("name") == "thread_name"}
-        title = next((e["args"]["name"] for e in trace["traceEvents"]
+        title = next((e["args"]["name"] for e in data["traceEvents"]
                       if e.get("ph") == "M" and e.get("name") == "process_name"), "asyncflow")
         spans = [(names.get(e["tid"], str(e["tid"])), e["ts"] / 1e6, e["dur"] / 1e6)
-                 for e in trace["traceEvents"] if e.get("ph") == "X"]
+                 for e in data["traceEvents"] if e.get("ph") == "X"]
     else:
-        title, spans = "asyncflow", [(role, start, dur) for role, _, start, dur in trace]
+        title, spans = "asyncflow", [(role, start, dur) for role, _, start, dur in data]
     out: dict[str, list[tuple[float, float]]] = {}
     for role, start, dur in sorted(spans, key=lambda s: s[1]):
         out.setdefault(role, []).append((start, dur))
@@ -80,16 +86,18 @@ def _merge(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, fl
     return [(s, d) for s, d in out]
 
 
-def write_gantt(trace, path: str | Path, title: str | None = None, width_px: int = 1600) -> Path:
+def write_gantt(trace: str | Path | dict | Iterable[Span], path: str | Path, title: str | None = None,
+                width_px: int = 1600) -> Path:
     """PNG Gantt chart of ``trace`` (a trace.json path, a Chrome trace dict, or spans):
     one row per track, busy spans as bars, busy fraction of the whole run in the label."""
     try:
-        import matplotlib
+        import matplotlib  # lazy: matplotlib, the optional [plot] extra
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # lazy: matplotlib
     except ImportError:
-        raise PlotUnavailable('a Gantt chart needs matplotlib: pip install -c constraints.txt "asyncflow[plot]"') from None
+        raise PlotUnavailable('a Gantt chart needs matplotlib: '
+                              'pip install -c constraints.txt "asyncflow[plot]"') from None
     name, rows = tracks(trace)
     order = sorted(rows, key=lambda r: (ROLES.index(r) if r in ROLES else len(ROLES), r))
     t0 = min((s for r in rows.values() for s, _ in r), default=0.0)

@@ -8,7 +8,8 @@
    change the cost curves or the answer lengths); otherwise the machine is profiled again
    (``asyncflow.planner.profile.run_profile``, ~30-70 s) and the file replaced;
 2. :func:`asyncflow.planner.search.search` simulates every candidate on ``os.cpu_count()``
-   cores, thread teams no larger than the cores other jobs leave free (``team_limit``); the best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
+   cores, thread teams no larger than the cores other jobs leave free (``team_limit``); the
+   best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
    and ``resources.sync_threads`` (sync) or ``resources.threads_per_role`` (stream/async);
 3. the resolved config has ``plan: off`` (so its ``config.yaml`` reruns exactly the plan);
    the plan text (what ``asyncflow plan`` prints) is returned beside it.
@@ -23,11 +24,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from asyncflow.config import RunConfig
+from asyncflow.planner import profile as profiler  # light: torch only when it profiles; tests replace run_profile
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search, team_limit
+from asyncflow.planner.sim import Allocation
 
 
 def fingerprint(cfg: RunConfig, cpus: int | None = None) -> dict:
@@ -57,7 +62,7 @@ def cached_profile(cfg: RunConfig, path: Path, cpus: int | None = None) -> dict 
     return prof if prof.get("fingerprint") == json.loads(json.dumps(fingerprint(cfg, cpus))) else None
 
 
-def apply_plan(cfg: RunConfig, alloc) -> RunConfig:
+def apply_plan(cfg: RunConfig, alloc: Allocation) -> RunConfig:
     """``cfg`` with the allocation's mode, staleness, micro-batch and threads, ``plan: off``."""
     data = cfg.model_dump()
     data.update(mode=alloc.mode, plan="off")
@@ -77,17 +82,12 @@ def resolve(cfg: RunConfig, cpus: int | None = None, log: Callable[[str], None] 
     returns ``cfg`` unchanged and an empty text."""
     if cfg.plan != "auto":
         return cfg, ""
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import allocation_for, format_plan, noisy_calibration, predict, search, team_limit
-
     cpus = cpus or os.cpu_count() or 1
     path = Path(profile) if profile else profile_path(cfg)
     prof = cached_profile(cfg, path, cpus)
     if prof is None:
-        from asyncflow.planner.profile import run_profile
-
         log(f"[plan=auto] no profile of this machine and model at {path}: profiling (~30-70 s) ...")
-        prof = run_profile(cfg, out=str(path), cpus=cpus)
+        prof = profiler.run_profile(cfg, out=str(path), cpus=cpus)
     else:
         log(f"[plan=auto] reusing the profile {path} (measured {prof.get('created', '?')})")
     cost = ProfiledCost.from_dict(prof)

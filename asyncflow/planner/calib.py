@@ -39,7 +39,15 @@ between spans), so none absorbs another's error. Nothing here imports torch.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.search import predict
+
+if TYPE_CHECKING:
+    from asyncflow.config import RunConfig
 
 Tracks = dict[str, list[tuple[float, float]]]  # role -> [(start s, seconds)], sorted by start
 
@@ -65,12 +73,9 @@ def sync_steps(tracks: Tracks) -> list[dict]:
     return out
 
 
-def fit_pipeline(run, prof: dict, tracks: Tracks, ncpu: int) -> dict:
+def fit_pipeline(run: RunConfig, prof: dict, tracks: Tracks, ncpu: int) -> dict:
     """Role factors, sync step overhead and data latency of the one-thread sync run ``run``
     (its trace ``tracks``), against the simulator's prediction on the profile ``prof``."""
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.search import predict
-
     steps = sync_steps(tracks)
     if not steps:
         raise ValueError("the calibration run's trace has fewer than two steps")

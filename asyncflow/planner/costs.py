@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 # ---------------------------------------------------------------------------- profiled
@@ -50,17 +51,18 @@ class ProfiledCost:
     pipeline: dict = field(default_factory=dict)  # measured in a short real run: step_overhead_s, transfer_s
 
     @classmethod
-    def load(cls, path: str | Path) -> "ProfiledCost":
+    def load(cls, path: str | Path) -> ProfiledCost:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ProfiledCost":
+    def from_dict(cls, d: dict) -> ProfiledCost:
         return cls(curves={int(k): v for k, v in d["curves"].items()}, export_s_=d["export_s"], load_s=d["load_s"],
-                   reward_per_sample_s=d["reward_s_per_sample"], calibration={int(k): v for k, v in d.get("calibration", {}).items()},
+                   reward_per_sample_s=d["reward_s_per_sample"],
+                   calibration={int(k): v for k, v in d.get("calibration", {}).items()},
                    interference=d.get("interference", 1.0), pipeline=d.get("pipeline", {}))
 
     @staticmethod
-    def _pick(table: dict, res: int):
+    def _pick(table: dict, res: int) -> Any:
         ok = [t for t in table if t <= max(1, res)]
         return table[max(ok) if ok else min(table)]
 
@@ -76,37 +78,37 @@ class ProfiledCost:
             f *= self._pick(by_threads, res).get(role, 1.0) if by_threads else 1.0
         return f
 
-    def decode_s(self, n, ctx, res):
+    def decode_s(self, n: int, ctx: float, res: int) -> float:
         a, b, c = self._c(res)["decode"]
         return max(0.0, a + b * n + c * n * ctx) * self._cal("rollout", res)
 
-    def prefill_s(self, n, prompt_len, res):
+    def prefill_s(self, n: int, prompt_len: float, res: int) -> float:
         a, b = self._c(res)["prefill"]
         return max(0.0, a + b * n * prompt_len) * self._cal("rollout", res)
 
-    def train_s(self, rows, padded_len, res):
+    def train_s(self, rows: int, padded_len: int, res: int) -> float:
         a, b = self._c(res)["train"]
         return max(0.0, a + b * rows * padded_len) * self._cal("actor", res)
 
-    def step_s(self, res):
+    def step_s(self, res: int) -> float:
         return self._c(res)["step_s"]
 
-    def export_s(self):
+    def export_s(self) -> float:
         return self.export_s_
 
-    def swap_s(self, n_live, ctx, res):
+    def swap_s(self, n_live: int, ctx: float, res: int) -> float:
         return self.load_s + (self.prefill_s(n_live, ctx, res) if n_live else 0.0)
 
-    def transfer_s(self):
+    def transfer_s(self) -> float:
         return self.pipeline.get("transfer_s", self.load_s)  # publish -> staged at the subscriber
 
-    def reward_s(self, n):
+    def reward_s(self, n: int) -> float:
         return self.reward_per_sample_s * n
 
-    def step_overhead_s(self):
+    def step_overhead_s(self) -> float:
         return self.pipeline.get("step_overhead_s", 0.0)
 
-    def pipeline_overheads_s(self):
+    def pipeline_overheads_s(self) -> tuple[float, float, float]:
         p = self.pipeline
         if "actor_overhead_s" in p:  # measured piece by piece (asyncflow.planner.calib)
             return 0.0, p.get("data_latency_s", 0.0), p["actor_overhead_s"]
@@ -184,7 +186,7 @@ class AnalyticCost:
     def _flops(self, res: int, util: float) -> float:
         return res * self.device.tflops * 1e12 * util
 
-    def decode_s(self, n, ctx, res):
+    def decode_s(self, n: int, ctx: float, res: int) -> float:
         inst = max(1, res // self.tp)
         per = n / inst
         compute = 2 * self.model.params * per / (self.tp * self.device.tflops * 1e12 * self.a["mfu_decode"])
@@ -192,35 +194,36 @@ class AnalyticCost:
             self.tp * self.device.hbm_gbs * 1e9 * self.a["bw_util"])
         return max(compute, mem) + self.a["decode_overhead_s"]
 
-    def prefill_s(self, n, prompt_len, res):
+    def prefill_s(self, n: int, prompt_len: float, res: int) -> float:
         return 2 * self.model.params * n * prompt_len / self._flops(res, self.a["mfu_prefill"])
 
-    def train_s(self, rows, padded_len, res):
+    def train_s(self, rows: int, padded_len: int, res: int) -> float:
         tokens = rows * padded_len
         return (6 * self.model.params * tokens / self._flops(res, self.a["mfu_train"])
-                + self.a["extra_forward_passes"] * 2 * self.model.params * tokens / self._flops(res, self.a["mfu_prefill"]))
+                + self.a["extra_forward_passes"] * 2 * self.model.params * tokens
+                / self._flops(res, self.a["mfu_prefill"]))
 
-    def step_s(self, res):
+    def step_s(self, res: int) -> float:
         opt = self.a["opt_bytes_per_param"] * self.model.params / (res * self.device.hbm_gbs * 1e9 * self.a["bw_util"])
         reshard = 2 * self.model.params / (res * self.a["reshard_gbs"] * 1e9) if self.colocated else 0.0
         return opt + reshard
 
-    def export_s(self):
+    def export_s(self) -> float:
         return 0.0  # device -> host copy overlaps the next step (delayed update)
 
-    def swap_s(self, n_live, ctx, res):
+    def swap_s(self, n_live: int, ctx: float, res: int) -> float:
         return 2 * self.model.params / (self.tp * self.a["h2d_gbs"] * 1e9)  # each instance loads its shard
 
-    def transfer_s(self):
+    def transfer_s(self) -> float:
         return 2 * self.model.params / (self.a["reshard_gbs"] * 1e9)  # background, not on either critical path
 
-    def step_overhead_s(self):
+    def step_overhead_s(self) -> float:
         return self.a["step_overhead_s"]
 
-    def pipeline_overheads_s(self):
+    def pipeline_overheads_s(self) -> tuple[float, float, float]:
         return split_overhead(self.step_overhead_s())
 
-    def reward_s(self, n):
+    def reward_s(self, n: int) -> float:
         return self.a["reward_s_per_sample"] * n
 
 
@@ -241,32 +244,32 @@ class ConstantCost:
     pieces: tuple[float, float, float] | None = None  # stream/async overheads (rollout, data, actor); None: split
     interference: float = 1.0
 
-    def decode_s(self, n, ctx, res):
+    def decode_s(self, n: int, ctx: float, res: int) -> float:
         return self.decode + self.decode_per_row * n
 
-    def prefill_s(self, n, prompt_len, res):
+    def prefill_s(self, n: int, prompt_len: float, res: int) -> float:
         return self.prefill
 
-    def train_s(self, rows, padded_len, res):
+    def train_s(self, rows: int, padded_len: int, res: int) -> float:
         return self.train_per_row * rows
 
-    def step_s(self, res):
+    def step_s(self, res: int) -> float:
         return self.step
 
-    def export_s(self):
+    def export_s(self) -> float:
         return self.export
 
-    def swap_s(self, n_live, ctx, res):
+    def swap_s(self, n_live: int, ctx: float, res: int) -> float:
         return self.swap
 
-    def transfer_s(self):
+    def transfer_s(self) -> float:
         return self.transfer
 
-    def reward_s(self, n):
+    def reward_s(self, n: int) -> float:
         return self.reward * n
 
-    def step_overhead_s(self):
+    def step_overhead_s(self) -> float:
         return self.overhead
 
-    def pipeline_overheads_s(self):
+    def pipeline_overheads_s(self) -> tuple[float, float, float]:
         return self.pieces if self.pieces is not None else split_overhead(self.overhead)

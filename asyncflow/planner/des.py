@@ -7,25 +7,28 @@ were scheduled (a sequence number breaks ties), so a simulation is deterministic
 
 from __future__ import annotations
 
+import functools
 import heapq
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 class Signal:
     """Processes ``yield`` a signal to sleep until its next ``fire``."""
 
-    def __init__(self, env: "Env"):
-        self.env, self.waiters = env, []
+    def __init__(self, env: Env):
+        self.env = env
+        self.waiters: list[Iterator] = []
 
     def fire(self) -> None:
         waiters, self.waiters = self.waiters, []
         for g in waiters:
-            self.env.at(self.env.now, lambda g=g: self.env.resume(g))
+            self.env.at(self.env.now, functools.partial(self.env.resume, g))
 
 
 class Env:
     def __init__(self) -> None:
-        self.now, self._q, self._seq = 0.0, [], 0
+        self.now, self._seq = 0.0, 0
+        self._q: list[tuple[float, int, Callable[[], None]]] = []
 
     def at(self, t: float, fn: Callable[[], None]) -> None:
         self._seq += 1

@@ -28,10 +28,15 @@ rest best first.
 
 from __future__ import annotations
 
+import json
 import os
+from collections.abc import Sequence
 
 from asyncflow.config import RunConfig
-from asyncflow.planner.sim import Allocation, SimResult, simulate
+from asyncflow.observe.trace import write_gantt, write_sim_trace
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.profile import workload_from
+from asyncflow.planner.sim import Allocation, CostModel, SimResult, simulate
 
 MODES = ("sync", "stream", "async")
 TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equal
@@ -44,10 +49,8 @@ def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
     return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch)
 
 
-def predict(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int | None = None,
+def predict(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int | None = None,
             alloc: Allocation | None = None) -> SimResult:
-    from asyncflow.planner.profile import workload_from
-
     wl = workload_from(cfg, prof, steps=steps)
     return simulate(wl, alloc or allocation_for(cfg, cpus), cost, cores=cpus)
 
@@ -70,7 +73,7 @@ def team_limit(cpus: int) -> int:
     return max(1, min(cpus, int(cpus - load + 0.5)))
 
 
-def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
+def candidates(cfg: RunConfig, cpus: int, modes: Sequence[str] = MODES, max_staleness: int = 3,
                max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
     P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
     micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
@@ -78,7 +81,8 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
     for m in micros:
         if "sync" in modes:
             out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, (max_threads or cpus) + 1)]
-        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):  # two role processes: never more threads than cores
+        # two role processes: never more threads than cores
+        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):
             if "stream" in modes:
                 out.append(Allocation("stream", t, t, m, 0, slots))
             if "async" in modes:
@@ -86,7 +90,7 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
     return out
 
 
-def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=MODES,
+def search(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int = 12, modes: Sequence[str] = MODES,
            max_threads: int | None = None) -> list[tuple[Allocation, SimResult]]:
     """Every candidate with its simulated result, the plan first (``max_threads``: largest
     thread team, e.g. :func:`team_limit`; None = ``cpus``)."""
@@ -101,9 +105,10 @@ def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=M
     return [pick] + [ar for ar in res if ar is not pick]
 
 
-def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: tuple[Allocation, SimResult] | None = None) -> str:
+def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int,
+                current: tuple[Allocation, SimResult] | None = None) -> str:
     best_a, best = ranked[0]
-    by_mode = {}
+    by_mode: dict[str, tuple[Allocation, SimResult]] = {}
     for a, r in ranked:
         by_mode.setdefault(a.mode, (a, r))
     lines = [f"== asyncflow plan: {cpus} CPU cores (simulated on the profiled costs) ==",
@@ -117,12 +122,14 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: 
     if best_a.mode == "sync":
         lines.append("sync wins here: with so few cores the roles would only take cores from each other, "
                      "so overlapping them does not pay")
-    lines += ["", "best of each mode:", f"{'mode':<7}{'samples/s':>10}{'vs plan':>9}  {'idle rollout/reward/actor':<27}allocation"]
+    lines += ["", "best of each mode:",
+              f"{'mode':<7}{'samples/s':>10}{'vs plan':>9}  {'idle rollout/reward/actor':<27}allocation"]
     for m in MODES:
         if m in by_mode:
             a, r = by_mode[m]
             idle = "/".join(f"{r.idle[k]:.0%}" for k in ("rollout", "reward", "actor"))
-            lines.append(f"{m:<7}{r.samples_per_s:>10.1f}{r.samples_per_s / best.samples_per_s:>8.2f}x  {idle:<27}{a.describe()}")
+            vs_plan = r.samples_per_s / best.samples_per_s
+            lines.append(f"{m:<7}{r.samples_per_s:>10.1f}{vs_plan:>8.2f}x  {idle:<27}{a.describe()}")
     if current is not None:
         a, r = current
         lines.append(f"\nthe config as given ({a.describe()}): {r.samples_per_s:.1f} samples/s predicted "
@@ -133,11 +140,6 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: 
 def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | None = None,
          gantt: str | None = None) -> str:
     """``asyncflow plan``: search on the profiled costs and format the plan."""
-    import json
-    import os
-
-    from asyncflow.planner.costs import ProfiledCost
-
     cpus = cpus or os.cpu_count() or 1
     prof = json.loads(open(profile).read())
     cost = ProfiledCost.from_dict(prof)
@@ -153,13 +155,9 @@ def plan(cfg: RunConfig, profile: str, cpus: int | None = None, trace: str | Non
         text += ("\nwarning: the profile looks disturbed by other load (" + ", ".join(noisy) + "); "
                  "the plan may be wrong: re-run `asyncflow profile` on a quiet machine")
     if trace:
-        from asyncflow.observe.trace import write_sim_trace
-
         write_sim_trace(ranked[0][1], trace)
         text += f"\ntrace of the planned run: {trace} (open in https://ui.perfetto.dev)"
     if gantt:
-        from asyncflow.observe.trace import write_gantt
-
         write_gantt(ranked[0][1].spans, gantt, f"simulated: {ranked[0][0].describe()}")
         text += f"\nGantt chart of the planned run: {gantt}"
     return text

@@ -40,8 +40,9 @@ each step (the driver's round trip). The profiled model measures the last two in
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
 model, re-evaluated every ``QUANTUM_S`` of work), times ``cost.interference`` (shared caches and
-memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is measured like the real driver: samples of
-steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
+memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is
+measured like the real driver: samples of steps ``1 .. N-1`` over the time from the end of
+step 0 to the end of step ``N-1``.
 
 The kernel (:mod:`asyncflow.planner.des`) is a few lines of generator processes, so the
 whole simulation is plain Python with no dependency; a 40-step CPU-scale run takes
@@ -50,9 +51,11 @@ milliseconds.
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -227,6 +230,7 @@ class _Job:
             return
         del self.unfinished[ans.group]
         step = ans.partition if ans.partition >= 0 else self.placer.complete(ans.group)
+        assert step is not None  # only soft (over-provisioned) groups go unplaced; the simulator has none
         self.placement[ans.group] = step
         self.group_left[(step, ans.group)] = len(group)
         for x in group:
@@ -268,7 +272,7 @@ class _Job:
         chunk = max(1, wl.token_chunk)
         while True:
             if only is None and self.version > version:
-                ctx = wl.prompt_len + (np.mean([x.done for x in live]) if live else 0.0)
+                ctx = wl.prompt_len + (float(np.mean([x.done for x in live])) if live else 0.0)
                 yield from self.work("rollout", f"swap v{self.version}", cost.swap_s(len(live), ctx, threads), threads)
                 version = self.version
             n = min(total - fetched, wl.prompts_per_step - taken,
@@ -336,7 +340,7 @@ class _Job:
             yield from self.train(v, self.a.actor_res)
             yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
             self.step_end.append(self.env.now)
-            self.env.at(self.env.now + self.cost.transfer_s(), lambda v=v: self.publish(v + 1))
+            self.env.at(self.env.now + self.cost.transfer_s(), functools.partial(self.publish, v + 1))
 
     def publish(self, version: int) -> None:
         self.version = max(self.version, version)
@@ -365,7 +369,7 @@ class _Job:
             raise RuntimeError(f"simulation stalled after {len(ends)} of {self.wl.steps} steps ({self.a.describe()})")
         t0, t1 = (ends[0], ends[-1]) if len(ends) > 1 else (0.0, ends[-1])
         n = (len(ends) - 1 if len(ends) > 1 else 1) * self.wl.batch
-        busy = defaultdict(float)
+        busy: defaultdict[str, float] = defaultdict(float)
         for role, _, s, d in self.spans:
             busy[role] += max(0.0, min(s + d, t1) - max(s, t0))
         busy["reward"] = self.cost.reward_s(1) * n  # its own CPU, FIFO: busy = compute of the window's samples

@@ -20,6 +20,9 @@ Run ``python -m asyncflow.planner.whatif`` to print the tables of docs/planner.m
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from asyncflow.planner.costs import DEVICES, MODELS, AnalyticCost
 from asyncflow.planner.sim import Allocation, Workload, simulate
 
@@ -38,15 +41,17 @@ def workload(steps: int = STEPS, prompts: int = PROMPTS) -> Workload:
 
 
 def run_mode(model: str, devices: int, mode: str, device: str = "ascend-910b", micro: int = MICRO,
-             steps: int = STEPS, prompts: int = PROMPTS, splits=SPLITS) -> tuple[float, Allocation]:
-    """Best simulated samples/s of ``mode`` (over the device splits) and its allocation."""
+             steps: int = STEPS, prompts: int = PROMPTS,
+             splits: Sequence[float] = SPLITS) -> tuple[float, Allocation | None]:
+    """Best simulated samples/s of ``mode`` (over the device splits) and its allocation
+    (None only when ``splits`` is empty)."""
     tp, wl = TP[model], workload(steps, prompts)
     if mode == "sync":
         cost = AnalyticCost(MODELS[model], DEVICES[device], tp=tp, colocated=True)
         a = Allocation("sync", devices, devices, micro, 0, (devices // tp) * SLOTS[model])
         return simulate(wl, a, cost).samples_per_s, a
     cost = AnalyticCost(MODELS[model], DEVICES[device], tp=tp)
-    best = (0.0, None)
+    best: tuple[float, Allocation | None] = (0.0, None)
     for f in splits:
         roll = max(tp, int(devices * f) // tp * tp)
         a = Allocation(mode, roll, devices - roll, micro, 1, (roll // tp) * SLOTS[model])
@@ -54,20 +59,21 @@ def run_mode(model: str, devices: int, mode: str, device: str = "ascend-910b", m
     return best
 
 
-def table(models=("7b", "32b"), counts=DEVICE_COUNTS, **kw) -> list[dict]:
+def table(models: Sequence[str] = ("7b", "32b"), counts: Sequence[int] = DEVICE_COUNTS, **kw: Any) -> list[dict]:
     rows = []
     for m in models:
         for n in counts:
             sync, _ = run_mode(m, n, "sync", **kw)
             stream, sa = run_mode(m, n, "stream", **kw)
             asyn, aa = run_mode(m, n, "async", **kw)
+            assert aa is not None  # SPLITS is not empty
             rows.append({"model": m, "devices": n, "sync": sync, "stream": stream, "async": asyn,
                          "stream_x": stream / sync, "async_x": asyn / sync,
                          "split": f"{aa.rollout_res}/{aa.actor_res}"})
     return rows
 
 
-def ablation(model: str = "7b", devices: int = 512, **kw) -> dict[str, float]:
+def ablation(model: str = "7b", devices: int = 512, **kw: Any) -> dict[str, float]:
     """The paper's ablation: task-separated one task at a time -> + streaming -> + async."""
     base, _ = run_mode(model, devices, "stream", micro=PROMPTS, **kw)  # whole-batch hand-offs
     streaming, _ = run_mode(model, devices, "stream", **kw)
@@ -78,11 +84,12 @@ def ablation(model: str = "7b", devices: int = 512, **kw) -> dict[str, float]:
 
 
 def format_tables(rows: list[dict], abl: dict[str, float]) -> str:
-    out = ["| model | devices | sync samples/s | stream | async | stream / sync | async / sync | async split (rollout/actor) |",
+    out = ["| model | devices | sync samples/s | stream | async | stream / sync | async / sync "
+           "| async split (rollout/actor) |",
            "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        out.append(f"| {r['model'].upper()} | {r['devices']} | {r['sync']:.1f} | {r['stream']:.1f} | {r['async']:.1f} | "
-                   f"{r['stream_x']:.2f}x | {r['async_x']:.2f}x | {r['split']} |")
+        out.append(f"| {r['model'].upper()} | {r['devices']} | {r['sync']:.1f} | {r['stream']:.1f} "
+                   f"| {r['async']:.1f} | {r['stream_x']:.2f}x | {r['async_x']:.2f}x | {r['split']} |")
     ax = [r["async_x"] for r in rows]
     out += ["", f"async / sync: average {sum(ax) / len(ax):.2f}x, peak {max(ax):.2f}x "
             f"({next(r['model'].upper() + ' on ' + str(r['devices']) for r in rows if r['async_x'] == max(ax))})", "",

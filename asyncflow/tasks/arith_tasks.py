@@ -64,10 +64,17 @@ class _ArithTask:
         self.train = [problems[i] for i in order[k:]]
         self.greedy_eval_tokens = max(len(p.answer) for p in problems) + 1
 
+    def _problem(self, rng: random.Random) -> Problem | None:
+        """One random problem, or None to draw again (each task defines it)."""
+        raise NotImplementedError
+
+    def reward(self, prompt: str, response: str, answer: str) -> float:
+        raise NotImplementedError
+
     def cache_key(self) -> dict:
         return {"name": self.name, "terms": self.terms, "holdout_frac": self.holdout_frac, "seed": self.seed}
 
-    def _expression(self, rng, nums) -> tuple[str, int]:
+    def _expression(self, rng: random.Random, nums: list[int]) -> tuple[str, int]:
         """A random ``+ - *`` expression over ``nums`` (in order) and its value (precedence:
         products first, computed directly; equal to :func:`evaluate` of the text)."""
         ops = [rng.choice(OPS) for _ in nums[1:]]
@@ -93,7 +100,7 @@ class MultistepTask(_ArithTask):
 
     name = "multistep"
 
-    def _problem(self, rng) -> Problem:
+    def _problem(self, rng: random.Random) -> Problem:
         expr, value = self._expression(rng, [rng.randrange(10) for _ in range(self.terms)])
         return Problem(prompt=f"{expr}=", answer=str(value))
 
@@ -112,7 +119,7 @@ class CountdownTask(_ArithTask):
 
     name = "countdown"
 
-    def _problem(self, rng) -> Problem | None:
+    def _problem(self, rng: random.Random) -> Problem | None:
         nums = [rng.randrange(1, 10) for _ in range(self.terms)]
         expr, target = self._expression(rng, nums)
         if not 0 <= target <= 99:

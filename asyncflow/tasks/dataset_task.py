@@ -18,6 +18,7 @@ class DatasetTask:
 
     def __init__(self, cfg: RunConfig) -> None:
         t = cfg.task
+        assert t.path is not None  # RunConfig requires task.path for task.name=dataset
         try:
             train = load_dataset(t.path, t.fields, t.on_bad_row, t.split)
             held = load_dataset(t.heldout_path, t.fields, t.on_bad_row, t.heldout_split) if t.heldout_path else None

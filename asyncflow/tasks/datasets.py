@@ -29,9 +29,10 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 REQUIRED = ("prompt", "answer")
 KEEP_ERRORS = 20
@@ -88,7 +89,8 @@ def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
         except _BadRow as e:
             msg = f"{p}:{n}: {e}" if where == "line" else f"{p}: row {n}: {e}"
             if on_error == "raise":
-                raise DatasetError(msg + " (fix the row, or load with on_error='skip' to skip and count bad rows)") from None
+                raise DatasetError(
+                    msg + " (fix the row, or load with on_error='skip' to skip and count bad rows)") from None
             ds.skipped += 1
             if len(ds.errors) < KEEP_ERRORS:
                 ds.errors.append(msg)
@@ -112,11 +114,10 @@ def _jsonl_rows(p: Path) -> Iterator[tuple[int, Any]]:
 
 def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow, an optional dependency
     except ImportError:
         raise DatasetError(f"dataset '{p}': reading Parquet needs pyarrow (pip install pyarrow)") from None
-    for n, row in enumerate(pq.read_table(p).to_pylist(), 1):
-        yield n, row
+    yield from enumerate(pq.read_table(p).to_pylist(), 1)
 
 
 def _read_json(p: Path) -> Any:
@@ -150,8 +151,8 @@ def _hf_folder(p: Path, split: str) -> tuple[Path, list[Path]]:
 
 def _arrow_rows(shards: list[Path]) -> Iterator[tuple[int, Any]]:
     try:
-        import pyarrow as pa
-        import pyarrow.ipc as ipc
+        import pyarrow as pa  # lazy: pyarrow, an optional dependency
+        import pyarrow.ipc as ipc  # lazy: pyarrow
     except ImportError:
         raise DatasetError(f"dataset '{shards[0].parent}': reading save_to_disk folders needs pyarrow "
                            f"(pip install pyarrow)") from None
@@ -168,7 +169,7 @@ def _arrow_rows(shards: list[Path]) -> Iterator[tuple[int, Any]]:
             yield n, row
 
 
-def _get(row: dict, dotted: str):
+def _get(row: dict, dotted: str) -> Any:
     cur: Any = row
     for part in dotted.split("."):
         if not isinstance(cur, dict) or part not in cur:
@@ -177,7 +178,7 @@ def _get(row: dict, dotted: str):
     return cur
 
 
-def _sample(row, fields: dict[str, str]) -> Sample:
+def _sample(row: Any, fields: dict[str, str]) -> Sample:
     if isinstance(row, _BadRow):
         raise row
     if not isinstance(row, dict):

@@ -1,24 +1,29 @@
 """The initial policy: a user's model folder (checked before any worker starts), or the
 built-in tiny model warm-started by SFT on the task (cached by recipe).
 
-Heavy imports (torch, transformers) stay inside the functions: the driver imports this
-module before it knows whether a model is needed, and ``--help`` must stay instant.
+This module imports torch and transformers: only the driver and the workers import it
+(the CLI imports the driver lazily, so ``--help`` stays instant).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+from transformers.utils import logging as hf_logging
 
 from asyncflow.config import ConfigError, RunConfig
+from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+from asyncflow.tasks import warmstart  # called through the module: tests replace load_or_warm_start
 from asyncflow.tasks.registry import build_task
 
 
-def load_model(path: str | Path):
+def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """(model, tokenizer) from a local Hugging Face folder; never downloads."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # "Loading weights" bars in every worker drown the run's own
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -36,10 +41,8 @@ def check_model_folder(path: str) -> str:
     if not p.is_dir():
         raise ConfigError(f"{what}: no such folder (expected a Hugging Face model folder saved with save_pretrained)")
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{what}: no config.json there (expected a Hugging Face model folder saved with save_pretrained)")
-    from transformers import AutoConfig, AutoTokenizer
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
+        raise ConfigError(f"{what}: no config.json there (expected a Hugging "
+                          f"Face model folder saved with save_pretrained)")
     try:
         config = AutoConfig.from_pretrained(p, local_files_only=True)
     except Exception as e:
@@ -60,8 +63,6 @@ def check_model_folder(path: str) -> str:
 
 def _warmstart_device(cfg: RunConfig) -> str:
     """SFT runs on ``resources.device`` when this process sees that GPU (a Ray driver may not)."""
-    import torch
-
     dev = cfg.resources.device
     return dev if dev != "cpu" and torch.cuda.is_available() else "cpu"
 
@@ -76,15 +77,11 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = Non
         return check_model_folder(cfg.model.path), {"source": "path"}
     task = build_task(cfg)
     if cfg.warmstart.enabled:
-        from asyncflow.tasks.warmstart import load_or_warm_start  # torch: only when a warm-start runs
-
-        _, _, info = load_or_warm_start(Path(cfg.warmstart.cache_dir).expanduser(), task=task,
-                                        model_dims=cfg.model.dims(), target_acc=cfg.warmstart.target_acc,
-                                        warmup_steps=cfg.warmstart.warmup_steps, near_every=cfg.warmstart.near_every,
-                                        seed=cfg.seed, progress=progress, device=_warmstart_device(cfg))
+        _, _, info = warmstart.load_or_warm_start(
+            Path(cfg.warmstart.cache_dir).expanduser(), task=task, model_dims=cfg.model.dims(),
+            target_acc=cfg.warmstart.target_acc, warmup_steps=cfg.warmstart.warmup_steps,
+            near_every=cfg.warmstart.near_every, seed=cfg.seed, progress=progress, device=_warmstart_device(cfg))
         return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
-    from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model  # torch
-
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=cfg.seed, **cfg.model.dims())
     out = run_dir / "initial_model"

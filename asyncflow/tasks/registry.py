@@ -21,13 +21,17 @@ from asyncflow.tasks.plugins import load_callable
 
 TaskFactory = Callable[[RunConfig], Task]
 
+# TODO(merge): drop these ignores once tasks/base.py's Task declares train / heldout /
+# greedy_eval_tokens read-only (properties): as settable protocol attributes they are
+# invariant, so list[Problem] and a plain None do not match (warn_unused_ignores flags them then).
 FACTORIES: dict[str, TaskFactory] = {
-    "addition": lambda cfg: AdditionTask(digits=cfg.task.digits, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed),
-    "countdown": lambda cfg: CountdownTask(terms=cfg.task.terms or 3, holdout_frac=cfg.task.holdout_frac,
-                                           seed=cfg.seed),
-    "multistep": lambda cfg: MultistepTask(terms=cfg.task.terms or 4, holdout_frac=cfg.task.holdout_frac,
-                                           seed=cfg.seed),
-    "dataset": DatasetTask,
+    "addition": lambda cfg: AdditionTask(  # type: ignore[dict-item, return-value]
+        digits=cfg.task.digits, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed),
+    "countdown": lambda cfg: CountdownTask(  # type: ignore[dict-item, return-value]
+        terms=cfg.task.terms or 3, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed),
+    "multistep": lambda cfg: MultistepTask(  # type: ignore[dict-item, return-value]
+        terms=cfg.task.terms or 4, holdout_frac=cfg.task.holdout_frac, seed=cfg.seed),
+    "dataset": DatasetTask,  # type: ignore[dict-item]
 }
 
 

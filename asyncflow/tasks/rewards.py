@@ -51,7 +51,6 @@ Built-ins (use them by path, e.g. ``asyncflow.tasks.rewards:math_answer``):
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
@@ -60,7 +59,7 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from asyncflow.config import ConfigError
 from asyncflow.tasks.plugins import load_callable
@@ -195,7 +194,9 @@ class RewardFunction:
 
     def __init__(self, fn: RewardFn | BatchedRewardFn, timeout_s: float | None = 10.0, on_error: float = 0.0,
                  key: str | None = None, max_workers: int = 4, batched: bool = False):
-        self.fn, self.timeout_s, self.on_error, self.key = fn, timeout_s, float(on_error), key
+        # either shape, called by the entry point that fits ``batched`` (sync or async: checked at run time)
+        self.fn: Any = fn
+        self.timeout_s, self.on_error, self.key = timeout_s, float(on_error), key
         self.batched = bool(batched)
         self.is_async = inspect.iscoroutinefunction(fn)
         use_pool = timeout_s and not self.is_async
@@ -286,19 +287,20 @@ class RewardFunction:
             self.calls += n
             self.batches += batch
 
-    def _one(self, value) -> float:
+    def _one(self, value: Any) -> float:
         reward = self._reduce(value)
         return self._fail("non_number") if reward is None else reward
 
-    def _reduce(self, value) -> float | None:
+    def _reduce(self, value: Any) -> float | None:
         if isinstance(value, dict):
             scores = {k: _finite(v) for k, v in value.items()}
-            if not scores or any(v is None for v in scores.values()) or (self.key and self.key not in scores):
+            finite = {k: v for k, v in scores.items() if v is not None}
+            if not scores or len(finite) < len(scores) or (self.key and self.key not in scores):
                 return None
             with self._lock:
-                for k, v in scores.items():
-                    self._named.setdefault(k, []).append(v)
-            return scores[self.key] if self.key else float(sum(scores.values()))
+                for k, f in finite.items():
+                    self._named.setdefault(k, []).append(f)
+            return finite[self.key] if self.key else float(sum(finite.values()))
         return _finite(value)
 
     def _fail(self, kind: str, n: int = 1) -> float:
@@ -309,7 +311,7 @@ class RewardFunction:
     def stats(self) -> dict:
         """Counters (samples; ``reward_batches``: calls of a batched function) and the mean of each named score."""
         with self._lock:
-            out = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
+            out: dict[str, float] = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
             if self.batched:
                 out["reward_batches"] = self.batches
             out.update({f"score_{k}": sum(v) / len(v) for k, v in self._named.items() if v})
@@ -321,7 +323,7 @@ class RewardFunction:
         if self._loop is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
-def _finite(v) -> float | None:
+def _finite(v: object) -> float | None:
     """``v`` as a finite float if it is a real number (bool and numpy scalars included), else None."""
     if not isinstance(v, numbers.Real):
         return None  # strings, None, lists... ("1" is not a score: it is a bug in the function)

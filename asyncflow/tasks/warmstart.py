@@ -1,7 +1,5 @@
 """SFT warm-start for the tiny model, greedy evaluation, and an on-disk cache of both.
 
-Design
-------
 RL from a random init never sees a reward on addition, and RL from a perfect model has
 nothing to learn, so the pipeline starts from a model that is *partly* trained: SFT
 stops as soon as greedy held-out accuracy reaches ``target_acc`` (~0.65 by default),
@@ -36,18 +34,17 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model, tiny_config
-from asyncflow.tasks.addition import AdditionTask, Problem
+from asyncflow.tasks.base import ProblemLike, Task
 
 # Bump when the token layout, the SFT recipe or the saved files change: old cache
 # entries then stop matching instead of being loaded with the wrong meaning.
@@ -116,7 +113,7 @@ def decode_responses(tokenizer: PreTrainedTokenizerBase, generated: torch.Tensor
     out = []
     for row in generated.tolist():
         cut = row.index(eos) if eos in row else len(row)
-        out.append(tokenizer.decode(row[:cut], skip_special_tokens=True))
+        out.append(cast(str, tokenizer.decode(row[:cut], skip_special_tokens=True)))  # one row: one str
     return out
 
 
@@ -129,7 +126,8 @@ def greedy_responses(
 ) -> list[str]:
     """Greedy completions of ``prompts`` in one batch (caller handles no_grad/eval)."""
     ids, mask = encode_prompts(tokenizer, prompts, chat)
-    out = model.generate(
+    # generate comes from GenerationMixin; transformers' types resolve it through nn.Module.__getattr__
+    out = model.generate(  # type: ignore[operator]
         input_ids=ids.to(model.device),
         attention_mask=mask.to(model.device),
         do_sample=False,
@@ -143,7 +141,7 @@ def greedy_responses(
 def evaluate(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    problems: Sequence[Problem],
+    problems: Sequence[ProblemLike],
     batch_size: int = 512,
     max_new_tokens: int | None = None,
     score: Callable[[str, str, str], float] | None = None,
@@ -161,7 +159,7 @@ def evaluate(
         max_new_tokens = max(len(p.answer) for p in problems) + 1
     was_training = model.training
     model.eval()
-    correct = 0
+    correct: float = 0
     try:
         with torch.no_grad():
             for start in range(0, len(problems), batch_size):
@@ -180,7 +178,7 @@ def evaluate(
 
 
 def sft_tensors(
-    tokenizer: PreTrainedTokenizerBase, problems: Sequence[Problem]
+    tokenizer: PreTrainedTokenizerBase, problems: Sequence[ProblemLike]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ``[bos]+prompt+answer+[eos]`` ids and labels (answer + eos only)."""
     prompt_chars = _chars_to_ids(tokenizer, [p.prompt for p in problems])
@@ -199,7 +197,7 @@ def sft_tensors(
 def sft(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    task: AdditionTask,
+    task: Task,
     target_acc: float = 0.65,
     lr: float = LR,
     batch_size: int = 256,
@@ -251,7 +249,7 @@ def eval_due(step: int, last_acc: float, target_acc: float, every: int, near_eve
     """Evaluate after SFT step ``step`` (1-based)? Every ``every`` steps; with
     ``near_every``, every ``near_every`` once the last evaluation reached half of ``target_acc``."""
     near = near_every is not None and last_acc >= target_acc / 2
-    return step % (near_every if near else every) == 0
+    return step % (near_every if near and near_every is not None else every) == 0
 
 
 def warmup_lr(lr: float, step: int, warmup_steps: int) -> float:
@@ -277,7 +275,7 @@ def _sft_step(
     return float(out.loss.detach())
 
 
-def _epoch_batches(n: int, batch_size: int, rng: np.random.Generator):
+def _epoch_batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
     """Endless batches of row indices; each epoch is a fresh permutation (no repeats within)."""
     while True:
         order = rng.permutation(n)
@@ -293,7 +291,7 @@ def _epoch_batches(n: int, batch_size: int, rng: np.random.Generator):
 def load_or_warm_start(
     cache_dir: Path,
     *,
-    task: AdditionTask,
+    task: Task,
     model_dims: dict[str, int] | None = None,
     target_acc: float = 0.65,
     seed: int = 0,
@@ -316,13 +314,14 @@ def load_or_warm_start(
     cache ``key`` and ``path``, and ``cached`` (True when loaded from disk).
     """
     cache_dir = Path(cache_dir)
-    recipe = {
+    recipe: dict[str, Any] = {
         "format": CACHE_FORMAT_VERSION,
         "charset": CHARSET,
         "model_dims": _resolved_dims(model_dims or {}),
         # addition's key is unchanged from before other tasks existed (its cache stays valid)
+        # (every built-in task but addition has cache_key)
         "task": task.cache_key() if hasattr(task, "cache_key") else
-        {"digits": task.digits, "holdout_frac": task.holdout_frac, "seed": task.seed},
+        {"digits": task.digits, "holdout_frac": task.holdout_frac, "seed": task.seed},  # type: ignore[attr-defined]
         "sft": {
             "target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
             "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps,
@@ -335,7 +334,8 @@ def load_or_warm_start(
     if (folder / "info.json").exists():
         return _load_entry(folder)
     tokenizer = build_char_tokenizer()
-    model = build_tiny_model(tokenizer, seed=seed, **recipe["model_dims"]).to(device)
+    # (transformers wraps PreTrainedModel.to with functools.wraps, whose type loses the self binding)
+    model = build_tiny_model(tokenizer, seed=seed, **recipe["model_dims"]).to(device)  # type: ignore[arg-type]
     result = sft(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,

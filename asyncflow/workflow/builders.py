@@ -63,6 +63,7 @@ class RoleContext:
             return self.task.reward
         if self._reward is None:
             r = self.cfg.reward
+            assert r.fn is not None  # checked above
             self._reward = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key, batched=r.batched)
         return self._reward
 

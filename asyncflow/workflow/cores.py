@@ -30,12 +30,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 from asyncflow.config import RunConfig
+from asyncflow.workflow.launcher import Launcher
+
+_T = TypeVar("_T")
 
 
-def pinnable_cores(cfg: RunConfig, launcher) -> list[int] | None:
+def pinnable_cores(cfg: RunConfig, launcher: Launcher) -> list[int] | None:
     """The cores to pin ``cfg``'s workers to (``resources.pin_cores``), or None.
 
     ``auto`` pins only where the whole machine is the job's: the Ray launcher on a local
@@ -79,20 +84,20 @@ def _sysfs_siblings(cores: list[int]) -> dict[int, tuple[int, ...]]:
     return out
 
 
-def pin_thread(cores) -> None:
+def pin_thread(cores: Iterable[int]) -> None:
     """Pin the calling thread (and threads it starts later) to ``cores`` (no-op if empty)."""
     if cores:
         os.sched_setaffinity(0, set(cores))  # pid 0: the calling thread
 
 
-def run_pinned(cores, fn, *args):
+def run_pinned(cores: Iterable[int], fn: Callable[..., _T], *args: Any) -> _T:
     """``fn(*args)`` on the calling thread pinned to ``cores`` (a thread's target)."""
     pin_thread(cores)
     return fn(*args)
 
 
 @contextlib.contextmanager
-def pinned(cores):
+def pinned(cores: Iterable[int] | None) -> Iterator[None]:
     """The calling thread on ``cores`` (if any) inside the block, as it was after it."""
     if not cores:
         yield

@@ -7,8 +7,11 @@ run is reproducible whatever the timing, and a resumed run feeds the same prompt
 from __future__ import annotations
 
 import numpy as np
+from transformers import PreTrainedTokenizerBase
 
 from asyncflow.config import RunConfig
+from asyncflow.dataplane.api import DataPlaneClient
+from asyncflow.tasks.base import Task
 from asyncflow.tasks.warmstart import prompt_ids
 from asyncflow.workflow.fields import encode_text
 
@@ -21,7 +24,8 @@ class PromptFeeder:
     partition) and the driver feeds nothing.
     """
 
-    def __init__(self, cfg: RunConfig, tokenizer, task, plane, unlimited: bool = False):
+    def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, task: Task, plane: DataPlaneClient,
+                 unlimited: bool = False):
         self.cfg, self.tok, self.task, self.plane = cfg, tokenizer, task, plane
         self.fed = 0  # partitions put so far
         self.limit = None if unlimited else cfg.train.steps

@@ -15,6 +15,10 @@ Rows also carry tags ``group``, ``version`` and ``tokens`` for the samplers.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+import numpy as np
+
 from asyncflow.dataplane import Field, Schema
 
 SCHEMA = Schema([
@@ -33,11 +37,9 @@ SCHEMA = Schema([
 ])
 
 
-def encode_text(s: str):
-    import numpy as np
-
+def encode_text(s: str) -> np.ndarray:
     return np.frombuffer(s.encode("utf-8"), dtype=np.uint8).copy()
 
 
-def decode_text(a) -> str:
+def decode_text(a: Iterable[int]) -> str:
     return bytes(bytearray(a)).decode("utf-8")

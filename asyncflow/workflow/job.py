@@ -16,15 +16,18 @@ every rank gather the whole weights into rank 0's full copy (``gather_full``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from asyncflow.config import RunConfig
-from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.cores import pinnable_cores
-from asyncflow.workflow.worker import Worker
+from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.launcher import Launcher
 from asyncflow.workflow.plan import plan_workers
+from asyncflow.workflow.worker import Worker
 
 
 class Job:
-    def __init__(self, cfg: RunConfig, launcher, model_dir: str):
+    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str):
         self.cfg, self.launcher = cfg, launcher
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
@@ -48,7 +51,7 @@ class Job:
                 if name != self.trainer:
                     self.launcher.call(w, "start")
 
-    def submit(self, v: int):
+    def submit(self, v: int) -> list[Any]:
         """Queue training of version ``v`` on the trainer (it runs after any step queued
         before it: the trainer's one compute thread takes calls in order); a future."""
         if self.cfg.mode == "sync":

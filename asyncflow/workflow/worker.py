@@ -20,14 +20,15 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+from transformers import PreTrainedModel
 
 from asyncflow.config import RunConfig
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.allocator import keep_heap
-from asyncflow.engines.collective import Collective, TorchGroup, free_address, join
+from asyncflow.engines.collective import Collective, ThreadRendezvous, TorchGroup, free_address, join
 from asyncflow.engines.device import resolve_device
 from asyncflow.engines.inference import load_named_weights
 from asyncflow.tasks.models import load_model
@@ -36,7 +37,8 @@ from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
 from asyncflow.workflow.cores import pin_thread, run_pinned
-from asyncflow.workflow.roles.base import Role
+
+_T = TypeVar("_T")
 
 
 class Worker:
@@ -54,13 +56,16 @@ class Worker:
         self._expect = 0
         self.cfg, self.plane, self.rank = cfg, plane, rank
         self.model, self.tokenizer = load_model(model_dir)
-        self.model.to(resolve_device(cfg.resources.device))  # every engine below computes where its model is
+        # every engine below computes where its model is (transformers' functools.wraps on
+        # PreTrainedModel.to loses the self binding in its type)
+        self.model.to(resolve_device(cfg.resources.device))  # type: ignore[arg-type]
         self.task = build_task(cfg)
         self.ctx = RoleContext(cfg, plane, weights, self.model, self.tokenizer, self.task, model_dir, list(roles), rank)
-        self.roles: dict[str, Role] = {}
+        # Role subclasses by name (builders.BUILDERS): the worker calls each kind's own methods
+        self.roles: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self._full = None  # FSDP: rank 0's gathered copy of the whole weights
+        self._full: PreTrainedModel | None = None  # FSDP: rank 0's gathered copy of the whole weights
         for name in BUILD_ORDER:
             if name in roles and not (name == "actor" and cfg.train.dp > 1):  # dp > 1: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
@@ -88,7 +93,7 @@ class Worker:
             host = "127.0.0.1"
         return free_address(host)
 
-    def join_dp(self, rendezvous) -> None:
+    def join_dp(self, rendezvous: str | ThreadRendezvous) -> None:
         """Join the trainer's ``train.dp`` ranks (blocks until every rank joins), then build
         the actor role on the group. ``rendezvous``: a ``tcp://`` address (processes) or a
         :class:`~asyncflow.engines.collective.ThreadRendezvous` (threads of this process)."""
@@ -98,7 +103,7 @@ class Worker:
 
         self._on_compute(build)
 
-    def _whole(self):
+    def _whole(self) -> PreTrainedModel:
         """The model with whole weights: the trainer's own, or (FSDP) the gathered copy."""
         return self._full if self._full is not None else self.model
 
@@ -108,6 +113,7 @@ class Worker:
         def gather() -> None:
             weights = self.roles["actor"].engine.export_weights()  # an all-gather: every rank joins
             if self.rank == 0:
+                assert self._full is not None  # rank 0 made the copy in _build_actor
                 load_named_weights(self._full, weights)
 
         self._on_compute(gather)
@@ -127,7 +133,7 @@ class Worker:
         """The cores this worker's compute thread may run on."""
         return self._on_compute(lambda: sorted(os.sched_getaffinity(0)))
 
-    def _on_compute(self, fn, *args):
+    def _on_compute(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn`` on this worker's one compute thread.
 
         Callers arrive on any thread (a Ray actor serves calls from a thread pool; the local
@@ -137,7 +143,7 @@ class Worker:
         """
         return self._compute.submit(fn, *args).result()
 
-    def _in_order(self, v: int, fn, *args):
+    def _in_order(self, v: int, fn: Callable[..., _T], *args: Any) -> _T:
         """Run step ``v`` on the compute thread after step ``v - 1``, whatever order the calls
         arrive in: the driver queues step ``v + 1`` before ``v`` returns, and a Ray actor that
         serves calls on several threads does not keep their order."""

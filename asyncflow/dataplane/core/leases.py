@@ -65,6 +65,7 @@ class Leases:
     def release(self, lease: object) -> list[int]:
         """End ``lease``; return the deferred rows it was the last to hold. An unknown
         lease (already released or expired) releases nothing."""
+        # (lease comes off the wire: any object; an unknown one finds nothing, so no int check)
         rows, _ = self._leases.pop(lease, ((), 0.0))  # type: ignore[call-overload]
         free = []
         for row in rows:

@@ -44,7 +44,7 @@ def load_state(path: str | os.PathLike, schema: Schema) -> dict:
 def save_arrays(path: str, arrays: Mapping[str, np.ndarray]) -> None:
     """``np.savez`` to ``path`` atomically (write then rename)."""
     tmp = path + ".tmp.npz"
-    np.savez(tmp, **arrays)
+    np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub: a ** mapping could fill allow_pickle
     os.replace(tmp, path)
 
 

@@ -47,8 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.core.index import check_partition_name
+from asyncflow.dataplane.core.rules import BatchMeta, Data, check_request
+from asyncflow.dataplane.core.samplers import Sampler
+from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
+from asyncflow.dataplane.transport import shm
+from asyncflow.dataplane.transport.link import Link as _Link
 from asyncflow.dataplane.transport.protocol import (
     decode_columns,
     encode_columns,
@@ -56,10 +60,6 @@ from asyncflow.dataplane.transport.protocol import (
     runs,
     sampler_to_msg,
 )
-from asyncflow.dataplane.core.rules import BatchMeta, Data, check_request
-from asyncflow.dataplane.core.samplers import Sampler
-from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
-from asyncflow.dataplane.transport.link import Link as _Link
 
 __all__ = ["AsyncZmqDataPlane"]
 
@@ -121,6 +121,7 @@ class AsyncZmqDataPlane:
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
         """``hello`` to the controller, then connect every storage unit (and probe shared memory)."""
+        assert self._ctrl is not None  # created with the hello task
         hello, _ = await self._ctrl.call("hello", {})
         units = [_Link(ep, self.token or "", loop) for ep in hello["storage"]]
         try:
@@ -135,10 +136,12 @@ class AsyncZmqDataPlane:
 
     async def _ctrl_call(self, op: str, **args: Any) -> Any:
         await self._enter()
+        assert self._ctrl is not None  # connected by _enter
         return (await self._ctrl.call(op, args))[0]
 
     async def get_schema(self) -> Schema:
         await self._enter()
+        assert self._schema is not None  # connected by _enter
         return self._schema
 
     async def transports(self) -> list[str]:
@@ -159,8 +162,10 @@ class AsyncZmqDataPlane:
         return await self._put(*self._prepare(data, partition, rows, tags, copy=False), timeout)
 
     def _prepare(self, data: Mapping[str, Any], partition: Hashable, rows: Sequence[int] | None,
-                 tags: Mapping[str, Sequence[int]] | None, copy: bool) -> tuple:
+                 tags: Mapping[str, Sequence[int]] | None,
+                 copy: bool) -> tuple[Hashable, list[int] | None, dict, int, dict]:
         check_partition_name(partition)
+        assert self._schema is not None  # connected by _enter
         rows, columns, n_rows, tag_lists = prepare_write(self._schema, data, rows, tags, copy=copy)
         return partition, rows, columns, n_rows, tag_lists
 
@@ -169,6 +174,7 @@ class AsyncZmqDataPlane:
         if rows == []:
             return []
         fields, ctrl = list(columns), self._ctrl
+        assert ctrl is not None  # connected by _enter
         if rows is None:
             rows = (await ctrl.call("alloc", {"partition": partition, "n": n_rows, "timeout": timeout}))[0]
         else:
@@ -201,6 +207,7 @@ class AsyncZmqDataPlane:
                 leased = None
                 if size >= self.recycle_min_bytes:  # pages that exist write ~2x faster than fresh ones
                     leased = (await link.call("shm_lease", {"n": size, "pid": os.getpid()}))[0]
+                assert self._loop is not None  # connected by _enter
                 name, refs = await self._loop.run_in_executor(None, shm.write_segment, prefix, "c", buffers, leased)
                 try:
                     await link.call("write", {"rows": mine, "cols": spec, "shm": refs})
@@ -216,14 +223,16 @@ class AsyncZmqDataPlane:
         """Validate and copy the write, start it and return at once (see the module docstring)."""
         await self._enter()
         prepared = self._prepare(data, partition, rows, tags, copy=True)  # the caller may reuse its arrays
+        assert self._loop is not None  # connected by _enter
         task = self._loop.create_task(self._put(*prepared, None))
         self._sent.add(task)
         task.add_done_callback(self._put_done)
 
     def _put_done(self, task: asyncio.Task) -> None:
         self._sent.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            self._errors.append(task.exception())
+        exc = None if task.cancelled() else task.exception()
+        if exc is not None:
+            self._errors.append(exc)
 
     def _raise_sent(self) -> None:
         if self._errors:
@@ -271,6 +280,7 @@ class AsyncZmqDataPlane:
                         sampler: Sampler | None, min_n: int | None, block: bool, timeout: float | None,
                         pin: bool) -> tuple[BatchMeta, int | None]:
         await self._enter()
+        assert self._schema is not None  # connected by _enter
         fields, _ = check_request(self._schema, task, fields, n, min_n)
         msg = await self._ctrl_call("get_meta", task=task, fields=fields, n=n, partition=partition,
                                     sampler=sampler_to_msg(sampler), min_n=min_n, block=block,
@@ -280,6 +290,7 @@ class AsyncZmqDataPlane:
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
         """Fetch columns of ``meta.rows`` from the storage units, in ``meta.rows`` order."""
         await self._enter()
+        assert self._schema is not None  # connected by _enter
         names = self._schema.check_names(meta.fields if fields is None else fields)
         rows = [int(r) for r in meta.rows]
         out: dict[str, Any] = {}
@@ -318,6 +329,7 @@ class AsyncZmqDataPlane:
             return meta, await self.get_data(meta, meta.fields)
         finally:
             if lease is not None:
+                assert self._ctrl is not None  # connected by _get_meta
                 self._ctrl.send("unpin", {"lease": lease}, noreply=True)
 
     async def tags(self, rows: Sequence[int]) -> dict[str, list[int]]:
@@ -334,6 +346,7 @@ class AsyncZmqDataPlane:
         await self._enter()
         for link in self._units:
             await link.call("shutdown", {})
+        assert self._ctrl is not None  # connected by _enter
         await self._ctrl.call("shutdown", {})
 
     async def aclose(self) -> None:

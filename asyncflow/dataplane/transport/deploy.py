@@ -28,9 +28,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
+from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.controller_server import ControllerServer, _Server
+from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
 __all__ = ["Deployment", "launch", "main"]
@@ -59,9 +60,7 @@ class Deployment:
     token: str | None
     processes: list
 
-    def client(self, use_shm: bool = True):
-        from asyncflow.dataplane.transport.client import ZmqDataPlane
-
+    def client(self, use_shm: bool = True) -> ZmqDataPlane:
         return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm)
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -98,7 +97,8 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
 
     def start(target: Callable, *args: Any) -> Any:
         parent, child = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=target, args=(*args, child), daemon=True)
+        # every concrete context has Process; typeshed's BaseContext (get_context of a str) does not
+        p = ctx.Process(target=target, args=(*args, child), daemon=True)  # type: ignore[attr-defined]
         with _without_main():
             p.start()
         procs.append(p)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import zmq
@@ -32,13 +32,13 @@ class Link:
     def __init__(self, endpoint: str, token: str, loop: asyncio.AbstractEventLoop) -> None:
         # The process-wide context: never collected mid-run (a collected context with a
         # socket still open would hang in term()).
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never block a send: the caller bounds what it sends
         self.sock.connect(endpoint)
         self.token, self.ids, self.loop = token, itertools.count(1), loop
         self.waiting: dict[int, asyncio.Future] = {}
-        self.fd = self.sock.getsockopt(zmq.FD)
+        self.fd = cast(int, self.sock.getsockopt(zmq.FD))  # an int option (pyzmq types every option int | bytes)
         loop.add_reader(self.fd, self._drain)
 
     def send(self, op: str, args: dict, buffers: Sequence[Any] = (), noreply: bool = False) -> int:
@@ -69,7 +69,7 @@ class Link:
 
     def _drain(self) -> None:
         sock = self.sock
-        while not sock.closed and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while not sock.closed and cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -78,7 +78,7 @@ class Link:
                 header = unpack_header(frames[0].buffer)
             except ProtocolError:
                 continue  # not a reply of ours
-            fut = self.waiting.get(header.get("id"))
+            fut = self.waiting.get(header.get("id", 0))  # ids start at 1
             if fut is not None and not fut.done():
                 fut.set_result((header, frames[1:]))
 

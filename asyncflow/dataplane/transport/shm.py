@@ -126,7 +126,7 @@ def write_segment(prefix: str, tag: str, buffers: Sequence[Any], leased: str | N
     try:
         refs, off, end = [], 0, 0
         for buf in buffers:
-            parts = [memoryview(np.ascontiguousarray(p)).cast("B") for p in (buf if isinstance(buf, list) else [buf])]
+            parts = [np.ascontiguousarray(p).data.cast("B") for p in (buf if isinstance(buf, list) else [buf])]
             n = sum(p.nbytes for p in parts)
             _pwrite_all(fd, [p for p in parts if p.nbytes], off)
             refs.append([name, off, n])

@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.core.persist import data_files, save_arrays
-from asyncflow.dataplane.transport.protocol import ProtocolError, decode_columns, encode_columns, shard_of
 from asyncflow.dataplane.core.schema import Schema
 from asyncflow.dataplane.core.storage import Storage, assemble
+from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.controller_server import _args, _Server
+from asyncflow.dataplane.transport.protocol import ProtocolError, decode_columns, encode_columns, shard_of
 
 __all__ = ["StorageServer"]
 
@@ -83,7 +83,7 @@ class StorageServer(_Server):
             offsets = _buffer_offsets(spec, refs) if seg is not None else {}
         except BaseException:
             if seg is not None:
-                self.shm.release(seg, 0)
+                self._shm().release(seg, 0)
             raise
         self.storage.write(rows, columns)
         for name, values in columns.items():
@@ -93,8 +93,8 @@ class StorageServer(_Server):
                 for k, row in enumerate(rows):
                     refs_of[row] = (values, k, loc)
         if seg is not None:
-            self.shm.hold(seg, len(rows) * len(columns))
-            self.shm.release(seg, 0)  # unlinks at once if nothing was stored from it
+            self._shm().hold(seg, len(rows) * len(columns))
+            self._shm().release(seg, 0)  # unlinks at once if nothing was stored from it
             for row in rows:
                 mine = self.seg_of.setdefault(row, {})
                 for name in columns:
@@ -113,7 +113,7 @@ class StorageServer(_Server):
         if limit is None or limit is False or self.shm is None:
             rest = [name for name in names if views[name] is None]
             stacked = assemble(self.schema, self.storage.gather(rows, rest))
-            return encode_columns({n: stacked[n] if views[n] is None else views[n][0] for n in names})
+            return encode_columns({n: stacked[n] if (v := views[n]) is None else v[0] for n in names})
         return self._gather_shm(rows, names, views, int(limit), header["a"].get("pid"))
 
     def _gather_shm(self, rows: list, names: list[str], views: dict, limit: int, pid: Any) -> tuple[dict, list]:
@@ -126,7 +126,7 @@ class StorageServer(_Server):
                 spec.append([name, "f", view.dtype.str, list(view.shape)])
                 items.append(("ref", [loc[0], loc[1], view.nbytes]) if loc else ("frame", view))
                 if loc:
-                    self.shm.read_by(loc[0], pid)  # never recycled while that process maps it
+                    self._shm().read_by(loc[0], pid)  # never recycled while that process maps it
                 continue
             values = self.storage.gather(rows, [name])[name]
             if f.ragged:
@@ -136,7 +136,7 @@ class StorageServer(_Server):
                 spec.append([name, "f", dtype.str, [len(rows), *f.shape]])
                 items.append(("rows", values))
         big = sum(sum(v.nbytes for v in x) for k, x in items if k == "rows") >= limit
-        exported = iter(self.shm.export([x for k, x in items if k == "rows"]) if big else ())
+        exported = iter(self._shm().export([x for k, x in items if k == "rows"]) if big else ())
         refs, buffers = [], []
         for (kind, x), entry in zip(items, [e for e in spec for _ in range(2 if e[1] == "r" else 1)]):
             if kind == "ref" or (kind == "rows" and big):
@@ -154,7 +154,7 @@ class StorageServer(_Server):
         memory, if any), or ``None`` if they are not consecutive rows of one block."""
         refs = self.blocks.get(name)
         first = refs.get(rows[0]) if refs and rows else None
-        if first is None:
+        if first is None or refs is None:
             return None
         block, k0, loc = first
         for offset, row in enumerate(rows):
@@ -171,7 +171,7 @@ class StorageServer(_Server):
                 refs.pop(row, None)
         for row in rows:
             for seg in self.seg_of.pop(row, {}).values():
-                self.shm.release(seg)
+                self._shm().release(seg)
 
     def save(self, header: dict, frames: list) -> None:
         path, unit, n_units = _args(header, "path", "unit", "n_units")
@@ -188,7 +188,7 @@ class StorageServer(_Server):
         self.storage, self.blocks = storage, {}
         for segs in self.seg_of.values():
             for seg in segs.values():
-                self.shm.release(seg)
+                self._shm().release(seg)
         self.seg_of = {}
 
     def on_idle(self) -> None:

@@ -7,12 +7,13 @@
 * the sampler is wrapped in ``StalenessSampler(v - staleness)``: a sample generated before
   ``v - staleness`` is never handed out (admission control makes that impossible, the
   sampler makes it a checked invariant; any drop is counted in ``dropped_stale``);
-* computes advantages (PPO: reads those the critic role wrote) with the configured :class:`~asyncflow.algorithms.algorithm.Algorithm`
-  and accumulates its loss's gradient (normalised by the step's totals, so accumulation
-  equals one big batch), then one optimizer step. Group estimators (GRPO, RLOO...) train
-  each micro-batch as it arrives; batch-level ones (REINFORCE++: whitening over the step)
-  collect the step first. ``token-mean`` needs the step's token count, known only at the
-  end: its loss is a token sum and the gradient is scaled by ``1 / tokens`` before the step;
+* computes advantages (PPO: reads those the critic role wrote) with the configured
+  :class:`~asyncflow.algorithms.algorithm.Algorithm` and accumulates its loss's gradient
+  (normalised by the step's totals, so accumulation equals one big batch), then one
+  optimizer step. Group estimators (GRPO, RLOO...) train each micro-batch as it arrives;
+  batch-level ones (REINFORCE++: whitening over the step) collect the step first.
+  ``token-mean`` needs the step's token count, known only at the end: its loss is a
+  token sum and the gradient is scaled by ``1 / tokens`` before the step;
 * publishes version ``v + 1`` to the weight store without waiting, and clears the
   partition (frees its rows in the data plane). With ``prefetch_next`` the clear and the
   first fetch of ``v + 1`` run on the prefetch thread as soon as ``v``'s rows are all in
@@ -42,17 +43,19 @@ no rank empty; no token-budget chunks) and joins rank 0's export each step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
+from typing import Any
 
 import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane.api import DataPlaneClient
+from asyncflow.dataplane.core.rules import Data
 from asyncflow.engines.collective import Collective
 from asyncflow.engines.training import TrainEngine, take_rows
 from asyncflow.weights.store import seal
-from asyncflow.dataplane import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
-from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.workflow.roles.base import Role
 
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]
@@ -84,19 +87,20 @@ class ActorRole(Role):
 
     def _fetcher_for(self, v: int) -> Callable[[int], Future]:
         """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
-        sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
+        sampler: Sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
         if self.world > 1:
             sampler = TokenBalancedSampler(self.world, sampler)
 
-        def get(want: int):
+        def get(want: int) -> BatchMeta:
             return self.plane.get_meta("actor", self.fields, n=want, partition=v, sampler=sampler,
                                     min_n=want, block=True, timeout=self.wait_timeout_s)
 
-        def fetch(want: int):
+        def fetch(want: int) -> tuple[BatchMeta, Data]:
             if self.world == 1:
                 return self.plane.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
                                          min_n=want, block=True, timeout=self.wait_timeout_s)
-            meta = None
+            assert self.group is not None  # world > 1
+            meta: BatchMeta | Exception | None = None
             if self.rank == 0:
                 try:
                     meta = get(want)
@@ -112,6 +116,7 @@ class ActorRole(Role):
     def _clear(self, v: int) -> None:
         """Free partition ``v`` once every rank has read its rows (on the prefetch thread)."""
         if self.world > 1:
+            assert self.group is not None
             self.group.barrier()
         if self.rank == 0:
             self.plane.clear(v)
@@ -124,11 +129,9 @@ class ActorRole(Role):
 
     def train_step(self, v: int, prefetch_next: bool = False) -> dict:
         """Train version ``v`` on partition ``v`` (blocks until the partition is consumed).
-
-        ``prefetch_next`` (the caller will call ``train_step(v + 1)`` next): once the last
-        rows of ``v`` are in hand, clear ``v`` and start fetching ``v + 1``'s first
-        micro-batch on the prefetch thread, so the step boundary (return to the driver,
-        its call back, the first fetch) does not leave the trainer idle."""
+        ``prefetch_next`` (``train_step(v + 1)`` comes next): once ``v``'s last rows are in hand,
+        clear ``v`` and fetch ``v + 1``'s first micro-batch on the prefetch thread, so the
+        step boundary (back to the driver, its call, the first fetch) leaves no idle trainer."""
         micro = self.micro_prompts * self.group_size
         if self._next is not None:
             nv, submit, nxt, cleared = self._next
@@ -139,6 +142,7 @@ class ActorRole(Role):
         else:
             submit = self._fetcher_for(v)
             nxt = submit(min(micro, self.batch_size))
+        lengths: list[int]
         seen, metrics, rewards, lengths, pending = 0, [], [], [], []
         while seen < self.batch_size:
             t = time.perf_counter()
@@ -185,7 +189,7 @@ class ActorRole(Role):
 
     def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:
         """Advantages over the whole step (batch-level estimators), then train each part."""
-        merged = {"reward": np.concatenate([d["reward"] for d in parts]),
+        merged: dict[str, Any] = {"reward": np.concatenate([d["reward"] for d in parts]),
                   "group": np.concatenate([d["group"] for d in parts])}
         for k in ("response_ids", "logprobs", "ref_logprobs"):
             if k in parts[0]:

@@ -40,6 +40,7 @@ import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.value import explained_variance
+from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.critic import CriticEngine
 from asyncflow.workflow.roles.base import Role
 
@@ -49,8 +50,8 @@ FIELDS = ["prompt_ids", "response_ids", "reward"]
 class CriticRole(Role):
     name = "critic"
 
-    def __init__(self, engine: CriticEngine, plane, algorithm: Algorithm, batch_size: int, micro: int = 32,
-                 epochs: int = 1):
+    def __init__(self, engine: CriticEngine, plane: DataPlaneClient, algorithm: Algorithm, batch_size: int,
+                 micro: int = 32, epochs: int = 1):
         super().__init__()
         self.engine, self.plane, self.algorithm = engine, plane, algorithm
         self.batch_size, self.micro, self.epochs = batch_size, micro, epochs

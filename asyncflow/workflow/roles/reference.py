@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.training import TrainEngine
 from asyncflow.workflow.roles.base import Role
 
@@ -11,7 +12,7 @@ FIELDS = ["prompt_ids", "response_ids"]
 class ReferenceRole(Role):
     name = "reference"
 
-    def __init__(self, engine: TrainEngine, plane, micro: int = 32):
+    def __init__(self, engine: TrainEngine, plane: DataPlaneClient, micro: int = 32):
         super().__init__()
         self.engine, self.plane, self.micro = engine, plane, micro
 

@@ -33,12 +33,14 @@ import random
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Callable
+from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
-from asyncflow.tasks.base import TaskReward
 from asyncflow.dataplane import QueueTimeout
+from asyncflow.dataplane.api import DataPlaneClient
+from asyncflow.tasks.base import TaskReward
 from asyncflow.workflow.fields import decode_text
 from asyncflow.workflow.roles.base import Role
 
@@ -88,7 +90,7 @@ class RemoteCalls:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _run(self, key, coro_fn, args, delay_s: float) -> None:
+    async def _run(self, key: Hashable, coro_fn: Callable[..., Awaitable[Any]], args: tuple, delay_s: float) -> None:
         try:
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
@@ -98,7 +100,7 @@ class RemoteCalls:
         self.done.put((key, value))
         self.bell.set()
 
-    def _finish(self, key, fn, args) -> None:
+    def _finish(self, key: Hashable, fn: Callable[..., Any], args: tuple) -> None:
         try:
             value = fn(*args)
         except Exception as e:  # reported as a reward error, never raised
@@ -134,8 +136,10 @@ class RemoteCalls:
 class RewardRole(Role):
     name = "reward"
     window_s = 0.05  # remote calls: results are collected this long per data-plane round trip
+    # a task's reward, or a RewardFunction (asyncflow.tasks.rewards: call_batch, acall, stats, close)
+    fn: Any
 
-    def __init__(self, plane, reward_fn: RewardFn, decode: Callable[[list[int]], str], micro: int = 64,
+    def __init__(self, plane: DataPlaneClient, reward_fn: RewardFn, decode: Callable[[list[int]], str], micro: int = 64,
                  concurrency: int = 64, latency_ms: tuple[float, float] | None = None, seed: int = 0):
         super().__init__()
         self.plane, self.fn, self.decode, self.micro = plane, reward_fn, decode, micro
@@ -188,7 +192,7 @@ class RewardRole(Role):
             self._put(part, rows, scores)
         return len(done)
 
-    def score_ids(self, prompt_ids, response_ids, answer) -> float:
+    def score_ids(self, prompt_ids: Iterable[int], response_ids: Iterable[int], answer: Iterable[int]) -> float:
         """One local call on token ids (used inline by rollout for dynamic sampling)."""
         return self._call((self.decode(list(prompt_ids)), self.decode(list(response_ids)), decode_text(answer)))
 
@@ -211,7 +215,7 @@ class RewardRole(Role):
             self.errors += 1
             return 0.0
 
-    def _safe(self, value) -> float:
+    def _safe(self, value: Any) -> float:
         """A finite float, or 0.0 counted in ``errors`` (an exception, None, NaN, a string)."""
         try:
             v = float(value) if not isinstance(value, BaseException) else math.nan
@@ -222,7 +226,7 @@ class RewardRole(Role):
         self.errors += 1
         return 0.0
 
-    def _put(self, partition, rows, scores) -> None:
+    def _put(self, partition: Hashable, rows: Sequence[int], scores: Sequence[float]) -> None:
         with self.work():
             self.plane.put_nowait({"reward": np.asarray(scores, dtype=np.float32)}, partition=partition, rows=rows)
             self.items += len(rows)
@@ -263,7 +267,7 @@ class GroupScorer:
     per answer (failures score 0 and count in ``errors``).
     """
 
-    def __init__(self, role: RewardRole):
+    def __init__(self, role: RewardRole) -> None:
         self.role = role
         self.pending: dict = {}  # key -> [rewards so far (None = not back), results still to come]
         self.texts: dict = {}  # key -> decoded answers (batched functions: called at the last)
@@ -275,7 +279,7 @@ class GroupScorer:
         return self.role.errors
 
     @property
-    def bell(self):
+    def bell(self) -> threading.Event | None:
         """The event that results of remote calls ring (None: calls are local, no waiting)."""
         return self.role.remote.bell if self.role.remote is not None else None
 
@@ -284,15 +288,15 @@ class GroupScorer:
         """Groups opened but not returned by :meth:`ready` yet."""
         return len(self.pending) + len(self.done)
 
-    def score_ids(self, prompt_ids, response_ids, answer) -> float:
+    def score_ids(self, prompt_ids: Iterable[int], response_ids: Iterable[int], answer: Iterable[int]) -> float:
         return self.role.score_ids(prompt_ids, response_ids, answer)
 
-    def open(self, key, n: int) -> None:
+    def open(self, key: Hashable, n: int) -> None:
         self.pending[key] = [[None] * n, n]
         if self.role.batched:
             self.texts[key] = [None] * n
 
-    def add(self, key, i: int, item: tuple) -> None:
+    def add(self, key: Hashable, i: int, item: tuple) -> None:
         r, slot = self.role, self.pending[key]
         p, resp, a = item
         text = (r.decode(list(p)), r.decode(list(resp)), decode_text(a))
@@ -308,17 +312,17 @@ class GroupScorer:
         else:
             self._settle(key, slot, i, r._call(text))
 
-    def submit(self, key, items: list[tuple]) -> None:
+    def submit(self, key: Hashable, items: list[tuple]) -> None:
         self.open(key, len(items))
         for i, item in enumerate(items):
             self.add(key, i, item)
 
-    def cancel(self, key) -> None:
+    def cancel(self, key: Hashable) -> None:
         if self.pending.pop(key, None) is not None:
             self.texts.pop(key, None)
             self.backlog = deque(c for c in self.backlog if c[0][0] != key)
 
-    def _settle(self, key, slot: list, i: int, value: float) -> None:
+    def _settle(self, key: Hashable, slot: list, i: int, value: float) -> None:
         slot[0][i] = value
         slot[1] -= 1
         if slot[1] == 0:
@@ -327,6 +331,7 @@ class GroupScorer:
 
     def _send(self) -> None:
         r = self.role
+        assert r.remote is not None  # only remote calls are sent
         n = min(len(self.backlog), r.concurrency - r.remote.inflight)
         if n > 0:
             (r.remote.submit_async if r.async_fn else r.remote.submit)([self.backlog.popleft() for _ in range(n)])

@@ -35,8 +35,9 @@ in the placer, so admission and deadlines are unchanged.
 **Dynamic sampling** (DAPO; ``drop_flat``): whether a scored group is kept decides whether
 it takes a training slot. A group whose (shaped) rewards are all equal has no advantage
 signal: it is dropped (:meth:`GroupPlacer.drop` returns its admission, so another prompt
-starts in its place) and never reaches the data plane; a kept group is placed as above. Steps therefore fill only with groups that carry signal, the
-staleness bound holds as before (drops only free slots), and nothing is trained twice.
+starts in its place) and never reaches the data plane; a kept group is placed as above.
+Steps therefore fill only with groups that carry signal, the staleness bound holds as
+before (drops only free slots), and nothing is trained twice.
 Prompts run out faster than one partition per step, so rollout feeds its own prompt
 partitions (``feed``) just before reading each one.
 
@@ -55,14 +56,18 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict, deque
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
+from asyncflow.dataplane import QueueTimeout
+from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.types import Completion, Request, SamplingParams
 from asyncflow.weights.subscriber import WeightSubscriber
-from asyncflow.dataplane import QueueTimeout
 from asyncflow.workflow.placement import GroupPlacer
 from asyncflow.workflow.roles.base import Role
+from asyncflow.workflow.roles.reward import GroupScorer
 
 PROMPT_FIELDS = ["query_ids", "answer", "gen_len"]
 
@@ -70,10 +75,13 @@ PROMPT_FIELDS = ["query_ids", "answer", "gen_len"]
 class RolloutRole(Role):
     name = "rollout"
 
-    def __init__(self, engine, plane, sampling: SamplingParams, group_size: int,
+    def __init__(self, engine: Any, plane: DataPlaneClient, sampling: SamplingParams, group_size: int,
                  prompts_per_step: int, staleness: int, weights: WeightSubscriber | None = None,
                  recompute_on_swap: bool = True, on_swap: str = "continue",
-                 scorer=None, shape=None, feed=None, drop_flat: bool = False, overprovision: int = 0):
+                 scorer: GroupScorer | None = None,
+                 shape: Callable[[np.ndarray, list[int]], Sequence[float] | np.ndarray] | None = None,
+                 feed: Callable[[int], None] | None = None, drop_flat: bool = False, overprovision: int = 0):
+        # engine: any engine of the protocol in asyncflow.engines.types (built-in, vLLM, SGLang, fake)
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
         super().__init__()
@@ -163,8 +171,10 @@ class RolloutRole(Role):
     def _forget(self, gid: int) -> list[Completion]:
         """Drop a group's finished answers (and their rewards in flight); return the answers."""
         if gid in self.opened:
+            assert self.scorer is not None  # groups are opened and scored only with a scorer
             self.scorer.cancel((gid, self.opened.pop(gid)))
         if gid in self.scoring:
+            assert self.scorer is not None
             sid, group = self.scoring.pop(gid)
             self.scorer.cancel((gid, sid))
             return group
@@ -245,6 +255,7 @@ class RolloutRole(Role):
                 else:
                     self.scoring[gid] = (self.opened.pop(gid), group)
         if self.scoring:
+            assert self.scorer is not None  # groups are scored only with a scorer
             for (gid, sid), raw in self.scorer.ready(wait_s):
                 if self.scoring.get(gid, (None,))[0] == sid:
                     self._place(gid, self.scoring.pop(gid)[1], raw)
@@ -254,6 +265,7 @@ class RolloutRole(Role):
         if not waiting:
             return
         complete = any(self.produced[p] + len(cs) >= self.batch_rows for p, cs in self.outbox.items())
+        assert self._outbox_since is not None  # set with the outbox's first answer
         if force or complete or now - self._outbox_since >= self.flush_s:
             self._flush()
 
@@ -263,6 +275,7 @@ class RolloutRole(Role):
         if raw is not None:
             self.groups_scored += 1
         if self.drop_flat:
+            assert raw is not None  # dynamic sampling scores every group in rollout
             shaped = self.shape(np.asarray(raw, dtype=np.float32), [len(c.response_ids) for c in group]) \
                 if self.shape is not None else raw
             if max(shaped) - min(shaped) <= 1e-9:
