@@ -22,24 +22,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "asyncflow"
 HEAVY = ("torch", "ray", "transformers")
 
-# TODO(merge): annotate after h-contracts/h-docs merge. These files were being edited on
-# other branches when the import pass ran; give their in-function imports a reason (or move
-# them to module level) and drop each one from this list.
-EXEMPT = {
-    "asyncflow/dataplane/api.py",
-    "asyncflow/workflow/launcher.py",
-    "asyncflow/weights/store.py",
-    "asyncflow/weights/subscriber.py",
-    "asyncflow/tasks/base.py",
-    "asyncflow/engines/types.py",
-    "asyncflow/engines/training.py",
-    "asyncflow/workflow/roles/base.py",
-    "asyncflow/dataplane/core/samplers.py",
-    "asyncflow/bench/run.py",
-    "asyncflow/planner/profile.py",
-    "asyncflow/workflow/driver.py",
-    "asyncflow/config/docs.py",
-}
+EXEMPT: set[str] = set()  # files allowed to fall short (none)
 
 
 @pytest.mark.parametrize("module", ["asyncflow.cli", "asyncflow.config"])

@@ -46,8 +46,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -74,7 +75,7 @@ class TokenBatch:
 
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
-              device: torch.device | str = "cpu") -> "TokenBatch":
+              device: torch.device | str = "cpu") -> TokenBatch:
         """Padded on the host, then copied to ``device`` (the model's) in one go per tensor."""
         B = len(prompts)
         plen = [len(p) for p in prompts]

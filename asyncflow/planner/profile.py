@@ -198,8 +198,8 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     import tempfile
 
     from asyncflow.launch.registry import get_launcher
-    from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
     from asyncflow.observe.trace import tracks
+    from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
     from asyncflow.workflow.driver import train
 
     def run_cfg(**kw) -> RunConfig:
@@ -280,8 +280,8 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
 
     import torch
 
-    from asyncflow.tasks.registry import build_task
     from asyncflow.tasks.models import load_model, prepare_model
+    from asyncflow.tasks.registry import build_task
 
     t_start = time.perf_counter()
     ncpu = cpus or os.cpu_count() or 1

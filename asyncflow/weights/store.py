@@ -24,7 +24,8 @@ import logging
 import threading
 import time
 import zlib
-from typing import Mapping, Protocol, runtime_checkable
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 

@@ -33,7 +33,6 @@ from contextlib import contextmanager
 
 from asyncflow.dataplane import QueueClosed, QueueTimeout
 
-
 MAX_SPANS = 200_000
 
 
