@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("config", nargs="?", help="YAML config file (optional)")
     b.add_argument("overrides", nargs="*", help="key=value overrides applied to every run")
     b.add_argument("--samples", type=int, default=None, help="samples per measured run (default from the bench preset)")
-    b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, long-tailed), b (+ remote reward latency)")
+    b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, "
+                                                      "long-tailed), b (+ remote reward latency)")
     b.add_argument("--modes", default="sync,stream,async,async:2",
                    help="comma list of modes; async:K runs async with staleness bound K")
     b.add_argument("--repeat", type=int, default=2,
@@ -45,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="profile JSON to write (profile) or read (plan; measured first if missing)")
         q.add_argument("--cpus", type=int, default=None, help="CPU budget (default: this machine's cores)")
         q.add_argument("--trace", default=None, help="plan: write a Chrome trace (Perfetto) of the planned run here")
-        q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of the planned run here (needs [plot])")
+        q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of "
+                                                     "the planned run here (needs [plot])")
     return p
 
 
@@ -91,8 +93,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0
-            from asyncflow.observe.report import format_summary
             from asyncflow.api import train
+            from asyncflow.observe.report import format_summary
 
             print(format_summary(train(cfg)))
             return 0

@@ -33,7 +33,7 @@ the actor reads the advantages it writes (see :mod:`asyncflow.workflow.roles.cri
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

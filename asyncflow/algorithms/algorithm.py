@@ -21,8 +21,8 @@ from asyncflow.algorithms.advantages import BATCH_LEVEL, CRITIC_LEVEL, ESTIMATOR
 from asyncflow.algorithms.corrections import Correction
 from asyncflow.algorithms.kl import kl_estimate
 from asyncflow.algorithms.losses import PolicyLoss
-from asyncflow.algorithms.value import ValueLoss
 from asyncflow.algorithms.shaping import overlong_penalty
+from asyncflow.algorithms.value import ValueLoss
 
 
 @dataclass
@@ -51,7 +51,7 @@ class Algorithm:
             raise ValueError(f"unknown advantage estimator {self.estimator!r} (known: {', '.join(ESTIMATORS)})")
 
     @classmethod
-    def from_config(cls, a, max_new_tokens: int = 0) -> "Algorithm":
+    def from_config(cls, a, max_new_tokens: int = 0) -> Algorithm:
         """From an :class:`asyncflow.config.AlgorithmConfig` (``grpo`` + ``std_normalize=False`` = ``dr_grpo``);
         ``max_new_tokens`` (``rollout.max_new_tokens``) is needed by the overlong penalty."""
         name = "dr_grpo" if (a.name == "grpo" and not a.std_normalize) else a.name

@@ -14,7 +14,8 @@ business: every estimator is 0 where ``logp == logp_ref``, so zero-padded rows s
 
 from __future__ import annotations
 
-from typing import Callable, Literal
+from collections.abc import Callable
+from typing import Literal
 
 import numpy as np
 import torch

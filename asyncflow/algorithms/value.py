@@ -19,8 +19,8 @@ Explained variance of values ``V`` against returns ``R`` over the valid tokens:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -11,12 +11,9 @@ heavy import).
 from __future__ import annotations
 
 import difflib
-import os
-from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -39,7 +36,7 @@ class ModelConfig(_Section):
                                "float32 master weights and AdamW states).")
 
     @model_validator(mode="after")
-    def _heads(self) -> "ModelConfig":
+    def _heads(self) -> ModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by num_heads ({self.num_heads}) "
                              f"and num_heads by num_kv_heads ({self.num_kv_heads})")
@@ -56,17 +53,20 @@ BUILTIN_TASKS = ("addition", "countdown", "multistep", "dataset")  # asyncflow.t
 class TaskConfig(_Section):
     name: str = Field(
         "addition", description="Built-in: 'addition' (12+34=), 'countdown' (reach a target with given numbers: "
-                                "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path. "
-                                "Or your own: 'package.module:factory' / 'path/to/file.py:factory', factory(cfg) -> task.")
+                                "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path. Or "
+                                "your own: 'package.module:factory' / 'path/to/file.py:factory', factory(cfg) -> task.")
     path: str | None = Field(None, description="dataset: local .jsonl or .parquet file, or a folder saved by "
                                                "datasets' save_to_disk, of training rows.")
     heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
     split: str = Field("train", description="dataset: the split of a DatasetDict folder at path.")
     heldout_split: str = Field("test", description="dataset: the split of a DatasetDict folder at heldout_path.")
     fields: dict[str, str] = Field(default_factory=dict,
-                                   description="dataset: our field -> the file's, e.g. {prompt: question, answer: answer}.")
-    on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad row, or skip and count it.")
-    chat_template: bool = Field(False, description="Wrap each prompt as a user message with the tokenizer's chat template.")
+                                   description="dataset: our field -> the file's, e.g. "
+                                               "{prompt: question, answer: answer}.")
+    on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad "
+                                                                      "row, or skip and count it.")
+    chat_template: bool = Field(False, description="Wrap each prompt as a user message "
+                                                   "with the tokenizer's chat template.")
     digits: int = Field(2, ge=1, le=4, description="Operand digits of the addition task.")
     terms: int | None = Field(None, ge=2, le=5, description="countdown: numbers given; multistep: operands "
                                                           "(None = 3 for countdown, 4 for multistep).")
@@ -98,28 +98,31 @@ class RolloutConfig(_Section):
     temperature: float = Field(1.0, gt=0, description="Sampling temperature (also used by the trainer's log-probs).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     max_new_tokens: int = Field(8, gt=0, description="Longest answer, in tokens.")
-    max_batch: int = Field(128, gt=0, description="Continuous-batching slots of one rollout worker (a decode step of the tiny model costs about the same for 64 or 128 rows on a CPU).")
-    recompute_on_swap: bool = Field(True, description="At a weight swap, rebuild the KV cache of unfinished answers under the new weights.")
+    max_batch: int = Field(128, gt=0, description="Continuous-batching slots of one rollout worker (a decode step of "
+                                                  "the tiny model costs about the same for 64 or 128 rows on a CPU).")
+    recompute_on_swap: bool = Field(True, description="At a weight swap, rebuild the KV cache of "
+                                                      "unfinished answers under the new weights.")
     engine: Literal["builtin", "vllm", "sglang"] = Field(
         "builtin", description="Inference engine of the rollout role: builtin (torch, any device), vllm or sglang "
                                "(optional extras for CUDA machines: pip install 'asyncflow[vllm]' / '[sglang]').")
     on_swap: Literal["continue", "discard"] = Field(
-        "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial rollout), "
-                                "or 'discard' them and restart their whole groups from the prompt.")
+        "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial "
+                                "rollout), or 'discard' them and restart their whole groups from the prompt.")
     overprovision: int = Field(
         0, ge=0, description="Extra prompt groups rollout may run beyond the staleness bound's admission (APRIL "
                              "over-provisioning): a step fills with its fastest groups and the stragglers continue "
                              "into the next step; one that would break the staleness bound is restarted from its "
                              "prompt (with staleness 0, every straggler is). 0 = off.")
     gen_len: Literal["natural", "longtail"] = Field(
-        "natural", description="'longtail' forces each answer's length from a long-tailed distribution (benchmark workload emulation).")
+        "natural", description="'longtail' forces each answer's length from a "
+                               "long-tailed distribution (benchmark workload emulation).")
     longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")
     longtail_long: int = Field(48, gt=0, description="longtail: length of the long answers.")
     longtail_frac: float = Field(0.125, ge=0, le=1, description="longtail: fraction of long answers.")
 
 
     @model_validator(mode="after")
-    def _engine_installed(self) -> "RolloutConfig":
+    def _engine_installed(self) -> RolloutConfig:
         if self.engine != "builtin" and not engine_installed(self.engine):
             raise ValueError(f"rollout.engine={self.engine} needs the {self.engine} package, which is not installed: "
                              f"pip install 'asyncflow[{self.engine}]' on a CUDA machine, or set rollout.engine=builtin")
@@ -137,13 +140,19 @@ class RewardConfig(_Section):
     latency_ms: tuple[float, float] | None = Field(
         None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
     concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
-    fn: str | None = Field(None, description="Reward function 'package.module:function' or 'path/to/file.py:function', called (prompt, response, sample) "
-                                              "-> float or dict of named scores; None = the task's built-in reward.")
-    key: str | None = Field(None, description="fn returns a dict: the named score used as the reward (None = sum of all).")
-    timeout_s: float | None = Field(10.0, gt=0, description="fn: seconds per call before it scores on_error (None = no limit).")
-    on_error: float = Field(0.0, description="fn: score of a call that raises, times out or returns a non-number (counted).")
-    batched: bool = Field(False, description="fn takes lists (prompts, responses, samples) -> list of scores, called once "
-                                             "per micro-batch (timeout_s per call; a wrong-length list scores on_error).")
+    fn: str | None = Field(None, description="Reward function 'package.module:function' or "
+                                             "'path/to/file.py:function', called "
+                                             "(prompt, response, sample) -> float or dict of "
+                                             "named scores; None = the task's built-in reward.")
+    key: str | None = Field(None, description="fn returns a dict: the named score used "
+                                              "as the reward (None = sum of all).")
+    timeout_s: float | None = Field(10.0, gt=0, description="fn: seconds per call before it "
+                                                            "scores on_error (None = no limit).")
+    on_error: float = Field(0.0, description="fn: score of a call that raises, times "
+                                             "out or returns a non-number (counted).")
+    batched: bool = Field(False, description="fn takes lists (prompts, responses, samples) -> list "
+                                             "of scores, called once per micro-batch (timeout_s "
+                                             "per call; a wrong-length list scores on_error).")
     placement: Literal["rollout", "separate"] = Field(
         "rollout", description="Where rewards are computed: 'rollout' = inside the rollout process, each answer group "
                                "as it finishes (remote/async calls in flight there; no reward process, no data-plane "
@@ -151,7 +160,7 @@ class RewardConfig(_Section):
                                "plane (for a heavy local reward that should not take rollout's CPU).")
 
     @model_validator(mode="after")
-    def _fn_path(self) -> "RewardConfig":
+    def _fn_path(self) -> RewardConfig:
         if self.fn is not None and (self.fn.count(":") != 1 or not all(self.fn.split(":"))):
             raise ValueError(f"fn = '{self.fn}' is not an import path: write 'package.module:function' "
                              f"(e.g. asyncflow.tasks.rewards:math_answer)")
@@ -167,42 +176,58 @@ class RewardConfig(_Section):
 class AlgorithmConfig(_Section):
     name: Literal["grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "ppo"] = Field(
         "grpo", description="Advantage estimator: grpo (group mean/std), dr_grpo (group mean), rloo (leave-one-out), "
-                            "reinforce_pp (batch-whitened returns), reinforce_pp_baseline (group mean, then batch-whitened), "
-                            "ppo (GAE on the values of a critic role, trained beside the policy).")
-    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (both sides unless clip_low/clip_high are set).")
+                            "reinforce_pp (batch-whitened returns), reinforce_pp_baseline (group mean, then "
+                            "batch-whitened), ppo (GAE on the values of a critic role, trained beside the policy).")
+    clip_eps: float = Field(0.2, gt=0, lt=1, description="PPO clip range (both sides unless "
+                                                         "clip_low/clip_high are set).")
     kl_coef: float = Field(0.0, ge=0, description="Weight of the KL to the reference model (0 = no reference role).")
     std_normalize: bool = Field(True, description="Divide group advantages by the group std (False = Dr.GRPO).")
     clip_low: float | None = Field(None, gt=0, lt=1, description="Lower clip: ratio >= 1 - clip_low (None = clip_eps).")
-    clip_high: float | None = Field(None, gt=0, description="Upper clip: ratio <= 1 + clip_high (None = clip_eps; DAPO clip-higher: 0.28).")
-    dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound c > 1 on the loss of negative-advantage tokens (None = off; typical 3).")
-    ratio_level: Literal["token", "sequence"] = Field("token", description="'sequence' = GSPO: one length-normalised ratio per answer.")
+    clip_high: float | None = Field(None, gt=0, description="Upper clip: ratio <= 1 + clip_high (None "
+                                                            "= clip_eps; DAPO clip-higher: 0.28).")
+    dual_clip: float | None = Field(None, gt=1, description="Dual-clip bound c > 1 on the loss of "
+                                                            "negative-advantage tokens (None = off; typical 3).")
+    ratio_level: Literal["token", "sequence"] = Field("token", description="'sequence' = GSPO: one "
+                                                                           "length-normalised ratio per answer.")
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
-        "seq-mean-token-mean", description="Loss aggregation over the step: token-mean (DAPO), seq-mean-token-mean (GRPO), seq-mean-token-sum.")
-    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k1 = log-ratio, k2 = squared/2, k3 = exp(d) - d - 1).")
-    kl_in_reward: bool = Field(False, description="Subtract kl_coef x KL from the reward (per token) instead of adding a loss term.")
+        "seq-mean-token-mean", description="Loss aggregation over the step: token-mean (DAPO), "
+                                           "seq-mean-token-mean (GRPO), seq-mean-token-sum.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="KL estimator (k1 = log-ratio, k2 = "
+                                                                      "squared/2, k3 = exp(d) - d - 1).")
+    kl_in_reward: bool = Field(False, description="Subtract kl_coef x KL from the reward (per "
+                                                  "token) instead of adding a loss term.")
     correction: Literal["none", "tis", "mask", "decoupled"] = Field(
-        "none", description="Off-policy correction: tis (truncated IS weight), mask (drop extreme ratios), decoupled (decoupled PPO).")
-    correction_level: Literal["token", "geo"] = Field("token", description="tis/mask: per-token ratio, or per-sequence geometric mean (geo).")
-    is_cap: float | None = Field(2.0, gt=1, description="tis: truncate the IS weight here; decoupled: drop tokens whose weight exceeds it (None = no cap).")
+        "none", description="Off-policy correction: tis (truncated IS weight), mask "
+                            "(drop extreme ratios), decoupled (decoupled PPO).")
+    correction_level: Literal["token", "geo"] = Field("token", description="tis/mask: per-token ratio, or "
+                                                                           "per-sequence geometric mean (geo).")
+    is_cap: float | None = Field(2.0, gt=1, description="tis: truncate the IS weight here; decoupled: drop "
+                                                        "tokens whose weight exceeds it (None = no cap).")
     mask_low: float = Field(0.5, gt=0, lt=1, description="mask: drop tokens whose IS ratio is below this.")
     mask_high: float = Field(2.0, gt=1, description="mask: drop tokens whose IS ratio is above this.")
     gamma: float = Field(1.0, ge=0, le=1, description="ppo: GAE discount per response token.")
-    lam: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (1 = Monte-Carlo return minus value, 0 = one-step TD).")
-    value_clip: float | None = Field(0.2, gt=0, description="ppo: clip the new value to old value +- value_clip in the value loss (None = no clipping).")
-    vf_coef: float = Field(0.5, gt=0, description="ppo: weight of the value loss (the critic has its own optimizer: this scales its gradient before clipping).")
+    lam: float = Field(1.0, ge=0, le=1, description="ppo: GAE lambda (1 = Monte-Carlo "
+                                                    "return minus value, 0 = one-step TD).")
+    value_clip: float | None = Field(0.2, gt=0, description="ppo: clip the new value to old value +- value_clip "
+                                                            "in the value loss (None = no clipping).")
+    vf_coef: float = Field(0.5, gt=0, description="ppo: weight of the value loss (the critic has its own "
+                                                  "optimizer: this scales its gradient before clipping).")
     critic_lr: float | None = Field(None, gt=0, description="ppo: critic AdamW learning rate (None = train.lr).")
-    critic_epochs: int = Field(1, ge=1, description="ppo: critic optimizer steps per training step, each a pass over the step's answers (value_clip acts from the second on).")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: add -entropy_coef x (token entropy of the current policy, "
-                                                       "aggregated by loss_agg) to the loss (0 = off; typical 0.001).")
-    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal (no "
-                                                      "signal) and keep generating until the step is full.")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: answers longer than max_new_tokens - "
-                                                      "overlong_buffer tokens lose reward linearly (0 = off).")
-    overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by an answer of max_new_tokens tokens (the overlong "
-                                                           "penalty's full size).")
+    critic_epochs: int = Field(1, ge=1, description="ppo: critic optimizer steps per training step, each a pass "
+                                                    "over the step's answers (value_clip acts from the second on).")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: add -entropy_coef x (token "
+                                                       "entropy of the current policy, aggregated by "
+                                                       "loss_agg) to the loss (0 = off; typical 0.001).")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all "
+                                                      "equal (no signal) and keep generating until the step is full.")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: answers "
+                                                      "longer than max_new_tokens - overlong_buffer "
+                                                      "tokens lose reward linearly (0 = off).")
+    overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by an answer of max_new_tokens "
+                                                           "tokens (the overlong penalty's full size).")
 
     @model_validator(mode="after")
-    def _algorithm(self) -> "AlgorithmConfig":
+    def _algorithm(self) -> AlgorithmConfig:
         if self.kl_in_reward and self.kl_coef <= 0:
             raise ValueError("kl_in_reward = true needs kl_coef > 0 (set algorithm.kl_coef=0.01, "
                              "or algorithm.kl_in_reward=false)")
@@ -220,7 +245,8 @@ class AlgorithmConfig(_Section):
 class TrainConfig(_Section):
     steps: int = Field(120, gt=0, description="Optimizer steps (policy versions) of RL (120: the default example "
                                                "gains 8-19 points on seeds 0-4, mean 12; 40: 5-17 on seeds 0-2).")
-    prompts_per_step: int = Field(16, gt=0, description="Prompts per step; the batch is prompts_per_step x group_size answers.")
+    prompts_per_step: int = Field(16, gt=0, description="Prompts per step; the batch is "
+                                                        "prompts_per_step x group_size answers.")
     micro_prompts: int = Field(4, gt=0, description="Prompts (whole groups) per streamed micro-batch of the trainer.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate (RL; the SFT warm-start has its own).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
@@ -233,7 +259,8 @@ class TrainConfig(_Section):
                                 "rows x longest row <= budget (None = one pass per streamed micro-batch).")
     split_padding: int = Field(128, ge=0, description="Without max_tokens_per_micro: cut a micro-batch (longest rows "
                                "first) into passes wherever a cut saves this many padded tokens (0 = one pass).")
-    eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N steps (0 = only before and after).")
+    eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N "
+                                                  "steps (0 = only before and after).")
     dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer (stream/async): each trains a "
                                                "token-balanced share of every micro-batch; gradients are summed, so "
                                                "a step equals the 1-rank step on the same rows. Ray: one process per "
@@ -263,12 +290,16 @@ class ResourcesConfig(_Section):
 class RunConfig(_Section):
     """The whole job."""
 
-    mode: Literal["sync", "stream", "async"] = Field("async", description="sync: colocated phases; stream: overlapped, on-policy; async: stream + bounded staleness.")
-    staleness: int = Field(1, ge=0, description="async: a sample generated by policy version w is trained at version v only if v - w <= staleness.")
+    mode: Literal["sync", "stream", "async"] = Field("async", description="sync: colocated phases; stream: "
+                                                                          "overlapped, on-policy; async: "
+                                                                          "stream + bounded staleness.")
+    staleness: int = Field(1, ge=0, description="async: a sample generated by policy version w is "
+                                                "trained at version v only if v - w <= staleness.")
     plan: Literal["off", "auto"] = Field(
-        "off", description="auto: before training, profile this machine (or reuse <run_dir>/profile.json) and apply the "
-                           "simulated best mode, staleness, micro_prompts and threads (asyncflow/planner/auto.py).")
-    launcher: Literal["local", "ray"] = Field("ray", description="local: roles as threads in this process; ray: roles as Ray actors.")
+        "off", description="auto: before training, profile this machine (or reuse <run_dir>/profile.json) and apply "
+                           "the simulated best mode, staleness, micro_prompts and threads (asyncflow/planner/auto.py).")
+    launcher: Literal["local", "ray"] = Field("ray", description="local: roles as threads in this "
+                                                                 "process; ray: roles as Ray actors.")
     seed: int = Field(0, description="Random seed.")
     run_dir: str = Field("runs", description="Parent folder of run folders.")
     progress: bool = Field(True, description="Show a progress bar.")
@@ -287,9 +318,10 @@ class RunConfig(_Section):
         return "off" if v is False else v  # YAML reads a bare `off` as false
 
     @model_validator(mode="after")
-    def _consistent(self) -> "RunConfig":
+    def _consistent(self) -> RunConfig:
         if self.task.name == "dataset" and not self.task.path:
-            raise ValueError("task.name=dataset needs task.path (a local .jsonl or .parquet file, or a save_to_disk folder)")
+            raise ValueError("task.name=dataset needs task.path (a local .jsonl "
+                             "or .parquet file, or a save_to_disk folder)")
         if self.task.name == "dataset" and not self.model.path:
             raise ValueError("task.name=dataset needs model.path (a Hugging Face model folder): the built-in "
                              "tiny model only knows the characters of the addition task")
@@ -303,11 +335,11 @@ class RunConfig(_Section):
             raise ValueError("rollout.engine=sglang returns an answer only when it finishes, so it cannot be "
                              "continued after a weight swap: set rollout.on_swap=discard")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
-            raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < rollout.max_new_tokens "
-                             f"({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
+            raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < "
+                             f"rollout.max_new_tokens ({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
         if self.algorithm.dynamic_sampling and self.reward.placement != "rollout":
-            raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group is kept or dropped when it "
-                             "finishes): set reward.placement=rollout")
+            raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group "
+                             "is kept or dropped when it finishes): set reward.placement=rollout")
         if self.train.dp > 1:
             self._check_dp()
         if self.resources.device != "cpu" and self.train.dp > 1:

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import importlib
 import itertools
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Protocol
 
 from asyncflow.engines.types import Completion, Request, SamplingParams
 

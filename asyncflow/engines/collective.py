@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 

@@ -19,7 +19,7 @@ predictions. ``version`` counts critic updates.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -27,7 +27,8 @@ like the built-in engine.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from asyncflow.engines.types import Completion, Request, SamplingParams
 
@@ -54,7 +55,7 @@ class _FakeRow:
 class FakeBatch:
     """Rows decoding together; one scripted token per row per :meth:`step`."""
 
-    def __init__(self, engine: "FakeEngine", sampling: SamplingParams):
+    def __init__(self, engine: FakeEngine, sampling: SamplingParams):
         self.engine, self.sampling = engine, sampling
         self.rows: list[_FakeRow] = []
         self.version = engine.version

@@ -44,8 +44,9 @@ the same batch, used by the sync mode and evaluation) and ``load_weights``.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 import numpy as np
 import torch

@@ -22,7 +22,8 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from asyncflow.engines.adapters import StepEngine, Update, chunked, import_engine
 from asyncflow.engines.types import SamplingParams

@@ -22,7 +22,8 @@ so the rollout role keeps its continuous batching, streaming and partial-rollout
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from asyncflow.engines.adapters import StepEngine, Update, import_engine, sampled_logprobs
 from asyncflow.engines.types import SamplingParams

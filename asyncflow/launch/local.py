@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from asyncflow.config import ConfigError
-from asyncflow.weights.store import WeightStore
 from asyncflow.dataplane import DataPlane
+from asyncflow.weights.store import WeightStore
 
 
 class LocalLauncher:

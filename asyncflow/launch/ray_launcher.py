@@ -33,8 +33,8 @@ import os
 import ray
 
 from asyncflow.config import ConfigError
-from asyncflow.weights.store import WeightStore
 from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
+from asyncflow.weights.store import WeightStore
 
 
 def _worker_env() -> dict:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 class Progress:
@@ -149,7 +149,8 @@ class RunMeter:
         r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
         if self.stragglers:
             carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
-            m = {**m, "groups_carried": carried - self._stragglers[0], "groups_restarted": restarted - self._stragglers[1]}
+            m = {**m, "groups_carried": carried - self._stragglers[0],
+                 "groups_restarted": restarted - self._stragglers[1]}
             self._stragglers = (carried, restarted)
         if self.drops:
             scored, dropped = r.get("groups_scored", 0), r.get("groups_dropped", 0)
@@ -238,7 +239,9 @@ def format_summary(s: dict) -> str:
     on = f" on {s['device']}" if s.get("device", "cpu") != "cpu" else ""
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}){on} ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
-            f"({s['samples']} samples in {s['wall_s']:.1f} s; after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
+            f"({s['samples']} samples in {s['wall_s']:.1f} s; "
+            f"after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
             f"busy fraction      {busy} (after step 1)\n" + oncpu + cores +
-            f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), dropped {s['dropped_stale']}\n"
+            f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), "
+            f"dropped {s['dropped_stale']}\n"
             f"run folder         {s['run_dir']}  (metrics.jsonl, summary.json, trace.json, checkpoint/)\n")

@@ -89,7 +89,8 @@ def write_gantt(trace, path: str | Path, title: str | None = None, width_px: int
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise PlotUnavailable('a Gantt chart needs matplotlib: pip install -c constraints.txt "asyncflow[plot]"') from None
+        raise PlotUnavailable('a Gantt chart needs matplotlib: '
+                              'pip install -c constraints.txt "asyncflow[plot]"') from None
     name, rows = tracks(trace)
     order = sorted(rows, key=lambda r: (ROLES.index(r) if r in ROLES else len(ROLES), r))
     t0 = min((s for r in rows.values() for s, _ in r), default=0.0)

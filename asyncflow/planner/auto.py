@@ -8,7 +8,8 @@
    change the cost curves or the answer lengths); otherwise the machine is profiled again
    (``asyncflow.planner.profile.run_profile``, ~30-70 s) and the file replaced;
 2. :func:`asyncflow.planner.search.search` simulates every candidate on ``os.cpu_count()``
-   cores, thread teams no larger than the cores other jobs leave free (``team_limit``); the best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
+   cores, thread teams no larger than the cores other jobs leave free (``team_limit``); the
+   best one is applied: ``mode``, ``staleness`` (async), ``train.micro_prompts``
    and ``resources.sync_threads`` (sync) or ``resources.threads_per_role`` (stream/async);
 3. the resolved config has ``plan: off`` (so its ``config.yaml`` reruns exactly the plan);
    the plan text (what ``asyncflow plan`` prints) is returned beside it.
@@ -23,9 +24,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
-from typing import Callable
 
 from asyncflow.config import RunConfig
 

@@ -50,13 +50,14 @@ class ProfiledCost:
     pipeline: dict = field(default_factory=dict)  # measured in a short real run: step_overhead_s, transfer_s
 
     @classmethod
-    def load(cls, path: str | Path) -> "ProfiledCost":
+    def load(cls, path: str | Path) -> ProfiledCost:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ProfiledCost":
+    def from_dict(cls, d: dict) -> ProfiledCost:
         return cls(curves={int(k): v for k, v in d["curves"].items()}, export_s_=d["export_s"], load_s=d["load_s"],
-                   reward_per_sample_s=d["reward_s_per_sample"], calibration={int(k): v for k, v in d.get("calibration", {}).items()},
+                   reward_per_sample_s=d["reward_s_per_sample"],
+                   calibration={int(k): v for k, v in d.get("calibration", {}).items()},
                    interference=d.get("interference", 1.0), pipeline=d.get("pipeline", {}))
 
     @staticmethod
@@ -198,7 +199,8 @@ class AnalyticCost:
     def train_s(self, rows, padded_len, res):
         tokens = rows * padded_len
         return (6 * self.model.params * tokens / self._flops(res, self.a["mfu_train"])
-                + self.a["extra_forward_passes"] * 2 * self.model.params * tokens / self._flops(res, self.a["mfu_prefill"]))
+                + self.a["extra_forward_passes"] * 2 * self.model.params * tokens
+                / self._flops(res, self.a["mfu_prefill"]))
 
     def step_s(self, res):
         opt = self.a["opt_bytes_per_param"] * self.model.params / (res * self.device.hbm_gbs * 1e9 * self.a["bw_util"])

@@ -8,13 +8,13 @@ were scheduled (a sequence number breaks ties), so a simulation is deterministic
 from __future__ import annotations
 
 import heapq
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 
 class Signal:
     """Processes ``yield`` a signal to sleep until its next ``fire``."""
 
-    def __init__(self, env: "Env"):
+    def __init__(self, env: Env):
         self.env, self.waiters = env, []
 
     def fire(self) -> None:

@@ -78,7 +78,8 @@ def candidates(cfg: RunConfig, cpus: int, modes=MODES, max_staleness: int = 3,
     for m in micros:
         if "sync" in modes:
             out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, (max_threads or cpus) + 1)]
-        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):  # two role processes: never more threads than cores
+        # two role processes: never more threads than cores
+        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):
             if "stream" in modes:
                 out.append(Allocation("stream", t, t, m, 0, slots))
             if "async" in modes:
@@ -101,7 +102,8 @@ def search(cfg: RunConfig, cost, prof: dict, cpus: int, steps: int = 12, modes=M
     return [pick] + [ar for ar in res if ar is not pick]
 
 
-def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: tuple[Allocation, SimResult] | None = None) -> str:
+def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int,
+                current: tuple[Allocation, SimResult] | None = None) -> str:
     best_a, best = ranked[0]
     by_mode = {}
     for a, r in ranked:
@@ -117,12 +119,14 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int, current: 
     if best_a.mode == "sync":
         lines.append("sync wins here: with so few cores the roles would only take cores from each other, "
                      "so overlapping them does not pay")
-    lines += ["", "best of each mode:", f"{'mode':<7}{'samples/s':>10}{'vs plan':>9}  {'idle rollout/reward/actor':<27}allocation"]
+    lines += ["", "best of each mode:",
+              f"{'mode':<7}{'samples/s':>10}{'vs plan':>9}  {'idle rollout/reward/actor':<27}allocation"]
     for m in MODES:
         if m in by_mode:
             a, r = by_mode[m]
             idle = "/".join(f"{r.idle[k]:.0%}" for k in ("rollout", "reward", "actor"))
-            lines.append(f"{m:<7}{r.samples_per_s:>10.1f}{r.samples_per_s / best.samples_per_s:>8.2f}x  {idle:<27}{a.describe()}")
+            vs_plan = r.samples_per_s / best.samples_per_s
+            lines.append(f"{m:<7}{r.samples_per_s:>10.1f}{vs_plan:>8.2f}x  {idle:<27}{a.describe()}")
     if current is not None:
         a, r = current
         lines.append(f"\nthe config as given ({a.describe()}): {r.samples_per_s:.1f} samples/s predicted "

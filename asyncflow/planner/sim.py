@@ -40,8 +40,9 @@ each step (the driver's round trip). The profiled model measures the last two in
 Roles that share cores slow each other down: a role's work taking ``threads`` while other
 roles are busy is stretched by ``max(1, busy threads / cores)`` (a coarse time-sharing
 model, re-evaluated every ``QUANTUM_S`` of work), times ``cost.interference`` (shared caches and
-memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is measured like the real driver: samples of
-steps ``1 .. N-1`` over the time from the end of step 0 to the end of step ``N-1``.
+memory bandwidth, and other jobs' load: measured by ``asyncflow profile``). Throughput is
+measured like the real driver: samples of steps ``1 .. N-1`` over the time from the end of
+step 0 to the end of step ``N-1``.
 
 The kernel (:mod:`asyncflow.planner.des`) is a few lines of generator processes, so the
 whole simulation is plain Python with no dependency; a 40-step CPU-scale run takes
@@ -51,8 +52,9 @@ milliseconds.
 from __future__ import annotations
 
 from collections import defaultdict, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import numpy as np
 

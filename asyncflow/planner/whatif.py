@@ -78,11 +78,12 @@ def ablation(model: str = "7b", devices: int = 512, **kw) -> dict[str, float]:
 
 
 def format_tables(rows: list[dict], abl: dict[str, float]) -> str:
-    out = ["| model | devices | sync samples/s | stream | async | stream / sync | async / sync | async split (rollout/actor) |",
+    out = ["| model | devices | sync samples/s | stream | async | stream / sync | async / sync "
+           "| async split (rollout/actor) |",
            "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        out.append(f"| {r['model'].upper()} | {r['devices']} | {r['sync']:.1f} | {r['stream']:.1f} | {r['async']:.1f} | "
-                   f"{r['stream_x']:.2f}x | {r['async_x']:.2f}x | {r['split']} |")
+        out.append(f"| {r['model'].upper()} | {r['devices']} | {r['sync']:.1f} | {r['stream']:.1f} "
+                   f"| {r['async']:.1f} | {r['stream_x']:.2f}x | {r['async_x']:.2f}x | {r['split']} |")
     ax = [r["async_x"] for r in rows]
     out += ["", f"async / sync: average {sum(ax) / len(ax):.2f}x, peak {max(ax):.2f}x "
             f"({next(r['model'].upper() + ' on ' + str(r['devices']) for r in rows if r['async_x'] == max(ax))})", "",

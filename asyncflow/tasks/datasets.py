@@ -29,9 +29,10 @@ Example:
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 REQUIRED = ("prompt", "answer")
 KEEP_ERRORS = 20
@@ -88,7 +89,8 @@ def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
         except _BadRow as e:
             msg = f"{p}:{n}: {e}" if where == "line" else f"{p}: row {n}: {e}"
             if on_error == "raise":
-                raise DatasetError(msg + " (fix the row, or load with on_error='skip' to skip and count bad rows)") from None
+                raise DatasetError(
+                    msg + " (fix the row, or load with on_error='skip' to skip and count bad rows)") from None
             ds.skipped += 1
             if len(ds.errors) < KEEP_ERRORS:
                 ds.errors.append(msg)
@@ -115,8 +117,7 @@ def _parquet_rows(p: Path) -> Iterator[tuple[int, Any]]:
         import pyarrow.parquet as pq
     except ImportError:
         raise DatasetError(f"dataset '{p}': reading Parquet needs pyarrow (pip install pyarrow)") from None
-    for n, row in enumerate(pq.read_table(p).to_pylist(), 1):
-        yield n, row
+    yield from enumerate(pq.read_table(p).to_pylist(), 1)
 
 
 def _read_json(p: Path) -> Any:

@@ -7,8 +7,9 @@ module before it knows whether a model is needed, and ``--help`` must stay insta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from asyncflow.config import ConfigError, RunConfig
 from asyncflow.tasks.registry import build_task
@@ -36,7 +37,8 @@ def check_model_folder(path: str) -> str:
     if not p.is_dir():
         raise ConfigError(f"{what}: no such folder (expected a Hugging Face model folder saved with save_pretrained)")
     if not (p / "config.json").is_file():
-        raise ConfigError(f"{what}: no config.json there (expected a Hugging Face model folder saved with save_pretrained)")
+        raise ConfigError(f"{what}: no config.json there (expected a Hugging "
+                          f"Face model folder saved with save_pretrained)")
     from transformers import AutoConfig, AutoTokenizer
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 

@@ -46,15 +46,15 @@ Built-ins (use them by path, e.g. ``asyncflow.tasks.rewards:math_answer``):
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import math
 import numbers
 import re
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable
+from typing import Any
 
 from asyncflow.config import ConfigError
 from asyncflow.tasks.plugins import load_callable

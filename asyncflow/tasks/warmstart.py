@@ -43,8 +43,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model, tiny_config
 from asyncflow.tasks.addition import AdditionTask, Problem

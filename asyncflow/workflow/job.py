@@ -17,10 +17,10 @@ every rank gather the whole weights into rank 0's full copy (``gather_full``).
 from __future__ import annotations
 
 from asyncflow.config import RunConfig
-from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.cores import pinnable_cores
-from asyncflow.workflow.worker import Worker
+from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.plan import plan_workers
+from asyncflow.workflow.worker import Worker
 
 
 class Job:

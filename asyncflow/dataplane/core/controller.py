@@ -46,9 +46,9 @@ from typing import Any
 import numpy as np
 
 from asyncflow.dataplane.core.index import RowIndex
-from asyncflow.dataplane.core.samplers import Sampler, SequentialSampler
 from asyncflow.dataplane.core.persist import data_files, load_state, save_arrays, save_state
 from asyncflow.dataplane.core.rules import BatchMeta, Data, QueueClosed, QueueTimeout, check_request, try_sample
+from asyncflow.dataplane.core.samplers import Sampler, SequentialSampler
 from asyncflow.dataplane.core.schema import Schema, prepare_write
 from asyncflow.dataplane.core.storage import Storage, assemble
 

@@ -47,8 +47,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.core.index import check_partition_name
+from asyncflow.dataplane.core.rules import BatchMeta, Data, check_request
+from asyncflow.dataplane.core.samplers import Sampler
+from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
+from asyncflow.dataplane.transport import shm
+from asyncflow.dataplane.transport.link import Link as _Link
 from asyncflow.dataplane.transport.protocol import (
     decode_columns,
     encode_columns,
@@ -56,10 +60,6 @@ from asyncflow.dataplane.transport.protocol import (
     runs,
     sampler_to_msg,
 )
-from asyncflow.dataplane.core.rules import BatchMeta, Data, check_request
-from asyncflow.dataplane.core.samplers import Sampler
-from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
-from asyncflow.dataplane.transport.link import Link as _Link
 
 __all__ = ["AsyncZmqDataPlane"]
 

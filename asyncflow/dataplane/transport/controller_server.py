@@ -52,6 +52,9 @@ from typing import Any
 
 import zmq
 
+from asyncflow.dataplane.core.index import RowIndex, check_partition_name
+from asyncflow.dataplane.core.leases import Leases
+from asyncflow.dataplane.core.persist import load_state, save_state
 from asyncflow.dataplane.core.rules import (
     BatchMeta,
     QueueClosed,
@@ -59,9 +62,7 @@ from asyncflow.dataplane.core.rules import (
     check_request,
     try_sample,
 )
-from asyncflow.dataplane.core.persist import load_state, save_state
-from asyncflow.dataplane.core.index import RowIndex, check_partition_name
-from asyncflow.dataplane.core.leases import Leases
+from asyncflow.dataplane.core.schema import Schema, schema_to_msg, validate_tags
 from asyncflow.dataplane.transport.protocol import (
     ProtocolError,
     error_to_msg,
@@ -71,7 +72,6 @@ from asyncflow.dataplane.transport.protocol import (
     shard_of,
     unpack_header,
 )
-from asyncflow.dataplane.core.schema import Schema, schema_to_msg, validate_tags
 
 __all__ = ["ControllerServer"]  # StorageServer: asyncflow.dataplane.transport.storage_server
 

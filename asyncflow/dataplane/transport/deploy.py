@@ -28,9 +28,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.controller_server import ControllerServer, _Server
+from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
 __all__ = ["Deployment", "launch", "main"]

@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.core.persist import data_files, save_arrays
-from asyncflow.dataplane.transport.protocol import ProtocolError, decode_columns, encode_columns, shard_of
 from asyncflow.dataplane.core.schema import Schema
 from asyncflow.dataplane.core.storage import Storage, assemble
+from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.controller_server import _args, _Server
+from asyncflow.dataplane.transport.protocol import ProtocolError, decode_columns, encode_columns, shard_of
 
 __all__ = ["StorageServer"]
 

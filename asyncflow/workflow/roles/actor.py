@@ -7,12 +7,13 @@
 * the sampler is wrapped in ``StalenessSampler(v - staleness)``: a sample generated before
   ``v - staleness`` is never handed out (admission control makes that impossible, the
   sampler makes it a checked invariant; any drop is counted in ``dropped_stale``);
-* computes advantages (PPO: reads those the critic role wrote) with the configured :class:`~asyncflow.algorithms.algorithm.Algorithm`
-  and accumulates its loss's gradient (normalised by the step's totals, so accumulation
-  equals one big batch), then one optimizer step. Group estimators (GRPO, RLOO...) train
-  each micro-batch as it arrives; batch-level ones (REINFORCE++: whitening over the step)
-  collect the step first. ``token-mean`` needs the step's token count, known only at the
-  end: its loss is a token sum and the gradient is scaled by ``1 / tokens`` before the step;
+* computes advantages (PPO: reads those the critic role wrote) with the configured
+  :class:`~asyncflow.algorithms.algorithm.Algorithm` and accumulates its loss's gradient
+  (normalised by the step's totals, so accumulation equals one big batch), then one
+  optimizer step. Group estimators (GRPO, RLOO...) train each micro-batch as it arrives;
+  batch-level ones (REINFORCE++: whitening over the step) collect the step first.
+  ``token-mean`` needs the step's token count, known only at the end: its loss is a
+  token sum and the gradient is scaled by ``1 / tokens`` before the step;
 * publishes version ``v + 1`` to the weight store without waiting, and clears the
   partition (frees its rows in the data plane). With ``prefetch_next`` the clear and the
   first fetch of ``v + 1`` run on the prefetch thread as soon as ``v``'s rows are all in
@@ -42,17 +43,17 @@ no rank empty; no token-budget chunks) and joins rank 0's export each step.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.dataplane import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.collective import Collective
 from asyncflow.engines.training import TrainEngine, take_rows
 from asyncflow.weights.store import seal
-from asyncflow.dataplane import GroupSampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
-from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.workflow.roles.base import Role
 
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]

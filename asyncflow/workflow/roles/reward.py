@@ -33,7 +33,7 @@ import random
 import threading
 import time
 from collections import defaultdict, deque
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

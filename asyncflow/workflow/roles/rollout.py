@@ -35,8 +35,9 @@ in the placer, so admission and deadlines are unchanged.
 **Dynamic sampling** (DAPO; ``drop_flat``): whether a scored group is kept decides whether
 it takes a training slot. A group whose (shaped) rewards are all equal has no advantage
 signal: it is dropped (:meth:`GroupPlacer.drop` returns its admission, so another prompt
-starts in its place) and never reaches the data plane; a kept group is placed as above. Steps therefore fill only with groups that carry signal, the
-staleness bound holds as before (drops only free slots), and nothing is trained twice.
+starts in its place) and never reaches the data plane; a kept group is placed as above.
+Steps therefore fill only with groups that carry signal, the staleness bound holds as
+before (drops only free slots), and nothing is trained twice.
 Prompts run out faster than one partition per step, so rollout feeds its own prompt
 partitions (``feed``) just before reading each one.
 
@@ -58,9 +59,9 @@ from collections import defaultdict, deque
 
 import numpy as np
 
+from asyncflow.dataplane import QueueTimeout
 from asyncflow.engines.types import Completion, Request, SamplingParams
 from asyncflow.weights.subscriber import WeightSubscriber
-from asyncflow.dataplane import QueueTimeout
 from asyncflow.workflow.placement import GroupPlacer
 from asyncflow.workflow.roles.base import Role
 
