@@ -52,11 +52,13 @@ class Role:
         if got < want:
             time.sleep(self.linger_s)
 
-    def fetch(self, plane, task: str, fields: list[str], n: int, partition=None, timeout: float = 0.05):
-        """Up to ``n`` ready rows of ``task`` (at least one, waiting up to ``timeout``):
-        ``(meta, data)``, or ``None`` when nothing came."""
+    def fetch(self, plane, task: str, fields: list[str], n: int, partition=None, timeout: float = 0.05,
+              sampler=None):
+        """Up to ``n`` ready rows of ``task`` (at least one, waiting up to ``timeout``; chosen
+        by ``sampler``, default the oldest): ``(meta, data)``, or ``None`` when nothing came."""
         try:
-            meta, data = plane.get_batch(task, fields, n=n, partition=partition, min_n=1, block=True, timeout=timeout)
+            meta, data = plane.get_batch(task, fields, n=n, partition=partition, min_n=1, block=True, timeout=timeout,
+                                         sampler=sampler)
         except QueueTimeout:
             return None
         return (meta, data) if meta.rows else None
