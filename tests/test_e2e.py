@@ -260,6 +260,53 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
     assert by["sync"]["bound"] == pytest.approx(samples / (1.0 + 4.0))  # sync: the sum of its phases
 
 
+def test_bench_sync_row_is_the_faster_of_its_threaded_and_data_parallel_variants(monkeypatch, tmp_path):
+    """``sync`` (one worker, every core) and ``sync:dp`` (one 1-thread rank per CPU) get a row
+    each; ``vs sync`` divides by the faster; sync:dp's bound is its 1-thread solo phases over
+    N ranks, and its solo run is one rank (train.dp=1) on the whole step."""
+    import asyncflow.bench.run as run
+    from asyncflow.bench.run import _workload, format_table, parse_mode
+
+    assert parse_mode("sync:dp") == ("sync", None) and parse_mode("async:2") == ("async", 2)
+    for bad in ("stream:dp", "sync:2", "async:dp"):
+        with pytest.raises(ConfigError, match="sync:dp"):
+            parse_mode(bad)
+    solo_calls = []
+
+    def measure(vcfg, md, steps, threads, cont, cores, cpu=None):
+        solo_calls.append((threads, vcfg.train.dp))
+        return {"rollout": 2.0, "actor": 3.0} if threads == 1 else {"rollout": 1.5, "actor": 2.5}
+
+    monkeypatch.setattr(run, "measure_roles", measure)
+    runs = []
+    speeds = {"sync": 100.0, "sync:dp": 150.0, "async": 120.0}
+
+    def fake_train(vcfg, **kw):
+        mode = "sync:dp" if vcfg.train.dp > 1 else vcfg.mode
+        runs.append((vcfg.mode, vcfg.train.dp, vcfg.resources.sync_threads))
+        busy = {"rollout": 0.5, "rollout.1": 0.7, "actor": 0.2, "actor.1": 0.4} if mode == "sync:dp" else {}
+        return {"steady_samples_per_s": speeds[mode], "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": busy,
+                "cpu": {}, "max_staleness": 0, "run_dir": ""}
+
+    cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
+    rows = _workload(cfg, "a", ["sync", "sync:dp", "async"], 5, "", type("L", (), {"cpus": 2})(), tmp_path,
+                     fake_train)
+    assert runs == [("sync", 1, 0), ("sync", 2, 1), ("async", 1, 0)]
+    assert solo_calls == [(2, 1), (1, 1), (1, 1)]  # sync on both cores; sync:dp and async: 1 thread, one rank
+    S = 4 * cfg.batch_size
+    by = {r["mode"]: r for r in rows}
+    assert by["sync:dp"]["bound"] == pytest.approx(2 * S / 5.0) and by["sync:dp"]["bound_limit"] == "phases/2 ranks"
+    assert by["sync"]["bound"] == pytest.approx(S / 4.0) and by["sync"]["bound_limit"] == "sum of phases"
+    assert [by[m]["vs_sync"] for m in ("sync", "sync:dp", "async")] == pytest.approx([100 / 150, 1.0, 120 / 150])
+    assert {r["vs"] for r in rows} == {"sync:dp"}
+    text = format_table({"samples": S, "cpus": 2, "rows": rows})
+    lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("a ")}
+    assert set(lines) == {"sync", "sync:dp", "async"}
+    assert "0.67x" in lines["sync"] and "1.00x" in lines["sync:dp"] and "0.80x" in lines["async"]
+    assert "60%" in lines["sync:dp"] and "30%" in lines["sync:dp"]  # busy: the ranks averaged
+    assert "vs sync = against the faster sync variant" in text and ": a sync:dp" in text
+
+
 def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp_path):
     """Beside the fastest run over the fastest solos, each round's run is divided by the
     bound from that round's solos alone (same pooling rule), and the table lists them."""
