@@ -4,8 +4,9 @@
   ``cpus // N`` threads each; rank ``r``'s share of a step is prompts ``r, r + N, ...``.
 * :class:`ShardSampler` splits rows by their ``shard`` tag and crosses the zmq protocol.
 * With a deterministic rollout (the fake engine, answers a function of the prompt), a
-  2-rank sync run ends every step with the weights of the 1-rank sync run on the same rows
-  (to 1e-5), on both ranks, and each rank generated only its own prompts.
+  2-rank sync run ends with the weights of the 1-rank sync run on the same rows (to 1e-5),
+  on both ranks, and each rank generated (and referenced) only its own prompts: GRPO, with
+  the KL term, PPO (its critic on rank 0) and a batch-level estimator with token-mean.
 * A real 2-rank run (the built-in engine sampling with the rank's own model): both ranks end
   every step with identical weights, every sample trained once; and the same on Ray.
 """
@@ -30,6 +31,7 @@ from asyncflow.workflow.plan import plan_workers, sync_share
 from asyncflow.workflow.worker import Worker
 
 GROUP, PROMPTS, STEPS = 4, 4, 2
+SYNC_STEP = Worker._sync_step
 TINY = ["model.hidden_size=32", "model.num_layers=1", "model.num_heads=2", "model.num_kv_heads=1",
         "model.intermediate_size=64"]
 
@@ -106,45 +108,58 @@ def scripted(monkeypatch) -> dict:
     return seen
 
 
-def run(tmp_path, monkeypatch, dp: int, *extra: str) -> tuple[dict, list[Worker], dict]:
+def snapshots(monkeypatch) -> dict[tuple[int, int], dict]:
+    """Every rank's weights at the end of every sync step: ``{(step, rank): weights}``."""
+    out: dict[tuple[int, int], dict] = {}
+    sync_step = SYNC_STEP  # (not an earlier spy)
+
+    def spy(self, v):
+        m = sync_step(self, v)
+        out[v, self.rank] = weights(self)
+        return m
+
+    monkeypatch.setattr(Worker, "_sync_step", spy)
+    return out
+
+
+def run(tmp_path, monkeypatch, dp: int, *extra: str) -> tuple[dict, list[Worker], dict, dict]:
     torch.set_num_threads(1)
     scripted(monkeypatch)
+    snaps = snapshots(monkeypatch)
     launcher = Spy()
     summary = train(config(tmp_path / f"dp{dp}", dp, *extra), launcher=launcher, evaluate=False)
-    return summary, sorted(launcher.built, key=lambda w: w.rank), launcher.initial[0]
+    return summary, sorted(launcher.built, key=lambda w: w.rank), launcher.initial[0], snaps
 
 
-@pytest.mark.parametrize("extra", [(), ("algorithm.kl_coef=0.1",)], ids=["grpo", "grpo+kl"])
-def test_two_ranks_end_each_run_with_the_one_rank_weights(tmp_path, monkeypatch, extra):
-    single, (alone,), init = run(tmp_path, monkeypatch, 1, *extra)
-    summary, ranks, _ = run(tmp_path, monkeypatch, 2, *extra)
+@pytest.mark.parametrize("extra", [(), ("algorithm.kl_coef=0.1",), ("algorithm.name=ppo",),
+                                   ("algorithm.name=reinforce_pp", "algorithm.loss_agg=token-mean")],
+                         ids=["grpo", "grpo+kl", "ppo (critic on rank 0)", "reinforce_pp token-mean"])
+def test_two_ranks_end_every_step_with_the_one_rank_weights(tmp_path, monkeypatch, extra):
+    single, _, init, one = run(tmp_path, monkeypatch, 1, *extra)
+    summary, ranks, _, two = run(tmp_path, monkeypatch, 2, *extra)
     assert summary["samples"] == single["samples"] == STEPS * PROMPTS * GROUP
     for r, w in enumerate(ranks):
         # each rank generated (and referenced) only its share: prompts r, r + 2 of each step
         assert w.roles["rollout"].items == STEPS * sync_share(w.cfg, r) * GROUP
         if "reference" in w.roles:
             assert w.roles["reference"].items == STEPS * sync_share(w.cfg, r) * GROUP
-    want = weights(alone)
-    assert max(np.abs(want[n] - init[n]).max() for n in init) > 1e-3  # not vacuous: training moved them
-    for r, w in enumerate(ranks):
-        got = weights(w)
-        for n in want:
-            np.testing.assert_allclose(got[n], want[n], atol=1e-5, err_msg=f"rank {r} {n}")
+    assert sorted(one) == [(v, 0) for v in range(STEPS)] and sorted(two) == [(v, r) for v in range(STEPS)
+                                                                              for r in (0, 1)]
+    for v in range(STEPS):
+        want = one[v, 0]
+        moved = max(np.abs(want[n] - (init if v == 0 else one[v - 1, 0])[n]).max() for n in init)
+        assert moved > 1e-3  # not vacuous: each step moved the weights
+        for r in (0, 1):
+            for n in want:
+                np.testing.assert_allclose(two[v, r][n], want[n], atol=1e-5, err_msg=f"step {v} rank {r} {n}")
+    assert all(np.array_equal(weights(w)[n], two[STEPS - 1, w.rank][n]) for w in ranks for n in init)
 
 
 def test_real_two_rank_run_keeps_the_ranks_identical_every_step(tmp_path, monkeypatch):
     torch.set_num_threads(1)
     launcher = Spy()
     cfg = config(tmp_path, 2)
-    snaps: list[list[dict]] = []
-    sync_step = Worker._sync_step
-
-    def spy(self, v):
-        out = sync_step(self, v)
-        snaps.append([v, self.rank, weights(self)])
-        return out
-
-    monkeypatch.setattr(Worker, "_sync_step", spy)
+    by = snapshots(monkeypatch)
     # the untrained tiny model is never right: reward answer lengths instead, so groups carry a signal
     monkeypatch.setattr(AdditionTask, "reward", lambda self, prompt, response, answer: float(len(response) % 2))
     summary = train(cfg, launcher=launcher, evaluate=False)
@@ -153,7 +168,6 @@ def test_real_two_rank_run_keeps_the_ranks_identical_every_step(tmp_path, monkey
     for w in (w0, w1):  # the rollout engine decodes with the rank's own (trained) model
         assert w.roles["rollout"].engine.model is w.model is w.roles["actor"].engine.model
         assert w.roles["rollout"].items == STEPS * PROMPTS * GROUP // 2
-    by = {(v, r): ws for v, r, ws in snaps}
     assert sorted(by) == [(v, r) for v in range(STEPS) for r in (0, 1)]
     for v in range(STEPS):
         for n, p in by[v, 0].items():
