@@ -167,11 +167,11 @@ def test_async_on_ray_with_the_ray_actor_data_plane_and_two_trainer_ranks(tmp_pa
 def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same_threads(monkeypatch, tmp_path):
     """Rollout's solo time depends on how it is fed (step by step for stream, continuously
     for async); the trainer's work does not, so both modes' bounds use its faster solo time."""
-    import asyncflow.bench.solo as solo
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload
 
     solos = {(1, False): {"rollout": 2.0, "actor": 4.0}, (1, True): {"rollout": 1.0, "actor": 5.0}}
-    monkeypatch.setattr(solo, "measure_roles",
+    monkeypatch.setattr(run, "measure_roles",
                         lambda vcfg, md, steps, threads, cont, cores, cpu=None: dict(solos[(threads, cont)]))
     summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
                "cpu": {}, "max_staleness": 0, "run_dir": ""}
@@ -190,7 +190,7 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
 def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tmp_path):
     """The limiting role's busy fraction x its share of that time on a core x its CPU per
     sample alone / in the run x its solo run's wall / CPU, from the solo run that set the bound."""
-    import asyncflow.bench.solo as solo
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload, format_table
 
     solos = {(1, False): ({"rollout": 2.0, "actor": 4.0}, {"rollout": 1.9, "actor": 3.6}),
@@ -201,7 +201,7 @@ def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tm
         cpu.update(used)
         return dict(seconds)
 
-    monkeypatch.setattr(solo, "measure_roles", measure)
+    monkeypatch.setattr(run, "measure_roles", measure)
     summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "cpu": {},
                "busy": {"rollout": 0.8, "actor": 0.9}, "on_cpu": {"rollout": 0.9, "actor": 0.95},
                "busy_cpu_s": {"rollout": 2.0, "actor": 4.5}, "steady_samples": 500,
@@ -227,7 +227,7 @@ def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tm
 def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many_solo_tries(monkeypatch, tmp_path):
     """--repeat 2: two rounds of (sync, its solo, async, its solo); each row keeps its mode's
     fastest run and lists every run; each kind of solo runs once a round, the fastest counts."""
-    import asyncflow.bench.solo as solo
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload
 
     solo_calls = []
@@ -237,7 +237,7 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
         order.append("solo")
         return {"rollout": 1.0, "actor": 4.0 if len(solo_calls) <= 2 else 5.0}  # round 1 faster
 
-    monkeypatch.setattr(solo, "measure_roles", measure)
+    monkeypatch.setattr(run, "measure_roles", measure)
     order, speeds = [], iter([100.0, 300.0, 120.0, 250.0])
 
     def fake_train(vcfg, **kw):
@@ -310,7 +310,7 @@ def test_bench_sync_row_is_the_faster_of_its_threaded_and_data_parallel_variants
 def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp_path):
     """Beside the fastest run over the fastest solos, each round's run is divided by the
     bound from that round's solos alone (same pooling rule), and the table lists them."""
-    import asyncflow.bench.solo as solo
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload, format_table
 
     per_round = {(False, 0): {"rollout": 2.0, "actor": 4.0}, (True, 0): {"rollout": 1.0, "actor": 5.0},
@@ -321,7 +321,7 @@ def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp
         calls.append(cont)
         return dict(per_round[(cont, (len(calls) - 1) // 2)])
 
-    monkeypatch.setattr(solo, "measure_roles", measure)
+    monkeypatch.setattr(run, "measure_roles", measure)
     speeds = iter([100.0, 200.0, 110.0, 150.0])  # stream, async; stream, async
 
     def fake_train(vcfg, **kw):
@@ -345,11 +345,7 @@ def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp
 def test_bench_runs_the_workloads_round_by_round_and_prints_b_over_a_per_round(monkeypatch, tmp_path, capsys):
     """The workloads take turns mode by mode, round after round: each of (b)'s runs sits
     beside (a)'s run of the same mode, and (b)/(a) is printed per round."""
-    import asyncflow.bench as bench
-    import asyncflow.bench.solo as solo
-    import asyncflow.launch as launch
-    import asyncflow.tasks as tasks
-    import asyncflow.workflow.driver as driver
+    import asyncflow.bench.run as bench
 
     order = []
     speeds = {("a", 1): 400.0, ("b", 1): 360.0, ("a", 2): 500.0, ("b", 2): 475.0}
@@ -361,10 +357,10 @@ def test_bench_runs_the_workloads_round_by_round_and_prints_b_over_a_per_round(m
                 "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {}, "cpu": {}, "max_staleness": 0,
                 "run_dir": ""}
 
-    monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
-    monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
-    monkeypatch.setattr(driver, "train", fake_train)
-    monkeypatch.setattr(solo, "measure_roles", lambda *a, **k: {"rollout": 1.0, "actor": 2.0})
+    monkeypatch.setattr(bench, "prepare_model", lambda cfg, root: ("", None))
+    monkeypatch.setattr(bench, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
+    monkeypatch.setattr(bench, "train", fake_train)
+    monkeypatch.setattr(bench, "measure_roles", lambda *a, **k: {"rollout": 1.0, "actor": 2.0})
     report = bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), modes=["sync", "async"],
                              repeat=2, samples=512)
     assert order == [("a", "sync"), ("b", "sync"), ("a", "async"), ("b", "async")] * 2
@@ -374,13 +370,11 @@ def test_bench_runs_the_workloads_round_by_round_and_prints_b_over_a_per_round(m
 
 
 def test_bench_runs_its_preset_step_unless_the_config_sets_one(monkeypatch, tmp_path):
-    import asyncflow.bench as bench
-    import asyncflow.launch as launch
-    import asyncflow.tasks as tasks
+    import asyncflow.bench.run as bench
 
     seen = []
-    monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
-    monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
+    monkeypatch.setattr(bench, "prepare_model", lambda cfg, root: ("", None))
+    monkeypatch.setattr(bench, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
     def rounds(cfg, w, modes, steps, *a):
         seen.append((cfg.train.prompts_per_step, steps))
         yield from range(len(modes) * a[-1])  # one per mode and round
@@ -403,10 +397,7 @@ def test_bench_repeat_below_one_is_a_one_line_error(capsys, tmp_path):
 
 
 def test_bench_quality_trains_both_modes_per_seed_and_prints_the_means(monkeypatch, tmp_path, capsys):
-    import asyncflow.bench as bench
-    import asyncflow.launch as launch
-    import asyncflow.tasks as tasks
-    import asyncflow.workflow.driver as driver
+    import asyncflow.bench.run as bench
 
     acc = {(0, "sync"): (0.714, 0.872), (0, "async"): (0.714, 0.886),
            (1, "sync"): (0.680, 0.750), (1, "async"): (0.680, 0.770)}
@@ -418,9 +409,9 @@ def test_bench_quality_trains_both_modes_per_seed_and_prints_the_means(monkeypat
         return {"mode": cfg.mode, "samples": 5120, "heldout_acc_before": before, "heldout_acc_after": after,
                 "samples_per_s": 500.0, "wall_s": 10.0, "max_staleness": int(cfg.mode == "async")}
 
-    monkeypatch.setattr(tasks, "prepare_model", lambda cfg, root: ("", None))
-    monkeypatch.setattr(launch, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
-    monkeypatch.setattr(driver, "train", fake_train)
+    monkeypatch.setattr(bench, "prepare_model", lambda cfg, root: ("", None))
+    monkeypatch.setattr(bench, "get_launcher", lambda name: type("L", (), {"cpus": 2, "shutdown": lambda s: None})())
+    monkeypatch.setattr(bench, "train", fake_train)
     report = bench.run_bench(load_config(None, ["launcher=local", f"run_dir={tmp_path}"]), quality=True,
                              seeds=[0, 1])
     assert runs == [(0, "sync"), (0, "async"), (1, "sync"), (1, "async")]
