@@ -28,8 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--samples", type=int, default=None, help="samples per measured run (default from the bench preset)")
     b.add_argument("--workloads", default="a,b", help="comma list: a (compute-bound, "
                                                       "long-tailed), b (+ remote reward latency)")
-    b.add_argument("--modes", default="sync,stream,async,async:2",
-                   help="comma list of modes; async:K runs async with staleness bound K")
+    b.add_argument("--modes", default="sync,sync:dp,stream,async,async:2",
+                   help="comma list of modes; async:K runs async with staleness bound K; sync:dp runs sync with "
+                        "one 1-thread data-parallel rank per CPU (vs sync divides by the faster sync variant)")
     b.add_argument("--repeat", type=int, default=2,
                    help="runs of each mode (and of each role alone); each row shows the fastest (default 2)")
     b.add_argument("--out", default=None, help="write the results as JSON here (default: the bench folder)")

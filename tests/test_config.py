@@ -102,7 +102,10 @@ def test_cross_field_validation_model_heads():
      # data-parallel trainer: each error names the field and the fix
      (["train.dp=2", "train.strategy=fsdp", "launcher=local"], ["train.strategy=fsdp", "set launcher=ray"]),
      (["train.dp=2", "train.strategy=fsdp", "train.max_tokens_per_micro=64"], ["unset train.max_tokens_per_micro"]),
-     (["train.dp=2", "mode=sync"], ["train.dp=2", "mode=async or train.dp=1"]),
+     (["train.dp=2", "mode=sync", "train.strategy=fsdp", "launcher=ray"], ["mode=sync", "train.strategy=ddp"]),
+     (["train.dp=4", "mode=sync", "train.prompts_per_step=2", "train.micro_prompts=2"],
+      ["train.prompts_per_step (2)", ">= train.dp"]),
+     (["train.dp=2", "mode=sync", "algorithm.dynamic_sampling=true"], ["dynamic_sampling", "train.dp=1"]),
      (["train.dp=9", "train.micro_prompts=1", "rollout.group_size=8"], ["train.dp (9)", "= 8", "lower train.dp"])],
 )
 def test_cross_field_validation_run(overrides, names):

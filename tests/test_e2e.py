@@ -81,9 +81,9 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
     cfg = load_config(None, ["launcher=local", "warmstart.enabled=false", f"run_dir={tmp_path}",
                              "train.prompts_per_step=4", "rollout.group_size=4", "train.micro_prompts=2",
                              "rollout.longtail_long=16", "resources.pin_cores=on"])
-    report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "async:2"], repeat=1)
+    report = run_bench(cfg, samples=48, workloads=["a"], modes=["sync", "sync:dp", "async:2"], repeat=1)
     out = capsys.readouterr().out
-    assert "vs sync" in out and "limited by" in out and "async:2" in out and "cores" in out
+    assert "vs sync" in out and "limited by" in out and "async:2" in out and "sync:dp" in out and "cores" in out
     if len(os.sched_getaffinity(0)) >= 2:  # async:2's roles, and their solo runs, each on a core of its own
         assert "roles alone on 1 thread(s), continuous rollout, pinned" in out
         sync_threads = os.cpu_count()  # resources.sync_threads=0: every core of the machine
@@ -91,7 +91,8 @@ def test_bench_prints_a_table_with_bounds(tmp_path, capsys):
         assert sync_solo and "pinned" not in sync_solo[0]  # sync is never pinned
     rows = {r["mode"]: r for r in report["rows"]}
     assert rows["async:2"]["max_staleness"] <= 2
-    assert rows["sync"]["vs_sync"] == pytest.approx(1.0)
+    # vs sync: against the faster of sync (one worker on every core) and sync:dp (a 1-thread rank per CPU)
+    assert max(rows["sync"]["vs_sync"], rows["sync:dp"]["vs_sync"]) == pytest.approx(1.0)
     for r in rows.values():
         assert r["samples_per_s"] > 0 and r["bound"] > 0
         assert r["efficiency"] == pytest.approx(r["samples_per_s"] / r["bound"])
@@ -167,11 +168,11 @@ def test_async_on_ray_with_the_ray_actor_data_plane_and_two_trainer_ranks(tmp_pa
 def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same_threads(monkeypatch, tmp_path):
     """Rollout's solo time depends on how it is fed (step by step for stream, continuously
     for async); the trainer's work does not, so both modes' bounds use its faster solo time."""
-    import asyncflow.bench.run as bench  # patched where run_bench looks its names up
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload
 
     solos = {(1, False): {"rollout": 2.0, "actor": 4.0}, (1, True): {"rollout": 1.0, "actor": 5.0}}
-    monkeypatch.setattr(bench, "measure_roles",
+    monkeypatch.setattr(run, "measure_roles",
                         lambda vcfg, md, steps, threads, cont, cores, cpu=None: dict(solos[(threads, cont)]))
     summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": {},
                "cpu": {}, "max_staleness": 0, "run_dir": ""}
@@ -190,7 +191,7 @@ def test_bench_bounds_take_each_non_rollout_role_at_its_fastest_solo_on_the_same
 def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tmp_path):
     """The limiting role's busy fraction x its share of that time on a core x its CPU per
     sample alone / in the run x its solo run's wall / CPU, from the solo run that set the bound."""
-    import asyncflow.bench.run as bench  # patched where run_bench looks its names up
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload, format_table
 
     solos = {(1, False): ({"rollout": 2.0, "actor": 4.0}, {"rollout": 1.9, "actor": 3.6}),
@@ -201,7 +202,7 @@ def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tm
         cpu.update(used)
         return dict(seconds)
 
-    monkeypatch.setattr(bench, "measure_roles", measure)
+    monkeypatch.setattr(run, "measure_roles", measure)
     summary = {"steady_samples_per_s": 100.0, "steady_tokens_per_s": 1.0, "wall_s": 1.0, "cpu": {},
                "busy": {"rollout": 0.8, "actor": 0.9}, "on_cpu": {"rollout": 0.9, "actor": 0.95},
                "busy_cpu_s": {"rollout": 2.0, "actor": 4.5}, "steady_samples": 500,
@@ -227,7 +228,7 @@ def test_bench_explains_each_efficiency_by_four_measured_factors(monkeypatch, tm
 def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many_solo_tries(monkeypatch, tmp_path):
     """--repeat 2: two rounds of (sync, its solo, async, its solo); each row keeps its mode's
     fastest run and lists every run; each kind of solo runs once a round, the fastest counts."""
-    import asyncflow.bench.run as bench  # patched where run_bench looks its names up
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload
 
     solo_calls = []
@@ -237,7 +238,7 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
         order.append("solo")
         return {"rollout": 1.0, "actor": 4.0 if len(solo_calls) <= 2 else 5.0}  # round 1 faster
 
-    monkeypatch.setattr(bench, "measure_roles", measure)
+    monkeypatch.setattr(run, "measure_roles", measure)
     order, speeds = [], iter([100.0, 300.0, 120.0, 250.0])
 
     def fake_train(vcfg, **kw):
@@ -260,10 +261,57 @@ def test_bench_rows_show_each_modes_fastest_of_its_repeated_runs_against_as_many
     assert by["sync"]["bound"] == pytest.approx(samples / (1.0 + 4.0))  # sync: the sum of its phases
 
 
+def test_bench_sync_row_is_the_faster_of_its_threaded_and_data_parallel_variants(monkeypatch, tmp_path):
+    """``sync`` (one worker, every core) and ``sync:dp`` (one 1-thread rank per CPU) get a row
+    each; ``vs sync`` divides by the faster; sync:dp's bound is its 1-thread solo phases over
+    N ranks, and its solo run is one rank (train.dp=1) on the whole step."""
+    import asyncflow.bench.run as run
+    from asyncflow.bench.run import _workload, format_table, parse_mode
+
+    assert parse_mode("sync:dp") == ("sync", None) and parse_mode("async:2") == ("async", 2)
+    for bad in ("stream:dp", "sync:2", "async:dp"):
+        with pytest.raises(ConfigError, match="sync:dp"):
+            parse_mode(bad)
+    solo_calls = []
+
+    def measure(vcfg, md, steps, threads, cont, cores, cpu=None):
+        solo_calls.append((threads, vcfg.train.dp))
+        return {"rollout": 2.0, "actor": 3.0} if threads == 1 else {"rollout": 1.5, "actor": 2.5}
+
+    monkeypatch.setattr(run, "measure_roles", measure)
+    runs = []
+    speeds = {"sync": 100.0, "sync:dp": 150.0, "async": 120.0}
+
+    def fake_train(vcfg, **kw):
+        mode = "sync:dp" if vcfg.train.dp > 1 else vcfg.mode
+        runs.append((vcfg.mode, vcfg.train.dp, vcfg.resources.sync_threads))
+        busy = {"rollout": 0.5, "rollout.1": 0.7, "actor": 0.2, "actor.1": 0.4} if mode == "sync:dp" else {}
+        return {"steady_samples_per_s": speeds[mode], "steady_tokens_per_s": 1.0, "wall_s": 1.0, "busy": busy,
+                "cpu": {}, "max_staleness": 0, "run_dir": ""}
+
+    cfg = load_config(None, ["launcher=local", f"run_dir={tmp_path}"])
+    rows = _workload(cfg, "a", ["sync", "sync:dp", "async"], 5, "", type("L", (), {"cpus": 2})(), tmp_path,
+                     fake_train)
+    assert runs == [("sync", 1, 0), ("sync", 2, 1), ("async", 1, 0)]
+    assert solo_calls == [(2, 1), (1, 1), (1, 1)]  # sync on both cores; sync:dp and async: 1 thread, one rank
+    S = 4 * cfg.batch_size
+    by = {r["mode"]: r for r in rows}
+    assert by["sync:dp"]["bound"] == pytest.approx(2 * S / 5.0) and by["sync:dp"]["bound_limit"] == "phases/2 ranks"
+    assert by["sync"]["bound"] == pytest.approx(S / 4.0) and by["sync"]["bound_limit"] == "sum of phases"
+    assert [by[m]["vs_sync"] for m in ("sync", "sync:dp", "async")] == pytest.approx([100 / 150, 1.0, 120 / 150])
+    assert {r["vs"] for r in rows} == {"sync:dp"}
+    text = format_table({"samples": S, "cpus": 2, "rows": rows})
+    lines = {line.split()[1]: line for line in text.splitlines() if line.startswith("a ")}
+    assert set(lines) == {"sync", "sync:dp", "async"}
+    assert "0.67x" in lines["sync"] and "1.00x" in lines["sync:dp"] and "0.80x" in lines["async"]
+    assert "60%" in lines["sync:dp"] and "30%" in lines["sync:dp"]  # busy: the ranks averaged
+    assert "vs sync = against the faster sync variant" in text and ": a sync:dp" in text
+
+
 def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp_path):
     """Beside the fastest run over the fastest solos, each round's run is divided by the
     bound from that round's solos alone (same pooling rule), and the table lists them."""
-    import asyncflow.bench.run as bench  # patched where run_bench looks its names up
+    import asyncflow.bench.run as run
     from asyncflow.bench.run import _workload, format_table
 
     per_round = {(False, 0): {"rollout": 2.0, "actor": 4.0}, (True, 0): {"rollout": 1.0, "actor": 5.0},
@@ -274,7 +322,7 @@ def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp
         calls.append(cont)
         return dict(per_round[(cont, (len(calls) - 1) // 2)])
 
-    monkeypatch.setattr(bench, "measure_roles", measure)
+    monkeypatch.setattr(run, "measure_roles", measure)
     speeds = iter([100.0, 200.0, 110.0, 150.0])  # stream, async; stream, async
 
     def fake_train(vcfg, **kw):
@@ -298,7 +346,7 @@ def test_bench_pairs_each_rounds_run_with_that_rounds_own_bound(monkeypatch, tmp
 def test_bench_runs_the_workloads_round_by_round_and_prints_b_over_a_per_round(monkeypatch, tmp_path, capsys):
     """The workloads take turns mode by mode, round after round: each of (b)'s runs sits
     beside (a)'s run of the same mode, and (b)/(a) is printed per round."""
-    import asyncflow.bench.run as bench  # patched where run_bench looks its names up
+    import asyncflow.bench.run as bench
 
     order = []
     speeds = {("a", 1): 400.0, ("b", 1): 360.0, ("a", 2): 500.0, ("b", 2): 475.0}

@@ -2,9 +2,15 @@
 
 For each workload the same job (same model, prompts, seeds) runs for a fixed number of
 samples in every mode, one after another on one launcher, and then each role runs alone
-(:mod:`asyncflow.bench.solo`) to give every mode its *bound*. The table prints measured
-samples/s and tokens/s, the ratio to ``sync``, the bound and what limits it, the
-efficiency (measured / bound), each role's busy fraction, and the CPU the machine used
+(:mod:`asyncflow.bench.solo`) to give every mode its *bound*. ``sync`` runs as the
+strongest synchronous baseline a user would run, in two variants with a row each:
+``sync`` (one colocated worker on every core) and ``sync:dp`` (``train.dp`` = the CPUs,
+capped by the prompts of a step: that many colocated ranks of one thread each, each
+generating its share of the step, all training together; its bound is the 1-thread
+solo phases' sum divided among the ranks). ``vs sync`` divides by the *faster* of the two.
+The table (:mod:`asyncflow.bench.table`) prints measured samples/s and tokens/s, the ratio
+to ``sync``, the bound and what limits it, the efficiency (measured / bound), each role's
+busy fraction (a data-parallel role's ranks averaged), and the CPU the machine used
 (``cores``; ``other``: cores not spent in the role processes: data plane, weight store,
 driver, Ray), which explain the ratios.
 
@@ -58,8 +64,10 @@ import json
 import time
 from collections.abc import Callable, Generator, Sequence
 from pathlib import Path
+from typing import Any
 
 from asyncflow.bench.solo import bound, measure_roles
+from asyncflow.bench.table import SYNCS, WORKLOAD_TEXT, format_quality, format_table
 from asyncflow.config import ConfigError, RunConfig
 from asyncflow.launch.registry import get_launcher
 from asyncflow.tasks.models import prepare_model
@@ -68,27 +76,32 @@ from asyncflow.workflow.driver import train
 from asyncflow.workflow.launcher import Launcher
 from asyncflow.workflow.plan import plan_workers
 
-WORKLOADS = {
+WORKLOADS: dict[str, dict[str, dict[str, Any]]] = {
     "a": {"rollout": {"gen_len": "longtail"}},
     "b": {"rollout": {"gen_len": "longtail"}, "reward": {"latency_ms": (100.0, 300.0), "concurrency": 256}},
 }
 PROMPTS_PER_STEP = 32  # the bench preset (see the module docstring)
 SAMPLES = 4096  # per run: 16 steps of the preset, 15 timed
-WORKLOAD_TEXT = {
-    "a": "compute-bound, long-tailed answers",
-    "b": "long-tailed answers + remote reward 100-300 ms/call",
-}
+
+
 
 
 def parse_mode(spec: str) -> tuple[str, int | None]:
-    """``"async:2"`` -> ``("async", 2)``: a mode, optionally with its staleness bound."""
+    """``"async:2"`` -> ``("async", 2)``: a mode, optionally with its staleness bound;
+    ``"sync:dp"`` -> ``("sync", None)`` (the data-parallel sync variant)."""
     mode, _, k = spec.partition(":")
-    if mode not in ("sync", "stream", "async") or (k and (mode != "async" or not k.isdigit())):
-        raise ConfigError(f"unknown bench mode {spec!r} (modes: sync, stream, async, async:K with K the staleness)")
-    return mode, int(k) if k else None
+    if mode not in ("sync", "stream", "async") or (k and spec != "sync:dp" and (mode != "async" or not k.isdigit())):
+        raise ConfigError(f"unknown bench mode {spec!r} (modes: sync, sync:dp, stream, async, async:K with K "
+                          f"the staleness)")
+    return mode, int(k) if k.isdigit() else None
 
 
-def _variant(cfg: RunConfig, workload: str, spec: str, steps: int, run_dir: str) -> RunConfig:
+def sync_dp(cfg: RunConfig, cpus: int) -> int:
+    """``sync:dp``'s ranks: one per CPU, at most one per prompt of a step and per row of a micro-batch."""
+    return max(1, min(cpus, cfg.train.prompts_per_step, cfg.train.micro_prompts * cfg.rollout.group_size))
+
+
+def _variant(cfg: RunConfig, workload: str, spec: str, steps: int, run_dir: str, cpus: int = 1) -> RunConfig:
     mode, staleness = parse_mode(spec)
     data = cfg.model_dump()
     for section, values in WORKLOADS[workload].items():
@@ -97,11 +110,15 @@ def _variant(cfg: RunConfig, workload: str, spec: str, steps: int, run_dir: str)
     if staleness is not None:
         data["staleness"] = staleness
     data["train"].update(steps=steps, eval_every=0)
+    if spec == "sync:dp":  # one colocated rank of one thread per CPU
+        data["train"]["dp"] = sync_dp(cfg, cpus)
+        data["resources"]["sync_threads"] = 1
     return RunConfig.model_validate(data)
 
 
 def run_bench(cfg: RunConfig, config: str | None = None, overrides: Sequence[str] = (), samples: int | None = None,
-              workloads: Sequence[str] = ("a", "b"), modes: Sequence[str] = ("sync", "stream", "async", "async:2"),
+              workloads: Sequence[str] = ("a", "b"),
+              modes: Sequence[str] = ("sync", "sync:dp", "stream", "async", "async:2"),
               out: str | None = None,
               quality: bool = False, repeat: int = 2, seeds: list[int] | None = None) -> dict:
     bad = [w for w in workloads if w not in WORKLOADS]
@@ -123,7 +140,8 @@ def run_bench(cfg: RunConfig, config: str | None = None, overrides: Sequence[str
             report = _quality(cfg, launcher, root, train, seeds or [cfg.seed])
         else:
             if "prompts_per_step" not in cfg.train.model_fields_set:  # the preset, unless the config chose
-                cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"prompts_per_step": PROMPTS_PER_STEP})})
+                train_cfg = cfg.train.model_copy(update={"prompts_per_step": PROMPTS_PER_STEP})
+                cfg = cfg.model_copy(update={"train": train_cfg})
             steps = max(2, (samples or SAMPLES) // cfg.batch_size)
             report = {"samples": steps * cfg.batch_size, "cpus": launcher.cpus, "rows": [], "repeat": repeat,
                       "prompts_per_step": cfg.train.prompts_per_step, "group_size": cfg.rollout.group_size,
@@ -145,12 +163,13 @@ def run_bench(cfg: RunConfig, config: str | None = None, overrides: Sequence[str
     return report
 
 
-def _workload(cfg, w, modes, steps, model_dir, launcher, root, train, repeat: int = 1) -> list[dict]:
+def _workload(cfg: RunConfig, w: str, modes: Sequence[str], steps: int, model_dir: str, launcher: Launcher,
+              root: Path, train: Callable[..., dict], repeat: int = 1) -> list[dict]:
     """Every round of workload ``w``, then its rows (:func:`_rounds` driven to the end)."""
     return _finish(_rounds(cfg, w, modes, steps, model_dir, launcher, root, train, repeat))
 
 
-def _finish(rounds) -> list[dict]:
+def _finish(rounds: Generator[int, None, list[dict]]) -> list[dict]:
     """Run a :func:`_rounds` generator's remaining rounds; return its rows."""
     try:
         while True:
@@ -183,8 +202,10 @@ class _Workload:
 
     def __init__(self, cfg: RunConfig, w: str, modes: Sequence[str], steps: int, model_dir: str,
                  launcher: Launcher, root: Path):
-        self.cfg, self.w, self.modes, self.steps, self.model_dir, self.launcher = cfg, w, modes, steps, model_dir, launcher
-        self.vcfgs = {mode: _variant(cfg, w, mode, steps, str(root)) for mode in modes}  # modes: specs, e.g. "async:2"
+        self.cfg, self.w, self.modes, self.steps = cfg, w, modes, steps
+        self.model_dir, self.launcher = model_dir, launcher
+        # modes: specs, e.g. "async:2" or "sync:dp"
+        self.vcfgs = {mode: _variant(cfg, w, mode, steps, str(root), launcher.cpus) for mode in modes}
         self.runs: dict[str, list[dict]] = {mode: [] for mode in modes}
         self.solos: dict[tuple, list[dict]] = {}
         self.solo_cpu: dict[tuple, list[dict]] = {}  # CPU seconds of each role's thread in the same solo runs
@@ -217,7 +238,8 @@ class _Workload:
         print(f"[bench] workload {w}: roles alone on {key[0]} thread(s), "
               f"{'continuous' if key[1] else 'step-by-step'} rollout{', pinned' if key[2] else ''}{of} ...", flush=True)
         used: dict[str, float] = {}
-        self.solos.setdefault(key, []).append(measure_roles(vcfg, self.model_dir, self.steps, key[0], key[1],
+        alone = vcfg.model_copy(update={"train": vcfg.train.model_copy(update={"dp": 1})})  # sync:dp: one rank
+        self.solos.setdefault(key, []).append(measure_roles(alone, self.model_dir, self.steps, key[0], key[1],
                                                             dict(key[2]), cpu=used))
         self.solo_cpu.setdefault(key, []).append(used)
 
@@ -252,21 +274,30 @@ class _Workload:
                    "max_staleness": max(r["max_staleness"] for r in runs)}
             picked = {role: self.fastest(role, key) for role in self.solos[key][0]}
             seconds = {role: t for role, (t, _) in picked.items()}
-            b, limit = bound(vcfg.mode, seconds, samples)
+            b, limit = _bound(vcfg, seconds, samples)
             row.update(solo_s=seconds, solo_runs=self.solos[key], bound=b, bound_limit=limit,
                        efficiency=row["samples_per_s"] / b)
             # each round's run against that round's own bound: the spread shows the machine's drift
             row["round_efficiency"] = [
-                run["samples_per_s"] / bound(vcfg.mode, {role: self.in_round(role, key, i)
-                                                         for role in self.solos[key][i]}, samples)[0]
+                run["samples_per_s"] / _bound(vcfg, {role: self.in_round(role, key, i)
+                                                     for role in self.solos[key][i]}, samples)[0]
                 for i, run in enumerate(runs)]
             if vcfg.mode != "sync" and key[0] == 1:  # one thread per role: its thread's CPU is the role's
                 row["gap"] = gap_factors(row, limit, *picked[limit], samples)
             rows.append(row)
-        sync = next((r for r in rows if r["mode"] == "sync"), None)
+        syncs = [r for r in rows if r["mode"] in SYNCS]
+        sync = max(syncs, key=lambda r: r["samples_per_s"]) if syncs else None
         for row in rows:
             row["vs_sync"] = row["samples_per_s"] / sync["samples_per_s"] if sync else None
+            row["vs"] = sync["mode"] if sync else None  # the sync variant vs_sync divides by
         return rows
+
+
+def _bound(vcfg: RunConfig, seconds: dict[str, float], samples: int) -> tuple[float, str]:
+    """:func:`~asyncflow.bench.solo.bound`; data-parallel sync: N ranks, each the solo phases on 1/N of the rows."""
+    b, limit = bound(vcfg.mode, seconds, samples)
+    n = vcfg.train.dp if vcfg.mode == "sync" else 1
+    return (b * n, f"phases/{n} ranks") if n > 1 else (b, limit)
 
 
 def _per_sample(summary: dict) -> dict[str, float]:
@@ -294,8 +325,8 @@ def gap_factors(row: dict, role: str, solo_s: float, solo_cpu_s: float | None, s
             "solo": solo_s / solo_cpu_s}
 
 
-def _quality(cfg, launcher, root, train, seeds: list[int]) -> dict:
-    report = {"quality": []}
+def _quality(cfg: RunConfig, launcher: Launcher, root: Path, train: Callable[..., dict], seeds: list[int]) -> dict:
+    report: dict[str, Any] = {"quality": []}
     for seed in seeds:
         for mode in ("sync", "async"):
             data = cfg.model_dump()
@@ -307,73 +338,3 @@ def _quality(cfg, launcher, root, train, seeds: list[int]) -> dict:
                 "max_staleness")}})
     print(format_quality(report))
     return report
-
-
-def format_quality(report: dict) -> str:
-    """One line per run; with several seeds, each mode's mean and ``async - sync`` per seed."""
-    q = report["quality"]
-    lines = ["", "seed  mode    samples  held-out before -> after   samples/s"]
-    lines += [f"{r['seed']:>4}  {r['mode']:<7} {r['samples']:>7}  {r['heldout_acc_before']:>14.1%} -> "
-              f"{r['heldout_acc_after']:.1%}   {r['samples_per_s']:>9.1f}" for r in q]
-    seeds = sorted({r["seed"] for r in q})
-    if len(seeds) > 1:
-        after = {(r["seed"], r["mode"]): r["heldout_acc_after"] for r in q}
-        gain = {(r["seed"], r["mode"]): r["heldout_acc_after"] - r["heldout_acc_before"] for r in q}
-        for mode in ("sync", "async"):
-            lines.append(f"mean  {mode:<7} after {sum(after[s, mode] for s in seeds) / len(seeds):.1%}, "
-                         f"gain {sum(gain[s, mode] for s in seeds) / len(seeds) * 100:+.1f} points "
-                         f"(seeds {', '.join(f'{gain[s, mode] * 100:+.1f}' for s in seeds)})")
-        diff = [(after[s, "async"] - after[s, "sync"]) * 100 for s in seeds]
-        lines.append(f"async - sync after: {', '.join(f'{d:+.1f}' for d in diff)} points "
-                     f"(mean {sum(diff) / len(diff):+.1f})")
-    return "\n".join(lines)
-
-
-# Measured on one H100 (2026-11-22): `async` read 121% and `async:2` 157% of a "bound" on
-# workload (a), rollout spending 1.3-1.7x less CPU per sample in the run than alone.
-GPU_BOUND_NOTE = (
-    "NOTE resources.device={0}: the roles share the GPU and each role's cost per sample depends on how many rows\n"
-    "it batches, so the solo runs are not a bound here (eff. above 100% shows it); read samples/s and vs sync.")
-
-
-def format_table(report: dict) -> str:
-    roles = sorted({k for r in report["rows"] for k in r["busy"]}, key=["rollout", "reward", "reference", "actor"].index)
-    head = (f"{'wl':<3}{'mode':<8}{'samples/s':>10}{'tokens/s':>10}{'vs sync':>9}{'bound':>9}  {'limited by':<14}"
-            f"{'eff.':>6}  " + "  ".join(f"{r[:7]:>7}" for r in roles) + f"{'cores':>7}{'other':>7}")
-    shape = (f", steps of {report['prompts_per_step']} prompts x {report['group_size']} answers"
-             if "prompts_per_step" in report else "")
-    best = f", each mode's fastest of {report['repeat']} runs" if report.get("repeat", 1) > 1 else ""
-    lines = [f"\n== asyncflow bench: {report['samples']} samples per run{shape} (timed after the first step)"
-             f"{best}, {report['cpus']} CPUs ==",
-             *(f"workload {w}: {t}" for w, t in WORKLOAD_TEXT.items() if any(r["workload"] == w for r in report["rows"])),
-             "busy = fraction of the run each role spent computing; cores = CPU the machine used "
-             "(of {0}), other = outside the role processes".format(report["cpus"]), head, "-" * len(head)]
-    for r in report["rows"]:
-        ratio = f"{r['vs_sync']:.2f}x" if r["vs_sync"] is not None else "-"
-        busy = "  ".join(f"{r['busy'].get(k, 0):>7.0%}" if k in r["busy"] else f"{'-':>7}" for k in roles)
-        cpu = r.get("cpu") or {}
-        cores = "".join(f"{cpu[k]:>7.2f}" if cpu.get(k) is not None else f"{'-':>7}" for k in ("cores", "other"))
-        lines.append(f"{r['workload']:<3}{r['mode']:<8}{r['samples_per_s']:>10.1f}{r['tokens_per_s']:>10.0f}{ratio:>9}"
-                     f"{r['bound']:>9.1f}  {r['bound_limit']:<14}{r['efficiency']:>6.0%}  {busy}{cores}")
-    gaps = [r for r in report["rows"] if r.get("gap")]
-    if gaps:
-        lines.append("efficiency = busy x on a core x CPU/sample alone/in the run x solo wall/CPU "
-                     "(the limiting role's; see asyncflow.bench.run.gap_factors):")
-        for r in gaps:
-            g = r["gap"]
-            lines.append(f"  {r['workload']} {r['mode']:<8}{r['efficiency']:>4.0%} ~ {g['role']} busy {g['busy']:.0%} "
-                         f"x on a core {g['on_cpu']:.0%} x work {g['work']:.0%} x solo {g['solo']:.0%}")
-    if report.get("device", "cpu") != "cpu":
-        lines.append(GPU_BOUND_NOTE.format(report["device"]))
-    if any(len(r.get("runs", ())) > 1 for r in report["rows"]):
-        lines.append("every run (samples/s): " + "; ".join(
-            f"{r['workload']} {r['mode']} " + " ".join(f"{x:.1f}" for x in r["runs"]) for r in report["rows"]))
-        lines.append("each round's run / that round's bound (the spread is the machine's drift): " + "; ".join(
-            f"{r['workload']} {r['mode']} " + " ".join(f"{x:.0%}" for x in r["round_efficiency"])
-            for r in report["rows"] if r.get("round_efficiency")))
-        a = {r["mode"]: r["runs"] for r in report["rows"] if r["workload"] == "a"}
-        pairs = [(r["mode"], a[r["mode"]], r["runs"]) for r in report["rows"] if r["workload"] == "b" and r["mode"] in a]
-        if pairs:
-            lines.append("(b) / (a) in each round (run side by side): " + "; ".join(
-                f"{mode} " + " ".join(f"{y / x:.0%}" for x, y in zip(ra, rb)) for mode, ra, rb in pairs))
-    return "\n".join(lines)

@@ -260,10 +260,12 @@ class TrainConfig(_Section):
                                "first) into passes wherever a cut saves this many padded tokens (0 = one pass).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N "
                                                   "steps (0 = only before and after).")
-    dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer (stream/async): each trains a "
+    dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer: each trains a "
                                                "token-balanced share of every micro-batch; gradients are summed, so "
                                                "a step equals the 1-rank step on the same rows. Ray: one process per "
-                                               "rank (gloo); local launcher: one thread per rank.")
+                                               "rank (gloo); local launcher: one thread per rank. mode=sync: N "
+                                               "colocated workers, rank r generating and scoring prompts r, r+N, ... "
+                                               "of each step.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
                            "(FSDP2 sharding of parameters, gradients and AdamW states; needs launcher=ray).")
@@ -271,7 +273,8 @@ class TrainConfig(_Section):
 
 class ResourcesConfig(_Section):
     threads_per_role: int = Field(1, gt=0, description="torch threads of each role process (stream/async).")
-    sync_threads: int = Field(0, ge=0, description="torch threads of the colocated sync worker (0 = all cores).")
+    sync_threads: int = Field(0, ge=0, description="torch threads of each colocated sync worker (0 = all cores, "
+                                                   "divided among the train.dp ranks).")
     data_plane: Literal["auto", "ray", "zmq"] = Field("auto", description="ray launcher: zmq (controller + storage "
         "units, one host), ray (one actor, any cluster), auto (zmq when every Ray node is this machine).")
     storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
@@ -364,12 +367,23 @@ class RunConfig(_Section):
             raise ValueError(f"train.strategy=fsdp needs train.dp ({t.dp}) <= rollout.group_size "
                              f"({self.rollout.group_size}) so that every rank gets rows of every micro-batch")
         if self.mode == "sync":
-            raise ValueError(f"train.dp={t.dp} needs mode=stream or async (sync runs every role in one colocated "
-                             f"worker): set mode=async or train.dp=1")
+            self._check_sync_dp()
         rows = t.micro_prompts * self.rollout.group_size
         if t.dp > rows:
             raise ValueError(f"train.dp ({t.dp}) is more than the rows of a micro-batch (train.micro_prompts x "
                              f"rollout.group_size = {rows}): some ranks would never train; lower train.dp")
+
+    def _check_sync_dp(self) -> None:
+        t = self.train
+        if t.strategy == "fsdp":
+            raise ValueError("mode=sync with train.strategy=fsdp: each rank's rollout decodes with its own whole "
+                             "model, which FSDP would shard; use train.strategy=ddp")
+        if self.algorithm.dynamic_sampling:
+            raise ValueError("mode=sync with train.dp > 1 does not support algorithm.dynamic_sampling yet (rollout "
+                             "feeds its own prompts then, one feeder per run); use train.dp=1 or mode=async")
+        if t.dp > t.prompts_per_step:
+            raise ValueError(f"mode=sync with train.dp={t.dp}: each rank generates whole prompt groups, so "
+                             f"train.prompts_per_step ({t.prompts_per_step}) must be >= train.dp")
 
     @property
     def effective_staleness(self) -> int:

@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncflow.engines.collective import Collective
 from asyncflow.engines.device import model_device
 
 
@@ -121,7 +122,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     return logp * batch.mask
 
 
-def autocast(dtype: str, device: torch.device | str = "cpu"):
+def autocast(dtype: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
     """The forward's precision context: ``bfloat16`` autocast, or nothing for ``float32``."""
     if dtype == "float32":
         return contextlib.nullcontext()
@@ -176,7 +177,7 @@ def padding_split(lengths: Sequence[int], min_saving: int) -> list[list[int]]:
     return chunks + [rest]
 
 
-def take_rows(value, idx: list[int]):
+def take_rows(value: Any, idx: list[int]) -> Any:
     """Rows ``idx`` of a per-row value (numpy array, list or tuple); anything else as is."""
     if isinstance(value, np.ndarray):
         return value[idx]
@@ -207,8 +208,8 @@ def shard(model: torch.nn.Module) -> None:
     tied head and final norm). FSDP averages gradients over ranks (a divide factor of 1
     would need ReduceOp.PREMUL_SUM, which gloo lacks): ``optimizer_step`` multiplies by the
     world size to get the sum."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh  # lazy: only with train.strategy=fsdp
+    from torch.distributed.fsdp import fully_shard  # lazy: only with train.strategy=fsdp
 
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         raise RuntimeError("fsdp=True needs torch.distributed initialised (init_process_group) first")
@@ -297,7 +298,8 @@ class TrainEngine:
     def __init__(self, model: torch.nn.Module, pad_id: int, lr: float = 1e-3, weight_decay: float = 0.0,
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
-                 dtype: str = "float32", fsdp: bool = False, collective=None, split_padding: int = 0):
+                 dtype: str = "float32", fsdp: bool = False, collective: Collective | None = None,
+                 split_padding: int = 0):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
         self.device = model_device(model)  # batches are built there (resources.device)
@@ -328,7 +330,7 @@ class TrainEngine:
         self.model.train(was_training)
         return out
 
-    def _chunks(self, prompts, responses) -> list[list[int]]:
+    def _chunks(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[int]]:
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
         if self.max_tokens_per_micro is None and self.split_padding:
             return padding_split(lengths, self.split_padding)
@@ -338,7 +340,8 @@ class TrainEngine:
         """The per-token ``[B, R]`` quantity the loss sees: log-probs here (a critic: values)."""
         return token_logprobs(self.model, batch, self.temperature, entropy)
 
-    def forward_backward(self, prompts, responses, extras: dict, loss_fn: LossFn) -> dict:
+    def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], extras: dict,
+                         loss_fn: LossFn) -> dict:
         """Accumulate the gradient of ``loss_fn`` on these rows (one backward per token-budget
         chunk, see module doc); return their metrics. A loss with ``needs_entropy = True`` also
         gets ``batch.entropy`` (per-token entropy)."""
@@ -366,7 +369,7 @@ class TrainEngine:
             if grad_scale != 1.0:
                 p.grad.mul_(grad_scale)
         if self.collective is not None and not self.fsdp:
-            self.collective.all_reduce_sum([p.grad for p in params])
+            self.collective.all_reduce_sum([p.grad for p in params if p.grad is not None])  # (all set above)
         elif not self.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized():
             for p in params:
                 torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)

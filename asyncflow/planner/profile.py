@@ -30,17 +30,40 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.bench.solo import measure_roles
 from asyncflow.config import RunConfig
-from asyncflow.planner.sim import Workload
+from asyncflow.engines.inference import (
+    GenerationBatch,
+    InferenceEngine,  # lazy: torch, profiling only
+    Request,
+    SamplingParams,
+)
+from asyncflow.engines.training import TrainEngine
+from asyncflow.launch.registry import get_launcher
+from asyncflow.observe.trace import tracks
+from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
+from asyncflow.planner.costs import ProfiledCost
+from asyncflow.planner.search import workload_from
+from asyncflow.planner.sim import Allocation, simulate
+from asyncflow.tasks.models import load_model, prepare_model
+from asyncflow.tasks.registry import build_task
+from asyncflow.weights.store import seal
+from asyncflow.weights.subscriber import WeightSubscriber
+from asyncflow.workflow.driver import train
 
 
-def _min_time(fn, reps: int = 3) -> float:
+def _min_time(fn: Callable[[], Any], reps: int = 3) -> float:
     """Fastest of ``reps`` runs: on a shared machine other load only ever adds time."""
     ts = []
     for _ in range(reps):
@@ -73,12 +96,8 @@ def _thread_counts(ncpu: int) -> list[int]:
     return out + [ncpu]
 
 
-def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool) -> dict:
-    import torch
+def _curves(model: Any, tok: Any, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool) -> dict:
 
-    from asyncflow.algorithms.algorithm import Algorithm
-    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
-    from asyncflow.engines.training import TrainEngine
 
     sp = SamplingParams(temperature=1.0, max_new_tokens=10**6)
     max_new = 24 if quick else max(48, cfg.rollout.longtail_long)
@@ -114,7 +133,7 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
             prompts = [prompt_ids[i % len(prompt_ids)] for i in range(rows)]
             resp = [[5] * L for _ in range(rows)]
             extras = {"logprobs": [np.zeros(L, np.float32)] * rows, "advantages": np.ones(rows, np.float32)}
-            s = _min_time(lambda: engine.forward_backward(prompts, resp, extras, loss), 3)
+            s = _min_time(partial(engine.forward_backward, prompts, resp, extras, loss), 3)
             tr_X.append([1.0, rows * (max(len(p) for p in prompts) + L)])
             tr_y.append(s)
     step = _min_time(engine.optimizer_step, 3)
@@ -122,10 +141,8 @@ def _curves(model, tok, prompt_ids: list[list[int]], cfg: RunConfig, quick: bool
             "train_rows": train_rows, "points": {"decode": len(dec_y), "train": len(tr_y)}}
 
 
-def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
-    import torch
+def _lengths(model: Any, tok: Any, prompt_ids: list[list[int]], cfg: RunConfig) -> dict[int, float]:
 
-    from asyncflow.engines.inference import GenerationBatch, Request, SamplingParams
 
     r = cfg.rollout
     if r.gen_len == "longtail":
@@ -143,10 +160,6 @@ def _lengths(model, tok, prompt_ids, cfg: RunConfig) -> dict[int, float]:
 
 def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads: int, steps: int) -> dict:
     """Each role alone through the real role code vs the curves' prediction of the same work."""
-    from asyncflow.bench.solo import measure_roles
-    from asyncflow.planner.costs import ProfiledCost
-    from asyncflow.planner.sim import Allocation, simulate
-
     # min of two runs: on a shared machine other load only ever adds time
     runs = [measure_roles(cfg, model_dir, steps, threads, continuous=True) for _ in range(2)]
     measured = {k: min(r[k] for r in runs) for k in runs[0]}
@@ -161,15 +174,12 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
             "measured_s": measured, "predicted_s": {"rollout": roll, "actor": actor}}
 
 
-def _transfer(launcher, param_bytes: int, reps: int = 10, warm: int = 3) -> float:
+def _transfer(launcher: Any, param_bytes: int, reps: int = 10, warm: int = 3) -> float:
     """publish -> staged at a :class:`WeightSubscriber` (the path rollout's weights take:
     the store, the subscriber's copy and checksum check), the median of ``reps`` after
     ``warm`` rounds. The old measurement, the mean of 5 rounds on a fresh store with no
     subscriber, included the store actor's start: 56-144 ms, where stream traces show
     7-13 ms between the actor's publish and rollout's swap."""
-    from asyncflow.weights.store import seal
-    from asyncflow.weights.subscriber import WeightSubscriber
-
     store = launcher.weight_store()
     w = seal({"w": np.zeros(max(1, param_bytes // 4), np.float32)})  # same size as the model
     sub = WeightSubscriber(store, lambda v, b: None, start_version=0, poll_s=0.5)
@@ -195,14 +205,8 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     actor's step-boundary overhead and the interference between busy roles
     (:func:`asyncflow.planner.calib.actor_steps`, :func:`~asyncflow.planner.calib.overlap_interference`);
     and the weight store's publish -> staged latency (:func:`_transfer`)."""
-    import tempfile
 
-    from asyncflow.launch.registry import get_launcher
-    from asyncflow.observe.trace import tracks
-    from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
-    from asyncflow.workflow.driver import train
-
-    def run_cfg(**kw) -> RunConfig:
+    def run_cfg(**kw: Any) -> RunConfig:
         data = cfg.model_dump()
         data.update(plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"), **kw)
         data["train"].update(steps=steps, eval_every=0)
@@ -243,21 +247,8 @@ def step_seconds(run_dir: str) -> list[float]:
     return list(np.diff(elapsed))
 
 
-def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None) -> Workload:
-    """The simulator's workload for ``cfg``, with lengths and prompt length from a profile."""
-
-    return Workload(prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.group_size,
-                    prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
-                    steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
-                    (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
-                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True)
-
-
 def _costs(model: Any, tok: Any, task: Any, prompts: list[list[int]], cfg: RunConfig) -> dict:
     """Weight export and load times, the weights' size, and the reward's cost per sample."""
-    from asyncflow.engines.inference import InferenceEngine  # lazy: torch, profiling only
-    from asyncflow.engines.training import TrainEngine  # lazy: torch, profiling only
-
     eng = TrainEngine(model, tok.pad_token_id)
     out: dict = {"export_s": _min_time(eng.export_weights, 5)}
     w = eng.export_weights()
@@ -276,12 +267,7 @@ def _costs(model: Any, tok: Any, task: Any, prompts: list[list[int]], cfg: RunCo
 def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, calibrate: bool = True,
                 cpus: int | None = None, pipeline: bool = True) -> dict:
     """Measure this machine's cost curves for ``cfg``'s model; write and return the JSON."""
-    import tempfile
 
-    import torch
-
-    from asyncflow.tasks.models import load_model, prepare_model
-    from asyncflow.tasks.registry import build_task
 
     t_start = time.perf_counter()
     ncpu = cpus or os.cpu_count() or 1
@@ -312,7 +298,7 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
             prof["pipeline"] = _pipeline(cfg, prof, ncpu)
             prof["interference"] = prof["pipeline"].pop("interference")
         prof["seconds"] = time.perf_counter() - t_start
-        from asyncflow.planner.auto import fingerprint
+        from asyncflow.planner.auto import fingerprint  # lazy: planner.auto imports this module
 
         prof["fingerprint"] = fingerprint(cfg, ncpu)  # plan=auto reuses the file only for the same machine and job
     finally:

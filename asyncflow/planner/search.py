@@ -35,11 +35,19 @@ from collections.abc import Sequence
 from asyncflow.config import RunConfig
 from asyncflow.observe.trace import write_gantt, write_sim_trace
 from asyncflow.planner.costs import ProfiledCost
-from asyncflow.planner.profile import workload_from
-from asyncflow.planner.sim import Allocation, CostModel, SimResult, simulate
+from asyncflow.planner.sim import Allocation, CostModel, SimResult, Workload, simulate
 
 MODES = ("sync", "stream", "async")
 TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equal
+
+
+def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None) -> Workload:
+    """The simulator's workload for ``cfg``, with lengths and prompt length from a profile."""
+    return Workload(prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.group_size,
+                    prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
+                    steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
+                    (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
+                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True)
 
 
 def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:

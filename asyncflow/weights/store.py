@@ -40,7 +40,7 @@ class WeightTransferError(ValueError):
 def seal(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``buffers`` plus a CRC-32 of every tensor under :data:`CHECKSUMS` (names in sorted order)."""
     names = sorted(buffers)
-    crc = np.asarray([zlib.crc32(np.ascontiguousarray(buffers[n]).view(np.uint8)) for n in names], dtype=np.uint64)
+    crc = np.asarray([zlib.crc32(np.ascontiguousarray(buffers[n]).view(np.uint8).data) for n in names], dtype=np.uint64)
     return {**buffers, CHECKSUMS: crc}
 
 
@@ -56,7 +56,7 @@ def verify(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     if len(expected) != len(tensors):
         raise WeightTransferError(f"partial weights: {len(tensors)} tensors arrived, {len(expected)} were sealed")
     for name, crc in zip(sorted(tensors), expected.tolist()):
-        if zlib.crc32(np.ascontiguousarray(tensors[name]).view(np.uint8)) != crc:
+        if zlib.crc32(np.ascontiguousarray(tensors[name]).view(np.uint8).data) != crc:
             raise WeightTransferError(f"weights corrupted in transfer: tensor '{name}' fails its CRC-32")
     return tensors
 

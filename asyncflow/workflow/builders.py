@@ -9,7 +9,9 @@ worker plan (:mod:`asyncflow.workflow.plan`).
 Sharing rules (why the order matters): the actor is built first and trains ``ctx.model``
 itself; the rollout engine of a colocated (``sync``) worker decodes with that same model (no
 weight copy); reference and critic take copies (a critic hosted alone takes the model).
-Only the actor of rank 0 publishes weights, and only outside ``sync``.
+Only the actor of rank 0 publishes weights, and only outside ``sync``. Data-parallel
+``sync`` (``train.dp = N``): rank ``r``'s rollout and reference take only shard ``r``'s
+prompts and rows (:func:`~asyncflow.workflow.plan.sync_share`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.config import RunConfig
+from asyncflow.dataplane import ShardSampler
 from asyncflow.engines.collective import Collective
 from asyncflow.engines.critic import CriticEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
@@ -32,7 +35,7 @@ from asyncflow.tasks.base import Task
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.weights.subscriber import WeightSubscriber
 from asyncflow.workflow.feeder import PromptFeeder
-from asyncflow.workflow.plan import rewards_in_rollout
+from asyncflow.workflow.plan import rewards_in_rollout, sync_ranks, sync_share
 from asyncflow.workflow.roles.actor import ActorRole
 from asyncflow.workflow.roles.base import Role
 from asyncflow.workflow.roles.critic import CriticRole
@@ -132,8 +135,9 @@ def build_rollout(ctx: RoleContext) -> Role:
     engine = _inference_engine(ctx)
     subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if cfg.mode != "sync" else None
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-    return RolloutRole(engine, ctx.plane, sp, r.group_size, cfg.train.prompts_per_step, cfg.effective_staleness,
-                       subscriber, r.recompute_on_swap, r.on_swap, overprovision=r.overprovision,
+    shard = ctx.rank if sync_ranks(cfg) > 1 else None
+    return RolloutRole(engine, ctx.plane, sp, r.group_size, sync_share(cfg, ctx.rank), cfg.effective_staleness,
+                       subscriber, r.recompute_on_swap, r.on_swap, overprovision=r.overprovision, shard=shard,
                        **(_scoring(ctx) if rewards_in_rollout(cfg) else {}))
 
 
@@ -147,7 +151,7 @@ def build_reference(ctx: RoleContext) -> Role:
     ref_model = copy.deepcopy(ctx.model).eval()
     engine = TrainEngine(ref_model, ctx.tokenizer.pad_token_id, temperature=ctx.cfg.rollout.temperature,
                          **passes(ctx.cfg))
-    return ReferenceRole(engine, ctx.plane)
+    return ReferenceRole(engine, ctx.plane, sampler=ShardSampler(ctx.rank) if sync_ranks(ctx.cfg) > 1 else None)
 
 
 def build_critic(ctx: RoleContext) -> Role:

@@ -3,8 +3,9 @@
 ``train(cfg)``: prepare the initial policy (warm-start), launch the job (data plane,
 weight store, workers of the mode), then per step: feed prompts far enough ahead for the
 staleness bound, train one version, log. Throughput and busy fractions are metered by
-:class:`~asyncflow.observe.report.RunMeter` (whole run, and steady state after step 1). The mode only changes what ``job.step`` does
-(colocated phases for ``sync``, a streamed trainer step for ``stream``/``async``).
+:class:`~asyncflow.observe.report.RunMeter` (whole run, and steady state after step 1). The
+mode only changes what ``job.step`` does (colocated phases for ``sync``, a streamed
+trainer step for ``stream``/``async``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
                 eval_now = every and (v + 1) % every == 0 and v + 1 < steps
                 # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
                 nxt = submit(v + 1) if not eval_now else None
+                assert fut is not None  # v < steps: submitted
                 m = meter.step(job.result(fut, v))
                 if eval_now:
                     m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden

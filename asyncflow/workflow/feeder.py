@@ -1,7 +1,9 @@
 """The prompt feeder: each step's prompts, put into the data plane as one partition.
 
 Partition ``p`` holds step ``p``'s prompts; which prompts depend only on ``(seed, p)``, so a
-run is reproducible whatever the timing, and a resumed run feeds the same prompts.
+run is reproducible whatever the timing, and a resumed run feeds the same prompts. In
+data-parallel ``sync`` (``train.dp = N``) prompt ``i`` of a step is tagged ``shard = i % N``:
+rank ``r`` generates the shard-``r`` prompts (:func:`~asyncflow.workflow.plan.sync_share`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.tasks.base import Task
 from asyncflow.tasks.warmstart import prompt_ids
 from asyncflow.workflow.fields import encode_text
+from asyncflow.workflow.plan import sync_ranks
 
 
 class PromptFeeder:
@@ -32,7 +35,7 @@ class PromptFeeder:
 
     def fill(self, upto: int) -> None:
         """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
-        r = self.cfg.rollout
+        r, shards = self.cfg.rollout, sync_ranks(self.cfg)
         while self.fed < (upto if self.limit is None else min(upto, self.limit)):
             rng = np.random.default_rng([self.cfg.seed, self.fed])
             idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
@@ -45,5 +48,6 @@ class PromptFeeder:
                 gen_len = np.zeros(len(probs))
             self.plane.put({"query_ids": [np.asarray(x, dtype=np.int64) for x in ids],
                          "answer": [encode_text(p.answer) for p in probs],
-                         "gen_len": gen_len.astype(np.int64)}, partition=self.fed)
+                         "gen_len": gen_len.astype(np.int64)}, partition=self.fed,
+                           tags={"shard": [i % shards for i in range(len(probs))]} if shards > 1 else None)
             self.fed += 1

@@ -9,7 +9,9 @@ A data-parallel trainer (``train.dp = N``) is N actor workers, ranks ``0 .. N-1`
 joins them once (``launcher.dp_rendezvous`` on rank 0, then ``join_dp`` on every rank,
 concurrently), and ``submit(v)`` queues ``train_step(v)`` on every rank at once; ``result``
 returns rank 0's metrics. Rank 0 is *the* trainer for everything else (it evaluates, saves the
-checkpoint and publishes weights): the driver's per-step protocol does not change. With
+checkpoint and publishes weights): the driver's per-step protocol does not change. In
+``sync`` the ranks are colocated workers (``colocated``, ``colocated.1``, ...) and ``submit(v)``
+queues ``sync_step(v)`` on each. With
 ``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
 every rank gather the whole weights into rank 0's full copy (``gather_full``).
 """
@@ -37,8 +39,8 @@ class Job:
         self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights, s.threads,
                                                s.rank, s.cores) for s in self.specs}
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"
-        self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles] \
-            if cfg.mode != "sync" else [self.trainer]  # the trainer's workers, rank 0 first
+        # the trainer's workers, rank 0 first (sync: the colocated workers, every one an actor rank)
+        self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles]
         for name in self.workers:  # wait for every worker to be built (errors surface here)
             launcher.call(self.workers[name], "health")
         if len(self.ranks) > 1:
@@ -54,8 +56,8 @@ class Job:
     def submit(self, v: int) -> list[Any]:
         """Queue training of version ``v`` on the trainer (it runs after any step queued
         before it: the trainer's one compute thread takes calls in order); a future."""
-        if self.cfg.mode == "sync":
-            return [self.launcher.submit(self.workers[self.trainer], "sync_step", v)]
+        if self.cfg.mode == "sync":  # every rank generates its share, then all train together
+            return [self.launcher.submit(self.workers[n], "sync_step", v) for n in self.ranks]
         # the trainer starts fetching step v + 1 as soon as v's rows are in hand
         return [self.launcher.submit(self.workers[n], "train_step", v, v + 1 < self.cfg.train.steps)
                 for n in self.ranks]

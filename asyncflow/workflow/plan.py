@@ -1,7 +1,11 @@
 """The worker plan: which workers a mode runs, what each hosts and asks for.
 
 * ``sync``: one colocated worker with every role, sharing one model between the rollout
-  and training engines (weight sync is free), using all cores in every phase;
+  and training engines (weight sync is free), using all cores in every phase; with
+  ``train.dp = N``, N such workers (``colocated``, ``colocated.1``, ...: ranks ``0 .. N-1``,
+  ``resources.sync_threads`` or ``ncpu // N`` threads each), rank ``r`` generating and
+  scoring prompts ``r, r + N, ...`` of each step (:func:`sync_share`; rewards always in
+  rollout), all of them training the step's rows together (PPO's critic: rank 0 only);
 * ``stream`` / ``async``: one worker per role, one torch thread each; the compute roles
   (rollout, the actor's ranks, and reference / critic when the algorithm needs them) share
   the CPUs: each requests ``min(1, ncpu / n_compute)``, so the requests never add up to more
@@ -34,8 +38,9 @@ class WorkerSpec:
 
 
 def rewards_in_rollout(cfg: RunConfig) -> bool:
-    """Rollout scores its own groups (``reward.placement=rollout``; dynamic sampling needs it)."""
-    return cfg.reward.placement == "rollout" or cfg.algorithm.dynamic_sampling
+    """Rollout scores its own groups (``reward.placement=rollout``; dynamic sampling and
+    data-parallel ``sync``, where each rank scores its own answers, need it)."""
+    return cfg.reward.placement == "rollout" or cfg.algorithm.dynamic_sampling or sync_ranks(cfg) > 1
 
 
 def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | None = None,
@@ -51,12 +56,26 @@ def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | Non
     return assign_cores(specs, cores) if cores and cfg.mode != "sync" else specs
 
 
+def sync_ranks(cfg: RunConfig) -> int:
+    """How many colocated ``sync`` workers share each step's prompts (1 outside ``sync``)."""
+    return cfg.train.dp if cfg.mode == "sync" else 1
+
+
+def sync_share(cfg: RunConfig, rank: int) -> int:
+    """Prompts per step that ``sync`` rank ``rank`` generates: the step's prompts ``rank,
+    rank + N, ...`` (prompt ``i`` of a step is tagged shard ``i % N`` by the feeder)."""
+    return len(range(rank, cfg.train.prompts_per_step, sync_ranks(cfg)))
+
+
 def _plan(cfg: RunConfig, ncpu: int) -> list[WorkerSpec]:
     extra = (["reference"] if cfg.algorithm.kl_coef > 0 else []) + (["critic"] if cfg.algorithm.name == "ppo" else [])
     reward = [] if rewards_in_rollout(cfg) else ["reward"]
     if cfg.mode == "sync":
-        roles = ["rollout"] + reward + extra + ["actor"]
-        return [WorkerSpec("colocated", roles, cfg.resources.sync_threads or ncpu, float(ncpu))]
+        n = cfg.train.dp
+        threads = cfg.resources.sync_threads or max(1, ncpu // n)
+        return [WorkerSpec(f"colocated.{i}" if i else "colocated",
+                           ["rollout"] + reward + [x for x in extra if i == 0 or x != "critic"] + ["actor"],
+                           threads, round(ncpu / n, 4) if n > 1 else float(ncpu), rank=i) for i in range(n)]
     n_compute = 1 + cfg.train.dp + len(extra)  # rollout, the actor's ranks and the extras
     share = min(1.0, ncpu / n_compute)
     t = cfg.resources.threads_per_role

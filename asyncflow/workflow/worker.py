@@ -7,7 +7,8 @@ and weight-store clients), so the Ray launcher can construct it inside a fresh p
 Which workers a mode runs and what each hosts: :mod:`asyncflow.workflow.plan`. How each
 role is built from the worker's model, tokenizer and task: :mod:`asyncflow.workflow.builders`.
 A data-parallel trainer (``train.dp = N``) is joined by the job (``dp_address`` on rank 0,
-then ``join_dp`` on every rank) before the first step; the actor is built on the group then.
+then ``join_dp`` on every rank) before the first step; the actor is built on the group then
+(in ``sync`` every rank is a whole colocated worker: ``sync_step`` runs on all at once).
 Core pinning (``resources.pin_cores``): :mod:`asyncflow.workflow.cores`.
 """
 
@@ -169,13 +170,16 @@ class Worker:
         return self._in_order(v, self._sync_step, v)
 
     def _sync_step(self, v: int) -> dict:
-        B, roles = self.cfg.batch_size, self.roles
-        target = (v + 1) * B  # rows each role has produced once partition v is done
-        while roles["rollout"].produced[v] < B:
+        """(Data-parallel: this rank generates, scores and references its share of the step's
+        rows, PPO's critic on rank 0 values all of them; then every rank trains together.)"""
+        roles = self.roles
+        mine = roles["rollout"].batch_rows  # this rank's rows of a step (all of them when it is alone)
+        while roles["rollout"].produced[v] < mine:
             roles["rollout"].poll(0.05)
         for name in ("reward", "reference", "critic"):
+            share = self.cfg.batch_size if name == "critic" else mine
             if name in roles:
-                while roles[name].items < target:
+                while roles[name].items < (v + 1) * share:  # rows the role has produced once step v is done
                     roles[name].poll(0.05)
         out = roles["actor"].train_step(v)
         if "critic" in roles:  # valued by critic version v, updated on step v before the actor's step

@@ -40,6 +40,7 @@ __all__ = [
     "GroupSampler",
     "StalenessSampler",
     "TokenBalancedSampler",
+    "ShardSampler",
     "check_sample",
     "chunk_sizes",
 ]
@@ -132,12 +133,34 @@ class StalenessSampler:
     inner: Sampler = field(default_factory=SequentialSampler)
 
     def sample(self, ready: Sequence[int], n: int, tags: Tags) -> tuple[list[int], list[int]]:
-        stale, fresh = [], []
+        stale: list[int] = []
+        fresh: list[int] = []
         for row in ready:
             version = _tag(tags, "version", row, "StalenessSampler")
             (stale if version < self.min_version else fresh).append(row)
         chosen, consumed = self.inner.sample(fresh, n, tags) if fresh else ([], [])
         return chosen, stale + list(consumed)
+
+
+@dataclass(frozen=True)
+class ShardSampler:
+    """Only the rows of one shard (``tags[tag][row] == shard``), chosen among them by ``inner``.
+
+    Consumers that ask for the same task with the shards ``0 .. N-1`` split the rows between
+    them, each row to exactly one (data-parallel ``sync``: each rank generates and scores its
+    own prompts). Rows of other shards are neither chosen nor consumed.
+
+    >>> ShardSampler(1).sample([0, 1, 2, 3], 4, {"shard": {0: 0, 1: 1, 2: 0, 3: 1}})
+    ([1, 3], [1, 3])
+    """
+
+    shard: int
+    tag: str = "shard"
+    inner: Sampler = field(default_factory=SequentialSampler)
+
+    def sample(self, ready: Sequence[int], n: int, tags: Tags) -> tuple[list[int], list[int]]:
+        mine = [row for row in ready if _tag(tags, self.tag, row, "ShardSampler") == self.shard]
+        return self.inner.sample(mine, n, tags) if mine else ([], [])
 
 
 def chunk_sizes(n_rows: int, world_size: int) -> list[int]:

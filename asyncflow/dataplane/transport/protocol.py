@@ -32,6 +32,7 @@ from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
     SequentialSampler,
+    ShardSampler,
     StalenessSampler,
     TokenBalancedSampler,
 )
@@ -200,9 +201,11 @@ def sampler_to_msg(sampler: Sampler | None) -> dict | None:
         return {"k": "stale", "min_version": sampler.min_version, "inner": sampler_to_msg(sampler.inner)}
     if isinstance(sampler, TokenBalancedSampler):
         return {"k": "tokens", "world_size": sampler.world_size, "inner": sampler_to_msg(sampler.inner)}
+    if isinstance(sampler, ShardSampler):
+        return {"k": "shard", "shard": sampler.shard, "tag": sampler.tag, "inner": sampler_to_msg(sampler.inner)}
     raise ValueError(
         f"sampler {sampler!r} cannot be sent to a remote controller (no pickle); use "
-        "SequentialSampler, GroupSampler, StalenessSampler or TokenBalancedSampler"
+        "SequentialSampler, GroupSampler, StalenessSampler, TokenBalancedSampler or ShardSampler"
     )
 
 
@@ -219,6 +222,8 @@ def sampler_from_msg(msg: Any) -> Sampler:
             return StalenessSampler(int(msg["min_version"]), sampler_from_msg(msg["inner"]))
         if kind == "tokens":
             return TokenBalancedSampler(int(msg["world_size"]), sampler_from_msg(msg["inner"]))
+        if kind == "shard":
+            return ShardSampler(int(msg["shard"]), str(msg["tag"]), sampler_from_msg(msg["inner"]))
     except (KeyError, TypeError) as exc:
         raise ProtocolError(f"malformed sampler {msg!r} ({exc})") from None
     raise ProtocolError(f"unknown sampler {msg!r}")

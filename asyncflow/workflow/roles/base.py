@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
-from asyncflow.dataplane import QueueClosed, QueueTimeout
+from asyncflow.dataplane import BatchMeta, QueueClosed, QueueTimeout, Sampler
+from asyncflow.dataplane.api import DataPlaneClient
+from asyncflow.dataplane.core.rules import Data
 
 MAX_SPANS = 200_000
 
@@ -54,7 +57,7 @@ class Role:
         self.spans: list[tuple[float, float]] = []
 
     @contextmanager
-    def work(self):
+    def work(self) -> Iterator[None]:
         t, c = time.perf_counter(), time.thread_time()
         try:
             yield
@@ -73,11 +76,13 @@ class Role:
         if got < want:
             time.sleep(self.linger_s)
 
-    def fetch(self, plane, task: str, fields: list[str], n: int, partition=None, timeout: float = 0.05):
-        """Up to ``n`` ready rows of ``task`` (at least one, waiting up to ``timeout``):
-        ``(meta, data)``, or ``None`` when nothing came."""
+    def fetch(self, plane: DataPlaneClient, task: str, fields: list[str], n: int, partition: Hashable | None = None,
+              timeout: float = 0.05, sampler: Sampler | None = None) -> tuple[BatchMeta, Data] | None:
+        """Up to ``n`` ready rows of ``task`` (at least one, waiting up to ``timeout``; chosen
+        by ``sampler``, default the oldest): ``(meta, data)``, or ``None`` when nothing came."""
         try:
-            meta, data = plane.get_batch(task, fields, n=n, partition=partition, min_n=1, block=True, timeout=timeout)
+            meta, data = plane.get_batch(task, fields, n=n, partition=partition, min_n=1, block=True, timeout=timeout,
+                                         sampler=sampler)
         except QueueTimeout:
             return None
         return (meta, data) if meta.rows else None

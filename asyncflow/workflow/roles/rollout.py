@@ -50,6 +50,10 @@ ahead of new prompts, as soon as it can have a guaranteed slot (:meth:`GroupPlac
 with ``k = 0`` at the next version), tagged with the version it restarts at. Sync
 mode ends its rollout phase when the step is full, not when the extras finish: they stay in
 the batch and go on in the next phase.
+
+**Shards** (``shard = r``: rank ``r`` of a data-parallel ``sync`` run): rollout takes only the
+prompts tagged ``shard = r`` (``prompts_per_step`` is then its share) and tags its rows so,
+for the rank's reference role.
 """
 
 from __future__ import annotations
@@ -61,7 +65,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane import QueueTimeout
+from asyncflow.dataplane import QueueTimeout, ShardSampler
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.types import Completion, Request, SamplingParams
 from asyncflow.weights.subscriber import WeightSubscriber
@@ -80,7 +84,8 @@ class RolloutRole(Role):
                  recompute_on_swap: bool = True, on_swap: str = "continue",
                  scorer: GroupScorer | None = None,
                  shape: Callable[[np.ndarray, list[int]], Sequence[float] | np.ndarray] | None = None,
-                 feed: Callable[[int], None] | None = None, drop_flat: bool = False, overprovision: int = 0):
+                 feed: Callable[[int], None] | None = None, drop_flat: bool = False, overprovision: int = 0,
+                 shard: int | None = None):
         # engine: any engine of the protocol in asyncflow.engines.types (built-in, vLLM, SGLang, fake)
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
@@ -115,6 +120,7 @@ class RolloutRole(Role):
         self._sid = 0
         self.rewards: dict[int, list[float]] = defaultdict(list)  # partition -> rewards of outbox rows
         self.groups_scored = self.groups_dropped = 0
+        self.shard = shard  # data-parallel sync: only this shard's prompts (see the module docstring)
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -219,8 +225,9 @@ class RolloutRole(Role):
         if self.feed is not None:
             self.feed(self.partition + 1)
         try:
-            meta, data = self.plane.get_batch("rollout", PROMPT_FIELDS, n=n,
-                                           partition=self.partition, min_n=1, block=block, timeout=timeout)
+            meta, data = self.plane.get_batch("rollout", PROMPT_FIELDS, n=n, partition=self.partition, min_n=1,
+                                              sampler=None if self.shard is None else ShardSampler(self.shard),
+                                              block=block, timeout=timeout)
         except QueueTimeout:
             return
         for i, row in enumerate(meta.rows):
@@ -320,6 +327,8 @@ class RolloutRole(Role):
                 data["reward"] = np.asarray(self.rewards.pop(part), dtype=np.float32)
             tags = {"group": [c.key[0] for c in cs], "version": [c.version for c in cs],
                     "tokens": [len(c.prompt_ids) + len(c.response_ids) for c in cs]}
+            if self.shard is not None:
+                tags["shard"] = [self.shard] * len(cs)
             self.plane.put_nowait(data, partition=part, tags=tags)
             self.produced[part] += len(cs)
             self.items += len(cs)
