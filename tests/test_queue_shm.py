@@ -18,6 +18,7 @@ import itertools
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -185,7 +186,7 @@ def test_foreign_names_and_refs_cannot_read_other_files(tmp_path):
     assert secret.read_bytes() == b"s" * 256
 
 
-def test_save_during_a_deferred_clear_writes_only_live_rows(dep, tmp_path):
+def test_save_during_a_deferred_clear_writes_only_live_rows(dep):
     plane = client(dep)
     try:
         a = plane.put({"x": np.zeros((20, 64), np.float32)}, partition="sa")
@@ -194,7 +195,8 @@ def test_save_during_a_deferred_clear_writes_only_live_rows(dep, tmp_path):
         assert meta.rows == a and lease is not None
         plane.clear("sa")  # deferred: the lease holds a's bytes
         assert plane.stats()["deferred_drops"] == 20
-        plane.save(tmp_path)
+        plane.save("deferred")  # a name in the servers' state folder
+        tmp_path = Path(dep.state_dir) / "deferred"
         saved = []
         for name in sorted(tmp_path.glob("data-*.npz")):
             with np.load(name) as arrays:

@@ -27,7 +27,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncflow.dataplane.core.rules import BatchMeta, QueueClosed, QueueTimeout
+from asyncflow.dataplane.core.rules import BatchMeta, DataPlaneUnavailable, QueueClosed, QueueTimeout
 from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
@@ -61,7 +61,7 @@ class ProtocolError(ValueError):
 
 ERRORS: dict[str, type[Exception]] = {
     c.__name__: c
-    for c in (QueueTimeout, QueueClosed, SchemaError, ProtocolError, ValueError, TypeError,
+    for c in (QueueTimeout, QueueClosed, DataPlaneUnavailable, SchemaError, ProtocolError, ValueError, TypeError,
               KeyError, PermissionError, FileNotFoundError)
 }
 
