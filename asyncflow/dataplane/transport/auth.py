@@ -21,11 +21,22 @@ Security model (see also README "Safety and failures"):
 * The client side detects a refused handshake at once (a socket monitor reports
   ``HANDSHAKE_FAILED_AUTH``) and raises :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable`.
 
-Cost on loopback (put+get of 64-row float32 batches, 2 storage units, one client,
-``benchmarks``-style loop, 2-core machine): see :data:`MEASURED`. Big payloads on one
-host go through shared memory (:mod:`asyncflow.dataplane.transport.shm`: 0600 files of the
-job's user), so CURVE encrypts only headers and small frames there; it stays on for every
-deployment, loopback included, because on a shared host the other users are the threat.
+Cost on loopback, measured (``benchmarks/curve_cost.py --iters 4``, 2 storage units, one
+client, a 2-core machine shared with other jobs, so +-20%; ranges are two runs each):
+
+* shm on, 16 MiB batch: put 1.10-1.46 -> 1.04-1.11 GB/s, get 1.38-1.39 -> 1.26-1.43 GB/s
+  (CURVE off -> on; no measurable cost);
+* frames, 2 MiB batch: put 0.48-0.55 -> 0.29-0.39 GB/s, get 0.39-0.67 -> 0.32-0.34 GB/s;
+* frames, 16 MiB batch (shm off): put 0.66-0.85 -> 0.36-0.48 GB/s, get 0.38-0.53 -> 0.28-0.33 GB/s;
+* ``get_meta`` of 1 row, p50: 0.32-0.34 -> 0.33-0.42 ms.
+
+CURVE encrypts every byte that crosses a socket (~0.4 GB/s a core here); big payloads on
+one host go through shared memory (:mod:`asyncflow.dataplane.transport.shm`: 0600 files of
+the job's user) and cost nothing more. Chosen: CURVE on for every deployment, loopback
+included. Loopback does not keep other users out (any local process can connect to
+127.0.0.1), and a token alone would still let every stranger's frames reach the decoder;
+the price, ~3 ms more per 2 MiB put or get, is small against training steps of seconds.
+``launch(secure=False)`` exists for tests of the bare protocol only.
 """
 
 from __future__ import annotations
@@ -37,12 +48,11 @@ from typing import Any
 import zmq
 from zmq.utils import z85
 
-__all__ = ["MEASURED", "Credentials", "ZapCheck", "secure_client", "secure_server"]
+__all__ = ["Credentials", "ZapCheck", "secure_client", "secure_server"]
 
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # where libzmq asks a CURVE server who may connect
-MEASURED = "filled in by the benchmark below"
 
 
 @dataclass(frozen=True)
