@@ -29,7 +29,7 @@ from asyncflow.dataplane import DataPlaneUnavailable, Field, Schema
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.deploy import launch
 
-SCHEMA = Schema([Field("x", "float32", (4,))])
+SCHEMA = Schema([Field("x", "float32", (4,)), Field("wide", "float32", (1024,))])
 ROOT = Path(__file__).resolve().parents[1]
 NOBODY = 65534
 
@@ -80,7 +80,8 @@ def test_a_process_without_the_keys_is_refused_and_the_job_unaffected(dep):
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to run the attacker as user nobody")
 def test_another_os_user_is_refused_and_cannot_open_segments_or_ipc_sockets(dep):
     plane = dep.client()
-    rows = plane.put({"x": np.ones((1 << 18, 4), np.float32)}, partition="big")  # 4 MiB: in segments
+    rows = plane.put({"x": np.ones((1024, 4), np.float32), "wide": np.ones((1024, 1024), np.float32)},
+                     partition="big")  # 4 MiB: in shared-memory segments
     report = _attack(dep, uid=NOBODY)
     assert report["uid"] == NOBODY
     _check_refused(report, 3.0)

@@ -84,7 +84,7 @@ from asyncflow.dataplane.transport.server_base import _PARKED, MAX_MSG_BYTES, _a
 __all__ = ["MAX_ROWS", "ControllerServer"]  # StorageServer: asyncflow.dataplane.transport.storage_server
 
 LEASE_TTL_S = 600.0  # a get_batch lease not released by then is dropped (its client died)
-MAX_ROWS = 1 << 20  # new rows per put (one alloc): a bigger request is refused at once
+MAX_ROWS = 1 << 16  # rows per put (alloc / check_write): a bigger request is refused at once
 UNIT_DEADLINE_S = 120.0  # a storage unit that does not answer save/load by then fails it
 _PING_S = 1.0  # how often the clients of parked requests are checked for being gone
 
@@ -159,6 +159,8 @@ class ControllerServer(_Server):
     def check_write(self, header: dict, frames: list) -> None:
         partition, rows, fields = _args(header, "partition", "rows", "fields")
         self._check_open(f"put into rows of partition {partition!r}")
+        if not isinstance(rows, list) or len(rows) > self.max_rows:
+            raise ValueError(f"put into existing rows needs a list of at most {self.max_rows} rows; split the put")
         fields = self.schema.check_names(fields)
         self.index.check_write(partition, rows, fields)
         for name in fields:

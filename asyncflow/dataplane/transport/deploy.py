@@ -41,7 +41,7 @@ from typing import Any
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.controller_server import ControllerServer
-from asyncflow.dataplane.transport.server_base import _Server
+from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server
 from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
@@ -49,19 +49,21 @@ __all__ = ["Deployment", "launch", "main", "read_keys", "write_keys"]
 
 
 def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | None, state_dir: str,
-                 conn: Any) -> None:
+                 max_msg_bytes: int, conn: Any) -> None:
     creds = None if keys is None else Credentials.from_msg(keys)
-    server = StorageServer(schema_from_msg(schema_msg), bind, token, creds=creds, state_dir=state_dir)
+    server = StorageServer(schema_from_msg(schema_msg), bind, token, creds=creds, state_dir=state_dir,
+                           max_msg_bytes=max_msg_bytes)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
 
 
 def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
-                    capacity: int | None, keys: list | None, state_dir: str, conn: Any) -> None:
+                    capacity: int | None, keys: list | None, state_dir: str, max_msg_bytes: int,
+                    conn: Any) -> None:
     creds = None if keys is None else Credentials.from_msg(keys)
     server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity, creds=creds,
-                              state_dir=state_dir)
+                              state_dir=state_dir, max_msg_bytes=max_msg_bytes)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
@@ -116,13 +118,15 @@ class Deployment:
 
 def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,
            host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp",
-           secure: bool = True, state_dir: str | os.PathLike | None = None) -> Deployment:
+           secure: bool = True, state_dir: str | os.PathLike | None = None,
+           max_msg_bytes: int = MAX_MSG_BYTES) -> Deployment:
     """Start ``n_storage`` storage units and a controller as processes; return their handle.
 
     Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
     the job's 0700 folder (one machine only; skips the TCP stack). ``secure`` (default):
     fresh CURVE keys for this job (see the module docstring). ``state_dir``: the folder
-    ``save``/``load`` names are relative to (default: ``state`` in the job folder). The
+    ``save``/``load`` names are relative to (default: ``state`` in the job folder).
+    ``max_msg_bytes``: the largest message a server reads (bigger ones are dropped). The
     child processes get only plain data (the schema as lists, endpoints, keys, token).
     """
     if transport not in ("tcp", "ipc"):
@@ -153,10 +157,11 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         return parent.recv()
 
     try:
-        pipes = [start(_run_storage, msg, bind(k), token, keys, state) for k in range(n_storage)]  # together
+        pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes)  # all at once
+                 for k in range(n_storage)]
         endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)]
-        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state),
-                               "controller")
+        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
+                                     max_msg_bytes), "controller")
     except BaseException:
         for p in procs:  # none is left behind by a launch that failed
             p.terminate()

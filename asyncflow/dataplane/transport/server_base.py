@@ -101,7 +101,7 @@ class _Server:
             raise PermissionError("request refused: missing or wrong token")
 
     def handle(self, frames: list) -> None:
-        ident, rest, header = frames[0], frames[1:], {}
+        ident, rest, header = frames[0].bytes, frames[1:], {}  # bytes: compared and hashed by value
         try:
             if not rest:
                 raise ProtocolError("empty message")

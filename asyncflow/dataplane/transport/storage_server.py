@@ -71,7 +71,8 @@ class StorageServer(_Server):
 
     def write(self, header: dict, frames: list) -> None:
         rows, spec = _args(header, "rows", "cols")
-        rows = [int(r) for r in rows]
+        if not (isinstance(rows, list) and all(isinstance(r, int) and 0 <= r < 1 << 62 for r in rows)):
+            raise ProtocolError("write: rows must be a list of row ids (ints >= 0)")
         refs, seg = header["a"].get("shm"), None
         if refs is not None:
             frames, seg = self._shm().adopt(refs, frames)
