@@ -285,11 +285,11 @@ class AsyncZmqDataPlane:
         """Save the whole state on the servers' file system (``index.msgpack`` + one npz per
         unit) under ``path``: a name relative to the servers' state folder, fixed at launch
         (``Deployment.state_dir``); a path outside it is refused."""
-        await self._ctrl_call("save", path=os.fspath(path))
+        await self._ctrl_call("save", deadline=20 * self.deadline, path=os.fspath(path))  # waits for every unit
 
     async def load(self, path: str | os.PathLike) -> None:
         """Load a state saved by :meth:`save` (a name in the servers' state folder)."""
-        await self._ctrl_call("load", path=os.fspath(path))
+        await self._ctrl_call("load", deadline=20 * self.deadline, path=os.fspath(path))
 
     # -- reads -------------------------------------------------------------------------
     async def get_meta(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,

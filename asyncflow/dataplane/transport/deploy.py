@@ -95,7 +95,7 @@ class Deployment:
         """Stop every server process (asks them, then terminates stragglers)."""
         if all(p.is_alive() for p in self.processes):  # a dead unit would never answer
             try:
-                self.client().shutdown_servers()
+                self.client(deadline=timeout).shutdown_servers()
             except Exception:
                 pass
         for p in self.processes:

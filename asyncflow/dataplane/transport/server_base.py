@@ -8,7 +8,8 @@ Security (:mod:`asyncflow.dataplane.transport.auth`): with ``creds`` the ROUTER 
 server and this loop also answers the ZAP requests of its context (only the job's client
 key is admitted), so an unauthenticated peer never gets a frame decoded. A monitor on the
 ROUTER counts every failed handshake (``refused``, logged). The token, if any, is checked
-on top; a server without a token refuses a request that carries one. Limits: a message
+on top; a server without a token refuses a request that carries one (both counted in
+``refused`` too). Limits: a message
 larger than ``max_msg_bytes`` (default :data:`MAX_MSG_BYTES`) is dropped by ZeroMQ before
 it is read (the peer is disconnected); ``ROUTER_MANDATORY`` makes a reply to a client
 that is gone fail at once (:meth:`_Server.gone` tells the controller to forget its
@@ -91,12 +92,14 @@ class _Server:
         """The client of ``ident`` disconnected (the controller drops its waiters)."""
 
     def check_token(self, header: dict) -> None:
+        """Refuse (and count) a request whose token differs from this server's."""
         tok = header.get("tok")
-        if self.token is None:
-            if tok:
-                raise PermissionError("request refused: it carries a token but this server has none "
-                                      "(a client of another deployment?)")
+        if self.token is None and not tok:
             return
+        self.refused += self.token is None or not hmac.compare_digest(str(tok or "").encode(), self.token)
+        if self.token is None:
+            raise PermissionError("request refused: it carries a token but this server has none "
+                                  "(a client of another deployment?)")
         if not hmac.compare_digest(str(tok or "").encode(), self.token):
             raise PermissionError("request refused: missing or wrong token")
 
