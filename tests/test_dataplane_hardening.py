@@ -13,6 +13,7 @@ Every wait is bounded (seconds).
 from __future__ import annotations
 
 import os
+import shutil
 import statistics
 import time
 
@@ -37,6 +38,7 @@ def dep():
     d = launch(SCHEMA, n_storage=2, max_msg_bytes=8 << 20)
     yield d
     d.shutdown()
+    shutil.rmtree(d.folder, ignore_errors=True)  # with what was saved in its state folder
 
 
 @pytest.fixture(scope="module")

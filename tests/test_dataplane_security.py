@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -39,6 +40,7 @@ def dep():
     d = launch(SCHEMA, n_storage=2)  # as RayLauncher.data_plane does: no token, keys by default
     yield d
     d.shutdown()
+    shutil.rmtree(d.folder, ignore_errors=True)  # with what was saved in its state folder
 
 
 def _attack(dep, uid=None, units=True, deadline=3.0) -> dict:

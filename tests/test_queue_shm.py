@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import itertools
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -82,6 +83,7 @@ def dep():
     d = launch(SCHEMA, n_storage=2, token="tok")
     yield d
     d.shutdown()
+    shutil.rmtree(d.folder, ignore_errors=True)  # with what was saved in its state folder
 
 
 def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ def dep():
     d = launch(SCHEMA, n_storage=2, token=TOKEN)
     yield d
     d.shutdown()
+    shutil.rmtree(d.folder, ignore_errors=True)  # with what was saved in its state folder
 
 
 @pytest.fixture

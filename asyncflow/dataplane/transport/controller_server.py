@@ -171,6 +171,8 @@ class ControllerServer(_Server):
 
     def commit(self, header: dict, frames: list) -> None:
         partition, rows, fields, tags, abort = _args(header, "partition", "rows", "fields", "tags", "abort")
+        if not isinstance(rows, list) or len(rows) > self.max_rows:
+            raise ValueError(f"commit needs a list of at most {self.max_rows} rows")
         fields = self.schema.check_names(fields)
         self.reserved.difference_update((row, name) for name in fields for row in rows)
         if abort:
