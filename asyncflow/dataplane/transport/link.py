@@ -89,15 +89,19 @@ class Link:
         fut = self.loop.create_future()
         rid = self.send(op, args, buffers)
         self.waiting[rid] = (op, fut)
+        # A timer handle, not asyncio.wait_for (a task per call: ~35 us more per request here).
+        timer = None if limit is None else self.loop.call_later(limit, _expire, fut)
         try:
-            header, frames = await asyncio.wait_for(fut, limit)
-        except asyncio.TimeoutError:
+            header, frames = await fut
+        except _Expired:
             raise DataPlaneUnavailable(
                 f"data plane server {self.endpoint} did not answer {op!r} within {limit:g}s"
                 f"{self.trouble or ''}; is it running, and is this the job's client (Deployment.client())?"
             ) from None
         finally:
             self.waiting.pop(rid, None)
+            if timer is not None:
+                timer.cancel()
         if not header.get("ok"):
             raise error_from_msg(header.get("err", {}))
         return header.get("r"), frames
@@ -151,3 +155,12 @@ class Link:
         self.sock.disable_monitor()
         self.monitor.close(0)
         self.sock.close(0)
+
+
+class _Expired(Exception):
+    """A request's deadline passed (raised into its future by the timer)."""
+
+
+def _expire(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_exception(_Expired())
