@@ -171,3 +171,39 @@ def test_the_keys_never_reach_argv_or_environment(dep):
             with open(f"/proc/{p.pid}/{name}", "rb") as fh:
                 assert secret.encode() not in fh.read()
     assert secret not in repr(dep.credentials)
+
+
+def test_servers_started_by_hand_use_a_0600_key_file(tmp_path):
+    from asyncflow.dataplane.transport.deploy import read_keys
+
+    keys, schema = tmp_path / "job.keys", tmp_path / "schema.json"
+    schema.write_text(json.dumps([["x", "float32", [4], False]]))
+    cmd = [sys.executable, "-m", "asyncflow.dataplane.transport.deploy"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([*cmd, "keys", str(keys)], check=True, env=env, timeout=30)
+    assert stat.S_IMODE(keys.stat().st_mode) == 0o600
+    common = ["--schema", str(schema), "--keys", str(keys), "--state-dir", str(tmp_path)]
+    procs = [subprocess.Popen([*cmd, "storage", *common], stdout=subprocess.PIPE, text=True, env=env)]
+    try:
+        unit = procs[0].stdout.readline().strip()
+        procs.append(subprocess.Popen([*cmd, "controller", *common, "--storage", unit], stdout=subprocess.PIPE,
+                                      text=True, env=env))
+        endpoint = procs[1].stdout.readline().strip()
+        plane = ZmqDataPlane(endpoint, credentials=read_keys(keys), deadline=10)
+        assert plane.put({"x": np.zeros((2, 4), np.float32)}) == [0, 1]
+        plane.save("s")
+        assert (tmp_path / "s" / "index.msgpack").exists()
+        with pytest.raises(DataPlaneUnavailable, match="authentication refused"):
+            ZmqDataPlane(endpoint, deadline=5).stats()
+        keys.chmod(0o644)
+        with pytest.raises(PermissionError, match="mode 0600"):
+            read_keys(keys)
+        plane.shutdown_servers()
+        plane.disconnect()
+    finally:
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)

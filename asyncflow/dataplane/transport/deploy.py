@@ -15,7 +15,7 @@ without them is refused. ``secure=False`` (tests of the bare protocol only) star
 servers without CURVE. For servers started by hand (or by another launcher)::
 
     python -m asyncflow.dataplane.transport.deploy keys job.keys        # 0600 file, once per job
-    python -m asyncflow.dataplane.transport.deploy storage --schema s.json --keys job.keys
+    python -m asyncflow.dataplane.transport.deploy storage --schema s.json --keys job.keys --state-dir DIR
     python -m asyncflow.dataplane.transport.deploy controller --schema s.json --keys job.keys \
         --state-dir DIR --storage tcp://127.0.0.1:PORT0 tcp://127.0.0.1:PORT1
 
@@ -221,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("file", nargs="?", help="keys: the key file to create (mode 0600)")
     ap.add_argument("--schema", help="JSON file: [[name, dtype, shape, ragged], ...]")
     ap.add_argument("--keys", help="the job's key file (from the 'keys' role); without it: no CURVE")
-    ap.add_argument("--state-dir", default=None, help="the only folder save/load may touch")
+    ap.add_argument("--state-dir", default=None, help="the only folder save/load may touch (the same for "
+                    "the controller and every unit; without it both are refused)")
     ap.add_argument("--bind", default="tcp://127.0.0.1:0")
     ap.add_argument("--storage", nargs="*", default=[], help="controller: storage unit endpoints, in order")
     ap.add_argument("--capacity", type=int, default=None)

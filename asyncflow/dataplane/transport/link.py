@@ -86,6 +86,8 @@ class Link:
         raised. ``deadline``: seconds, ``None`` (wait as long as the connection lives) or
         ``True`` (this link's default); past it, :class:`DataPlaneUnavailable`."""
         limit = self.deadline if deadline is True else deadline
+        if self.trouble:  # the last handshake failed and none succeeded since: fail fast
+            raise DataPlaneUnavailable(f"data plane server {self.endpoint}{self.trouble}; request {op!r} not sent")
         fut = self.loop.create_future()
         rid = self.send(op, args, buffers)
         self.waiting[rid] = (op, fut)
