@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,6 +48,7 @@ class Link:
 
     def __init__(self, endpoint: str, token: str, loop: asyncio.AbstractEventLoop,
                  creds: Credentials | None = None, deadline: float | None = DEADLINE_S) -> None:
+        _check_ipc(endpoint)
         # The process-wide context: never collected mid-run (a collected context with a
         # socket still open would hang in term()).
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -166,3 +168,15 @@ class _Expired(Exception):
 def _expire(fut: asyncio.Future) -> None:
     if not fut.done():
         fut.set_exception(_Expired())
+
+
+def _check_ipc(endpoint: str) -> None:
+    """An ``ipc`` socket this process cannot reach (missing, or in another user's 0700
+    job folder) fails now: ZeroMQ would retry the connect forever, silently."""
+    if endpoint.startswith("ipc://"):
+        path = endpoint[len("ipc://"):]
+        try:
+            os.stat(path)
+        except OSError as exc:
+            raise DataPlaneUnavailable(f"data plane socket {path} cannot be reached ({exc.strerror}); is the data "
+                                       "plane running, and is this process the job's user?") from None
