@@ -140,7 +140,7 @@ def test_api_slips_are_errors_naming_the_fix(plane):
     with pytest.raises(SchemaError, match=r"got the str 'x'; pass \['x'\]"):
         plane.get_meta("t", "x", n=1, block=False)
     for n in (True, 0, 1.5):
-        with pytest.raises(ValueError, match="n must be an int >= 1"):
+        with pytest.raises(ValueError, match=r"n must be >= 1 \(an int, not a bool\)"):
             plane.get_meta("t", ["x"], n=n, block=False)
 
 

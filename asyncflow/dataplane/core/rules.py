@@ -66,7 +66,7 @@ def check_request(
     if not isinstance(task, str) or not task:
         raise ValueError(f"task must be a non-empty str, got {task!r}")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}")
+        raise ValueError(f"n must be >= 1 (an int, not a bool), got {n!r}")
     min_n = n if min_n is None else min_n
     if not isinstance(min_n, int) or isinstance(min_n, bool) or not 0 <= min_n <= n:
         raise ValueError(f"min_n must be in [0, n={n}], got {min_n!r}")
