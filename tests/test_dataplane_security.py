@@ -27,6 +27,7 @@ import pytest
 import zmq
 
 from asyncflow.dataplane import DataPlaneUnavailable, Field, Schema
+from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.deploy import launch
 
@@ -87,7 +88,8 @@ def test_another_os_user_is_refused_and_cannot_open_segments_or_ipc_sockets(dep)
     report = _attack(dep, uid=NOBODY)
     assert report["uid"] == NOBODY
     _check_refused(report, 3.0)
-    assert report["shm_seen"] > 0 and report["shm_opened"] == []  # segments: 0600 files of the job's user
+    assert report["shm_opened"] == []  # segments: 0600 files of the job's user
+    assert report["shm_seen"] > 0 or not shm.enabled()
     assert plane.get_meta("big-reader", ["x"], n=len(rows), partition="big").rows == rows
     ipc = launch(SCHEMA, n_storage=1, transport="ipc")
     try:
