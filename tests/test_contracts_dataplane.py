@@ -10,6 +10,8 @@ whole state (``load``) or ends it (``close``).
 
 from __future__ import annotations
 
+import pathlib
+import shutil
 import threading
 import time
 
@@ -31,6 +33,7 @@ class Kind:
 
     def __init__(self, new):
         self._new, self._cleanups, self._shared = new, [], None
+        self._state: dict[int, pathlib.Path | None] = {}  # a deployment's state folder (None: any path)
 
     @property
     def shared(self) -> DataPlaneClient:
@@ -39,9 +42,15 @@ class Kind:
         return self._shared
 
     def fresh(self) -> DataPlaneClient:
-        plane, cleanup = self._new()
+        plane, cleanup, state = self._new()
         self._cleanups.append(cleanup)
+        self._state[id(plane)] = state
         return plane
+
+    def state_folder(self, plane: DataPlaneClient, default: pathlib.Path) -> pathlib.Path:
+        """Where ``plane`` may save and load: its deployment's state folder (the distributed
+        plane writes only there), or ``default``."""
+        return self._state[id(plane)] or default
 
     def teardown(self) -> None:
         for cleanup in reversed(self._cleanups):
@@ -49,7 +58,7 @@ class Kind:
 
 
 def _local():
-    return DataPlane(SCHEMA), lambda: None
+    return DataPlane(SCHEMA), lambda: None, None
 
 
 def _zmq():
@@ -62,7 +71,7 @@ def _zmq():
         client.disconnect()
         dep.shutdown()
 
-    return client, cleanup
+    return client, cleanup, pathlib.Path(dep.state_dir)
 
 
 _ray = {}
@@ -77,7 +86,7 @@ def _ray_plane():
     # kind="ray" before anything else started Ray: the launcher must start (and own) it
     plane = launcher.data_plane(SCHEMA, kind="ray")
     assert launcher._owns, "RayLauncher.data_plane(kind='ray') started Ray behind the launcher's back"
-    return plane, lambda: launcher.release(plane)
+    return plane, lambda: launcher.release(plane), None
 
 
 KINDS = {
@@ -268,9 +277,13 @@ def test_save_then_load_into_a_fresh_deployment(kind, tmp_path):
     rows = src.put({"ids": [[1, 2], [3]], "r": [1.0, 2.0]}, partition="sv", tags={"group": [4, 5]})
     src.get_meta("sv-task", ["r"], n=1, partition="sv")
     src.seal("sv")
-    src.save(tmp_path / "state")
+    src_dir = kind.state_folder(src, tmp_path)
+    src.save(src_dir / "state")
     dst = kind.fresh()
-    dst.load(tmp_path / "state")
+    dst_dir = kind.state_folder(dst, tmp_path)
+    if dst_dir != src_dir:  # the saved files move between deployments as a folder
+        shutil.copytree(src_dir / "state", dst_dir / "state")
+    dst.load(dst_dir / "state")
     assert dst.tags(rows) == {"group": [4, 5]}
     meta, data = dst.get_batch("sv-task", ["ids", "r"], n=2, partition="sv", timeout=5)  # consumption kept...
     assert meta.rows == rows[1:] and [x.tolist() for x in data["ids"]] == [[3]]  # ...and the seal (short batch)
@@ -290,7 +303,7 @@ def test_close_wakes_waiters_and_refuses_calls(kind):
     def wait():
         try:
             plane.get_meta("cl-wait", ["ids"], n=1, partition=0, timeout=20)
-        except BaseException as e:  # noqa: BLE001 - the test inspects it
+        except BaseException as e:
             errors.append(e)
 
     t = threading.Thread(target=wait)

@@ -9,18 +9,30 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
-from asyncflow.dataplane import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
+from asyncflow.dataplane import (
+    BatchMeta,
+    DataPlane,
+    DataPlaneUnavailable,
+    Field,
+    QueueClosed,
+    QueueTimeout,
+    Schema,
+    SchemaError,
+)
 from asyncflow.dataplane.core.samplers import GroupSampler, TokenBalancedSampler
+from asyncflow.dataplane.transport.auth import secure_client
 from asyncflow.dataplane.transport.protocol import shard_of
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.deploy import launch
@@ -34,6 +46,7 @@ def dep():
     d = launch(SCHEMA, n_storage=2, token=TOKEN)
     yield d
     d.shutdown()
+    shutil.rmtree(d.folder, ignore_errors=True)  # with what was saved in its state folder
 
 
 @pytest.fixture
@@ -109,32 +122,37 @@ def test_reset_consumption_and_clear_rows(plane):
         plane.get_data(BatchMeta("rc", [rows[1]], ["r"]))
 
 
-def test_save_load_across_deployments(tmp_path, plane):
+def test_save_load_across_deployments(dep, plane):
+    state = Path(dep.state_dir)  # the servers save and load only in their state folder
     plane.put({"ids": [[1, 2], [3]], "r": [1.0, 2.0]}, partition="sv", tags={"group": [0, 0]})
-    plane.save(tmp_path / "s")
+    plane.save("s")
     local = DataPlane(SCHEMA)  # a distributed save loads in process, and back
-    local.load(tmp_path / "s")
+    local.load(state / "s")
     meta, data = local.get_batch("sv", ["ids", "r"], n=2, partition="sv", sampler=GroupSampler(2))
     assert [x.tolist() for x in data["ids"]] == [[1, 2], [3]]
-    local.save(tmp_path / "l")
+    local.save(state / "l")
     plane.clear("sv")
-    plane.load(tmp_path / "l")
+    plane.load(state / "l")
     assert plane.get_meta("sv", ["r"], n=2, partition="sv", block=False).rows == []  # consumed in 'local'
     assert len(plane.get_batch("sv2", ["ids"], n=2, partition="sv")[1]["ids"]) == 2
 
 
-def test_pickled_client_reconnects(plane):
+def test_pickled_client_reconnects(dep, plane):
     rows = plane.put({"r": [5.0]}, partition="pk")
     copy = pickle.loads(pickle.dumps(plane))
     assert copy.get_batch("pk", ["r"], n=1, partition="pk")[1]["r"].tolist() == [5.0]
-    assert b"test-token" in pickle.dumps(plane) and len(pickle.dumps(plane)) < 200
+    # endpoint, token and the client's keys (no server secret) only
+    assert b"test-token" in pickle.dumps(plane) and len(pickle.dumps(plane)) < 500
+    assert dep.credentials.server_secret.encode() not in pickle.dumps(plane)
     assert rows
 
 
-def _raw(endpoint, frames):
+def _raw(endpoint, frames, creds=None):
     ctx = zmq.Context.instance()
     s = ctx.socket(zmq.DEALER)
     s.setsockopt(zmq.LINGER, 0)
+    if creds is not None:
+        secure_client(s, creds)
     s.connect(endpoint)
     s.send_multipart(frames)
     assert s.poll(5000), "no reply"
@@ -161,9 +179,9 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, plane):
         [msgpack.packb({"op": "stats", "id": 1, "tok": "wrong"})],
     ]
     for frames in bad:
-        reply = _raw(dep.endpoint, frames)
+        reply = _raw(dep.endpoint, frames, dep.credentials)
         assert reply["ok"] is False and reply["err"]["msg"], frames
-    assert _raw(dep.endpoint, bad[-1])["err"]["type"] == "PermissionError"
+    assert _raw(dep.endpoint, bad[-1], dep.credentials)["err"]["type"] == "PermissionError"
     unit = _units(plane)[shard_of(rows[0], 2)]
     for spec, buffers in [
         ([["nope", "f", "<f4", [1]]], [np.zeros(1, np.float32).tobytes()]),  # unknown field
@@ -174,13 +192,15 @@ def test_malformed_requests_get_error_replies_and_data_survives(dep, plane):
         ([["r", "f", "<f4", [1]]], [np.zeros(1, np.float32).tobytes()]),  # write-once
     ]:
         frames = [msgpack.packb({"op": "write", "id": 1, "tok": TOKEN, "a": {"rows": rows, "cols": spec}}), *buffers]
-        reply = _raw(unit, frames)
+        reply = _raw(unit, frames, dep.credentials)
         assert reply["ok"] is False, spec
-    assert _raw(unit, [b"\x00"])["ok"] is False
+    assert _raw(unit, [b"\x00"], dep.credentials)["ok"] is False
     meta, data = plane.get_batch("mal", ["ids", "r"], n=1, partition="mal")
     assert data["ids"][0].tolist() == [9, 9] and data["r"].tolist() == [9.0]
     with pytest.raises(PermissionError):
-        ZmqDataPlane(dep.endpoint, token="wrong").stats()
+        ZmqDataPlane(dep.endpoint, token="wrong", credentials=dep.credentials).stats()
+    with pytest.raises(DataPlaneUnavailable, match="authentication refused"):
+        ZmqDataPlane(dep.endpoint, token=TOKEN, deadline=5).stats()  # no keys: refused at the handshake
 
 
 def test_close_wakes_every_waiter_and_capacity_waits():

@@ -47,7 +47,7 @@ def check(data):
 
 def test_concurrent_get_meta_waiters_are_woken_by_puts(dep):
     async def main():
-        plane = AsyncZmqDataPlane(dep.endpoint)
+        plane = AsyncZmqDataPlane(dep.endpoint, credentials=dep.credentials)
         waiters = [asyncio.create_task(plane.get_meta(f"w{i}", ["uid"], n=2, partition="aw", timeout=20))
                    for i in range(4)]
         await asyncio.sleep(0.2)
@@ -65,7 +65,7 @@ def test_concurrent_get_meta_waiters_are_woken_by_puts(dep):
 
 
 def test_async_core_pickles_and_refuses_a_second_loop(dep):
-    plane = AsyncZmqDataPlane(dep.endpoint)
+    plane = AsyncZmqDataPlane(dep.endpoint, credentials=dep.credentials)
     assert run(plane.put(rows_of([3]), partition="pk")) != []
     with pytest.raises(RuntimeError, match="another event loop"):
         run(plane.stats())
@@ -74,7 +74,7 @@ def test_async_core_pickles_and_refuses_a_second_loop(dep):
 
 
 def test_put_nowait_returns_before_the_round_trip_and_errors_surface_next_call(dep):
-    plane = ZmqDataPlane(dep.endpoint)
+    plane = ZmqDataPlane(dep.endpoint, credentials=dep.credentials)
     rows = plane.put({"uid": [7, 8]}, partition="nw")
     good = np.arange(40, dtype=np.int64)
     for k in range(0, 20, 4):  # puts sent before the failing one
@@ -100,7 +100,7 @@ def test_put_nowait_returns_before_the_round_trip_and_errors_surface_next_call(d
 
 
 def test_put_nowait_does_not_wait_for_the_servers(dep):
-    plane = ZmqDataPlane(dep.endpoint)
+    plane = ZmqDataPlane(dep.endpoint, credentials=dep.credentials)
     plane.stats()
     block = np.zeros((4096, 4), np.float32)
     t = time.perf_counter()
@@ -119,7 +119,7 @@ def test_put_nowait_does_not_wait_for_the_servers(dep):
 
 
 def test_one_sync_client_shared_by_threads(dep):
-    plane = ZmqDataPlane(dep.endpoint)
+    plane = ZmqDataPlane(dep.endpoint, credentials=dep.credentials)
     got = []
     t = threading.Thread(target=lambda: got.append(plane.get_meta("th", ["uid"], n=1, partition="th", timeout=10)))
     t.start()
@@ -137,7 +137,8 @@ def test_clear_between_meta_and_fetch_never_loses_the_batch(dep, monkeypatch, ho
     handed the rows out and before the storage units are read."""
 
     async def main():
-        plane, other = AsyncZmqDataPlane(dep.endpoint), AsyncZmqDataPlane(dep.endpoint)
+        plane, other = (AsyncZmqDataPlane(dep.endpoint, credentials=dep.credentials),
+                        AsyncZmqDataPlane(dep.endpoint, credentials=dep.credentials))
         part = f"win-{how}"
         rows = await plane.put(rows_of(list(range(100, 200))), partition=part)
         real = plane.get_data
@@ -180,14 +181,14 @@ def test_get_batch_racing_clears_returns_complete_data_or_nothing(dep, n_rows, b
     rnd = random.Random(seed)
 
     async def main():
-        plane = AsyncZmqDataPlane(dep.endpoint)
+        plane = AsyncZmqDataPlane(dep.endpoint, credentials=dep.credentials)
         rows = await plane.put(rows_of(list(range(n_rows))), partition=part)
         await plane.seal(part)
         got: list[int] = []
         finished = asyncio.Event()
 
         async def consume(i):
-            client = AsyncZmqDataPlane(dep.endpoint)  # its own sockets
+            client = AsyncZmqDataPlane(dep.endpoint, credentials=dep.credentials)  # its own sockets
             while True:
                 meta, data = await client.get_batch("race", ["uid", "x", "ids"], n=batch, partition=part,
                                                     block=False)

@@ -36,6 +36,7 @@ numpy, msgpack and pyzmq only: no torch, no ray in this package.
 """
 
 from asyncflow.dataplane.core.controller import BatchMeta, DataPlane, QueueClosed, QueueTimeout
+from asyncflow.dataplane.core.rules import DataPlaneUnavailable
 from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
@@ -50,6 +51,7 @@ from asyncflow.dataplane.core.schema import Field, Schema, SchemaError
 __all__ = [
     "BatchMeta",
     "DataPlane",
+    "DataPlaneUnavailable",
     "Field",
     "GroupSampler",
     "QueueClosed",

@@ -66,10 +66,11 @@ class DataPlaneClient(Protocol):
         """Counters: live rows, partitions, consumed and dropped per task, waiting calls, ..."""
 
     def save(self, path: str | os.PathLike) -> None:
-        """Persist the whole state (msgpack + npz, no pickle) under ``path``."""
+        """Persist the whole state (msgpack + npz, no pickle) under ``path`` (the distributed
+        plane: a path inside its deployment's state folder; nothing from the wire escapes it)."""
 
     def load(self, path: str | os.PathLike) -> None:
-        """Replace the state with one saved by any deployment."""
+        """Replace the state with one saved by any deployment (same folder rule as ``save``)."""
 
     def close(self) -> None:
         """Stop: waiting calls raise ``QueueClosed``; stored data stays readable."""

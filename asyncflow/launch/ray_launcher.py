@@ -19,9 +19,10 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
   raised inside the data plane (timeout, closed, schema) is re-raised as itself.
 * The data plane (``resources.data_plane``): ``zmq`` is the distributed ZeroMQ data plane
   (:mod:`asyncflow.dataplane.transport.deploy`: a controller + ``resources.storage_units`` storage
-  units as child processes of the driver, bound to loopback; roles get its picklable
-  client); ``ray`` is one threaded actor holding an in-process ``DataPlane`` (calls go
-  through Ray's RPC), which works across the nodes of a Ray cluster; ``auto`` (the
+  units as child processes of the driver, bound to loopback, with fresh CURVE keys per
+  job; roles get its picklable client, which carries the client keys); ``ray`` is one
+  threaded actor holding an in-process ``DataPlane`` (calls go through Ray's RPC), which
+  works across the nodes of a Ray cluster; ``auto`` (the
   default) takes ``zmq`` when every Ray node is this machine, else ``ray``.
 """
 

@@ -21,7 +21,26 @@ import numpy as np
 
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 
-__all__ = ["data_files", "load_state", "save_arrays", "save_state"]
+__all__ = ["contained_path", "data_files", "load_state", "save_arrays", "save_state"]
+
+
+def contained_path(root: str | os.PathLike, name: str) -> str:
+    """``name`` resolved inside the folder ``root``, or ``PermissionError``.
+
+    A relative name is taken inside ``root``; an absolute one must already lie inside it.
+    ``..`` components are refused, and so is any path that leaves ``root`` once symlinks
+    are resolved (a server writes or reads nothing outside its state folder)."""
+    if not isinstance(name, str) or not name or "\x00" in name:
+        raise ValueError(f"save/load path must be a non-empty str, got {name!r}")
+    real_root = os.path.realpath(root)
+    if ".." in name.replace("\\", "/").split("/"):
+        raise PermissionError(f"save/load path {name!r} refused: '..' is not allowed; pass a name inside "
+                              f"the data plane's state folder {real_root}")
+    path = os.path.realpath(os.path.join(real_root, name))
+    if os.path.commonpath([real_root, path]) != real_root:
+        raise PermissionError(f"save/load path {name!r} refused: it lies outside the data plane's state "
+                              f"folder {real_root}; pass a name relative to it")
+    return path
 
 
 def save_state(path: str | os.PathLike, schema: Schema, index_state: dict) -> None:

@@ -18,7 +18,7 @@ from asyncflow.dataplane.core.index import RowIndex
 from asyncflow.dataplane.core.samplers import Sampler, check_sample
 from asyncflow.dataplane.core.schema import Schema
 
-__all__ = ["BatchMeta", "Data", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
+__all__ = ["BatchMeta", "Data", "DataPlaneUnavailable", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
 
 
 class QueueClosed(RuntimeError):
@@ -27,6 +27,11 @@ class QueueClosed(RuntimeError):
 
 class QueueTimeout(TimeoutError):
     """A blocking call ran out of time; the message says what it waited for."""
+
+
+class DataPlaneUnavailable(ConnectionError):
+    """A data-plane server did not answer (not running, unreachable, or it refused this
+    client's credentials); the message names the endpoint and the request."""
 
 
 @dataclass
@@ -60,10 +65,10 @@ def check_request(
     fields = schema.check_names(fields)
     if not isinstance(task, str) or not task:
         raise ValueError(f"task must be a non-empty str, got {task!r}")
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be >= 1 (an int), got {n!r}")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"n must be >= 1 (an int, not a bool), got {n!r}")
     min_n = n if min_n is None else min_n
-    if not isinstance(min_n, int) or not 0 <= min_n <= n:
+    if not isinstance(min_n, int) or isinstance(min_n, bool) or not 0 <= min_n <= n:
         raise ValueError(f"min_n must be in [0, n={n}], got {min_n!r}")
     return fields, min_n
 

@@ -121,7 +121,10 @@ class Schema:
         return isinstance(other, Schema) and self.fields == other.fields
 
     def check_names(self, names: Iterable[str]) -> list[str]:
-        """Return ``names`` as a list, raising :class:`SchemaError` on an unknown one."""
+        """Return ``names`` as a list, raising :class:`SchemaError` on an unknown one (or a
+        bare str, which would otherwise read as its letters)."""
+        if isinstance(names, (str, bytes)):
+            raise SchemaError(f"fields must be a list of field names, got the str {names!r}; pass [{names!r}]")
         out = list(names)
         for name in out:
             self[name]

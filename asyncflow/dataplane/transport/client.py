@@ -8,7 +8,7 @@ there is one implementation of every data-plane operation. Thread-safe: calls fr
 threads run concurrently on the one loop (a blocked ``get_meta`` holds up nothing else).
 The loop thread stops (after flushing sent ``put_nowait``) on :meth:`ZmqDataPlane.disconnect`,
 when the client is garbage-collected, or at interpreter exit. Picklable: only
-``(endpoint, token)`` travels. No module-level clients.
+``(endpoint, token, credentials)`` travel. No module-level clients.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from asyncflow.dataplane.core.schema import Schema
+from asyncflow.dataplane.transport.auth import Credentials
 
 if TYPE_CHECKING:
     from asyncflow.dataplane.core.rules import BatchMeta, Data
     from asyncflow.dataplane.core.samplers import Sampler
 from asyncflow.dataplane.transport.client_async import AsyncZmqDataPlane
+from asyncflow.dataplane.transport.link import DEADLINE_S
 
 __all__ = ["AsyncZmqDataPlane", "ZmqDataPlane"]
 
@@ -61,23 +63,32 @@ class ZmqDataPlane:
     """Synchronous client: each method runs the same-named :class:`AsyncZmqDataPlane`
     coroutine on a private event-loop thread and returns its result (thread-safe)."""
 
-    def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True) -> None:
+    def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
+                 credentials: Credentials | None = None, deadline: float = DEADLINE_S) -> None:
         self.endpoint, self.token, self.use_shm = endpoint, token, use_shm
+        self.credentials = None if credentials is None else credentials.for_client()
+        self.deadline = deadline
         self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
-        self._core = AsyncZmqDataPlane(self.endpoint, self.token, self.use_shm)
+        self._core = AsyncZmqDataPlane(self.endpoint, self.token, self.use_shm, credentials=self.credentials,
+                                       deadline=self.deadline)
         self._thread: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm}
+        return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm,
+                "keys": None if self.credentials is None else self.credentials.to_msg(),
+                "deadline": self.deadline}
 
     def __setstate__(self, state: dict) -> None:
         self.endpoint, self.token = state["endpoint"], state["token"]
         self.use_shm = state.get("use_shm", True)
+        keys = state.get("keys")
+        self.credentials = None if keys is None else Credentials.from_msg(keys)
+        self.deadline = state.get("deadline", DEADLINE_S)
         self._reset()
 
     def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:

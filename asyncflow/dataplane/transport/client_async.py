@@ -2,7 +2,7 @@
 
 :class:`AsyncZmqDataPlane` holds every data-plane method as a coroutine; the synchronous
 :class:`~asyncflow.dataplane.transport.client.ZmqDataPlane` that the roles use only runs these on a
-private event-loop thread. Both are picklable (only ``(endpoint, token)`` travels;
+private event-loop thread. Both are picklable (only ``(endpoint, token, credentials)`` travel;
 sockets, the schema fetched with ``hello`` and the loop thread are created lazily in the
 process that uses the copy, and again after a fork). There are no module-level clients.
 
@@ -33,6 +33,14 @@ Invariants:
 * ``get_batch`` pins the rows it is handed until their data is read (``get_meta`` with
   ``pin``, then ``unpin``): a racing ``clear`` forgets them at once but the controller
   frees their bytes only after the read, so a get returns complete data.
+* Every request has a deadline (``deadline``, default 30 s; a waiting ``get_meta`` or a
+  ``put`` waiting for room gets its own ``timeout`` plus that margin, and none when it has
+  no timeout: the connection monitor still fails it if its server goes away). A server
+  that does not answer, refuses this client's credentials or drops the connection raises
+  :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable` naming the endpoint and the
+  request, never a hang. ``credentials`` (a client copy of the job's
+  :class:`~asyncflow.dataplane.transport.auth.Credentials`) make every socket a CURVE client.
+* ``save``/``load`` paths are names inside the servers' state folder (fixed at launch).
 * A core belongs to the event loop that first uses it (a clear error otherwise).
   Cancelling a waiting ``get_meta`` does not withdraw it from the server: rows it is then
   handed count as consumed; pass ``timeout`` to bound a wait instead.
@@ -52,6 +60,8 @@ from asyncflow.dataplane.core.rules import BatchMeta, Data, check_request
 from asyncflow.dataplane.core.samplers import Sampler
 from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
 from asyncflow.dataplane.transport import shm
+from asyncflow.dataplane.transport.auth import Credentials
+from asyncflow.dataplane.transport.link import DEADLINE_S
 from asyncflow.dataplane.transport.link import Link as _Link
 from asyncflow.dataplane.transport.protocol import (
     decode_columns,
@@ -67,8 +77,13 @@ class AsyncZmqDataPlane:
     """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
 
     def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
-                 shm_min_bytes: int = shm.MIN_BYTES) -> None:
+                 shm_min_bytes: int = shm.MIN_BYTES, credentials: Credentials | None = None,
+                 deadline: float = DEADLINE_S) -> None:
         self.endpoint, self.token = endpoint, token
+        self.credentials = None if credentials is None else credentials.for_client()
+        if not (isinstance(deadline, (int, float)) and deadline > 0):
+            raise ValueError(f"deadline must be a number of seconds > 0, got {deadline!r}")
+        self.deadline = float(deadline)
         self.use_shm, self.shm_min_bytes = use_shm, shm_min_bytes
         self.recycle_min_bytes = shm.RECYCLE_MIN  # a write this big asks its unit for a recycled segment
         self._reset()
@@ -87,10 +102,15 @@ class AsyncZmqDataPlane:
 
     def __getstate__(self) -> dict:
         return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm,
-                "shm_min_bytes": self.shm_min_bytes, "recycle_min_bytes": self.recycle_min_bytes}
+                "shm_min_bytes": self.shm_min_bytes, "recycle_min_bytes": self.recycle_min_bytes,
+                "keys": None if self.credentials is None else self.credentials.to_msg(),
+                "deadline": self.deadline}
 
     def __setstate__(self, state: dict) -> None:
         self.endpoint, self.token = state["endpoint"], state["token"]
+        keys = state.get("keys")
+        self.credentials = None if keys is None else Credentials.from_msg(keys)
+        self.deadline = state.get("deadline", DEADLINE_S)
         self.use_shm = state.get("use_shm", True)
         self.shm_min_bytes = state.get("shm_min_bytes", shm.MIN_BYTES)
         self.recycle_min_bytes = state.get("recycle_min_bytes", shm.RECYCLE_MIN)
@@ -109,7 +129,7 @@ class AsyncZmqDataPlane:
                                "(copy.copy or pickle) per loop")
         if self._schema is None:
             if self._hello is None:
-                self._ctrl = _Link(self.endpoint, self.token or "", loop)
+                self._ctrl = self._link(self.endpoint, loop)
                 self._hello = loop.create_task(self._connect(loop))
             try:
                 await asyncio.shield(self._hello)
@@ -123,7 +143,7 @@ class AsyncZmqDataPlane:
         """``hello`` to the controller, then connect every storage unit (and probe shared memory)."""
         assert self._ctrl is not None  # created with the hello task
         hello, _ = await self._ctrl.call("hello", {})
-        units = [_Link(ep, self.token or "", loop) for ep in hello["storage"]]
+        units = [self._link(ep, loop) for ep in hello["storage"]]
         try:
             prefixes = await _all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
                 else [None] * len(units)
@@ -134,10 +154,17 @@ class AsyncZmqDataPlane:
         self._unit_endpoints, self._units, self._shm_prefix = list(hello["storage"]), units, prefixes
         self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
 
-    async def _ctrl_call(self, op: str, **args: Any) -> Any:
+    def _link(self, endpoint: str, loop: asyncio.AbstractEventLoop) -> _Link:
+        return _Link(endpoint, self.token or "", loop, self.credentials, self.deadline)
+
+    def _wait_limit(self, timeout: float | None) -> float | None:
+        """The deadline of a request that waits server-side for up to ``timeout``."""
+        return None if timeout is None else float(timeout) + self.deadline
+
+    async def _ctrl_call(self, op: str, deadline: float | None | bool = True, **args: Any) -> Any:
         await self._enter()
         assert self._ctrl is not None  # connected by _enter
-        return (await self._ctrl.call(op, args))[0]
+        return (await self._ctrl.call(op, args, deadline=deadline))[0]
 
     async def get_schema(self) -> Schema:
         await self._enter()
@@ -176,7 +203,8 @@ class AsyncZmqDataPlane:
         fields, ctrl = list(columns), self._ctrl
         assert ctrl is not None  # connected by _enter
         if rows is None:
-            rows = (await ctrl.call("alloc", {"partition": partition, "n": n_rows, "timeout": timeout}))[0]
+            rows = (await ctrl.call("alloc", {"partition": partition, "n": n_rows, "timeout": timeout},
+                                    deadline=self._wait_limit(timeout)))[0]
         else:
             await ctrl.call("check_write", {"partition": partition, "rows": rows, "fields": fields})
         commit = {"partition": partition, "rows": rows, "fields": fields, "tags": tag_lists, "abort": False}
@@ -263,11 +291,14 @@ class AsyncZmqDataPlane:
         await self._ctrl_call("close")
 
     async def save(self, path: str | os.PathLike) -> None:
-        """Save the whole state on the servers' file system (``index.msgpack`` + one npz per unit)."""
-        await self._ctrl_call("save", path=os.path.abspath(path))
+        """Save the whole state on the servers' file system (``index.msgpack`` + one npz per
+        unit) under ``path``: a name relative to the servers' state folder, fixed at launch
+        (``Deployment.state_dir``); a path outside it is refused."""
+        await self._ctrl_call("save", deadline=20 * self.deadline, path=os.fspath(path))  # waits for every unit
 
     async def load(self, path: str | os.PathLike) -> None:
-        await self._ctrl_call("load", path=os.path.abspath(path))
+        """Load a state saved by :meth:`save` (a name in the servers' state folder)."""
+        await self._ctrl_call("load", deadline=20 * self.deadline, path=os.fspath(path))
 
     # -- reads -------------------------------------------------------------------------
     async def get_meta(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
@@ -284,7 +315,8 @@ class AsyncZmqDataPlane:
         fields, _ = check_request(self._schema, task, fields, n, min_n)
         msg = await self._ctrl_call("get_meta", task=task, fields=fields, n=n, partition=partition,
                                     sampler=sampler_to_msg(sampler), min_n=min_n, block=block,
-                                    timeout=timeout, pin=pin)
+                                    timeout=timeout, pin=pin,
+                                    deadline=self._wait_limit(timeout) if block else True)
         return meta_from_msg(msg), (msg[4] if len(msg) > 4 else None)
 
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:

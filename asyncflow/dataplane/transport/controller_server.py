@@ -23,8 +23,16 @@ that must wait (``get_meta`` for rows not ready yet, ``alloc`` without capacity)
 never holds up another; ``close`` answers every parked request with ``QueueClosed`` and
 an expired one gets ``QueueTimeout`` (checked at least every 50 ms).
 
-Safety: bind to 127.0.0.1 by default; with ``token`` set, a request without the same
-token is refused (``PermissionError``) before anything is decoded further. Every malformed
+Safety: bind to 127.0.0.1 by default; with ``creds`` (what :func:`launch` always gives)
+every connection is CURVE-authenticated and encrypted and only the job's clients get in
+(:mod:`asyncflow.dataplane.transport.server_base`, :mod:`asyncflow.dataplane.transport.auth`);
+the controller's own links to the units are CURVE clients too. With ``token`` set, a
+request without the same token is refused (``PermissionError``). ``save``/``load`` touch
+only paths inside ``state_dir`` (fixed at start; a wire path is a name relative to it,
+``..``, absolute paths outside it and escaping symlinks are refused; no ``state_dir``: both
+refused). A put allocates at most ``max_rows`` rows per request; a blocked request whose
+client disconnected is dropped (its reply bounces, and every second the controller pings
+the clients it holds waiters for). Every malformed
 request (garbage bytes, unknown op or field, bad dtype, wrong byte count) gets an error
 reply and changes nothing; the server goes on. No pickle on any socket. Shared-memory refs
 (same host) name only files under the storage unit's own prefix (:mod:`asyncflow.dataplane.transport.shm`).
@@ -44,7 +52,6 @@ rows are cleared).
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -54,97 +61,32 @@ import zmq
 
 from asyncflow.dataplane.core.index import RowIndex, check_partition_name
 from asyncflow.dataplane.core.leases import Leases
-from asyncflow.dataplane.core.persist import load_state, save_state
+from asyncflow.dataplane.core.persist import contained_path, load_state, save_state
 from asyncflow.dataplane.core.rules import (
     BatchMeta,
+    DataPlaneUnavailable,
     QueueClosed,
     QueueTimeout,
     check_request,
     try_sample,
 )
 from asyncflow.dataplane.core.schema import Schema, schema_to_msg, validate_tags
+from asyncflow.dataplane.transport.auth import Credentials, secure_client
 from asyncflow.dataplane.transport.protocol import (
-    ProtocolError,
-    error_to_msg,
     meta_to_msg,
     pack_header,
     sampler_from_msg,
     shard_of,
     unpack_header,
 )
+from asyncflow.dataplane.transport.server_base import _PARKED, MAX_MSG_BYTES, _args, _Server
 
-__all__ = ["ControllerServer"]  # StorageServer: asyncflow.dataplane.transport.storage_server
+__all__ = ["MAX_ROWS", "ControllerServer"]  # StorageServer: asyncflow.dataplane.transport.storage_server
 
-_PARKED = object()
-_POLL_MS = 50
 LEASE_TTL_S = 600.0  # a get_batch lease not released by then is dropped (its client died)
-
-
-class _Server:
-    """A ROUTER socket and the request loop shared by both servers."""
-
-    def __init__(self, bind: str, token: str | None) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(bind[:-2] + ":*" if bind.endswith(":0") else bind)
-        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self.token = token.encode() if token else None
-        self.running = True
-        self.parking_ops: frozenset[str] = frozenset()  # handlers that may answer later
-        self.ops: dict[str, Callable[..., Any]] = {"ping": lambda h, f: "pong", "shutdown": self._shutdown}
-
-    def _shutdown(self, header: dict, frames: list) -> None:
-        self.running = False
-
-    def reply(self, ident: bytes, rid: Any, result: Any = None, buffers: Sequence[Any] = (),
-              error: BaseException | None = None) -> None:
-        header = {"id": rid, "ok": True, "r": result} if error is None else {
-            "id": rid, "ok": False, "err": error_to_msg(error)}
-        self.sock.send_multipart([ident, pack_header(header), *buffers], copy=False)
-
-    def handle(self, frames: list) -> None:
-        ident, rest, header = frames[0], frames[1:], {}
-        try:
-            if not rest:
-                raise ProtocolError("empty message")
-            header = unpack_header(rest[0].buffer)
-            if self.token is not None and not hmac.compare_digest(
-                    str(header.get("tok", "")).encode(), self.token):
-                raise PermissionError("request refused: missing or wrong token")
-            op = self.ops.get(header.get("op", ""))
-            if op is None:
-                raise ProtocolError(f"unknown op {header.get('op')!r}; known: {sorted(self.ops)}")
-            if header.get("op") in self.parking_ops:
-                out = op(header, rest[1:], ident=ident)
-            else:
-                out = op(header, rest[1:])
-            if out is _PARKED or header.get("noreply"):
-                return
-            result, buffers = out if isinstance(out, tuple) else (out, ())
-            self.reply(ident, header.get("id"), result, buffers)
-        except Exception as exc:  # every failure becomes an error reply; the loop goes on
-            if not header.get("noreply"):
-                self.reply(ident, header.get("id") if isinstance(header, dict) else None, error=exc)
-
-    def on_idle(self) -> None:
-        pass
-
-    def serve_forever(self) -> None:
-        try:
-            while self.running:
-                if self.sock.poll(_POLL_MS):
-                    self.handle(self.sock.recv_multipart(copy=False))
-                self.on_idle()
-        finally:
-            self.ctx.destroy(linger=0)  # closes every socket of this server
-
-
-def _args(header: dict, *names: str) -> list[Any]:
-    try:
-        return [header["a"][n] for n in names]
-    except (KeyError, TypeError) as exc:
-        raise ProtocolError(f"op {header.get('op')!r}: missing argument {exc}") from None
+MAX_ROWS = 1 << 16  # rows per put (alloc / check_write): a bigger request is refused at once
+UNIT_DEADLINE_S = 120.0  # a storage unit that does not answer save/load by then fails it
+_PING_S = 1.0  # how often the clients of parked requests are checked for being gone
 
 
 @dataclass
@@ -160,11 +102,14 @@ class ControllerServer(_Server):
     """The control plane: row ids, produced/consumed state, parked waiters."""
 
     def __init__(self, schema: Schema, storage: Sequence[str], bind: str = "tcp://127.0.0.1:0",
-                 token: str | None = None, capacity: int | None = None) -> None:
-        super().__init__(bind, token)
+                 token: str | None = None, capacity: int | None = None, creds: Credentials | None = None,
+                 state_dir: str | None = None, max_rows: int = MAX_ROWS,
+                 max_msg_bytes: int = MAX_MSG_BYTES) -> None:
+        super().__init__(bind, token, creds, max_msg_bytes)
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
         self.schema, self.storage_endpoints, self.capacity = schema, list(storage), capacity
+        self.state_dir, self.max_rows, self._pinged = state_dir, max_rows, time.monotonic()
         self.index = RowIndex()
         self.closed = False
         self.puts = self.gets = 0
@@ -174,6 +119,8 @@ class ControllerServer(_Server):
         for ep in self.storage_endpoints:
             s = self.ctx.socket(zmq.DEALER)
             s.setsockopt(zmq.LINGER, 0)
+            if creds is not None:
+                secure_client(s, creds)
             s.connect(ep)
             self.units.append(s)
         self._unit_rid = 0
@@ -191,8 +138,10 @@ class ControllerServer(_Server):
     def alloc(self, header: dict, frames: list, ident: bytes) -> Any:
         partition, n, timeout = _args(header, "partition", "n", "timeout")
         check_partition_name(partition)
-        if not isinstance(n, int) or n < 1:
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"put of new rows needs n >= 1 rows, got {n!r}")
+        if n > self.max_rows:
+            raise ValueError(f"put of {n} new rows refused: at most {self.max_rows} per put; split the put")
         if self.capacity is not None and n > self.capacity:
             raise ValueError(f"put of {n} new rows can never fit capacity {self.capacity}")
 
@@ -210,6 +159,8 @@ class ControllerServer(_Server):
     def check_write(self, header: dict, frames: list) -> None:
         partition, rows, fields = _args(header, "partition", "rows", "fields")
         self._check_open(f"put into rows of partition {partition!r}")
+        if not isinstance(rows, list) or len(rows) > self.max_rows:
+            raise ValueError(f"put into existing rows needs a list of at most {self.max_rows} rows; split the put")
         fields = self.schema.check_names(fields)
         self.index.check_write(partition, rows, fields)
         for name in fields:
@@ -220,6 +171,8 @@ class ControllerServer(_Server):
 
     def commit(self, header: dict, frames: list) -> None:
         partition, rows, fields, tags, abort = _args(header, "partition", "rows", "fields", "tags", "abort")
+        if not isinstance(rows, list) or len(rows) > self.max_rows:
+            raise ValueError(f"commit needs a list of at most {self.max_rows} rows")
         fields = self.schema.check_names(fields)
         self.reserved.difference_update((row, name) for name in fields for row in rows)
         if abort:
@@ -298,14 +251,14 @@ class ControllerServer(_Server):
             "consumed": dict(self.index.consumed_total), "dropped": dict(self.index.dropped_total),
             "puts": self.puts, "gets": self.gets, "rows_allocated": self.index.rows_allocated,
             "storage_units": len(self.units), "waiting": len(self.parked),
-            "pinned": self.leases.pinned, "deferred_drops": self.leases.deferred,
+            "pinned": self.leases.pinned, "deferred_drops": self.leases.deferred, "refused": self.refused,
         }
 
     # -- persistence (waits for the units: an admin operation) ------------------------
     def save(self, header: dict, frames: list) -> None:
         """Index + each unit's *live* rows: rows cleared while leased still have bytes on
         the units (until ``unpin``) but are no longer part of the state."""
-        (path,) = _args(header, "path")
+        path = self._path(header)
         save_state(path, self.schema, self.index.state())
         n = len(self.units)
         live: list[list[int]] = [[] for _ in range(n)]
@@ -314,12 +267,18 @@ class ControllerServer(_Server):
         self._on_units("save", path, live)
 
     def load(self, header: dict, frames: list) -> None:
-        (path,) = _args(header, "path")
+        path = self._path(header)
         state = load_state(path, self.schema)
         self._on_units("load", path)
         self.index, self.reserved = RowIndex.from_state(state), set()
         self.leases = Leases(LEASE_TTL_S)  # the units' bytes were replaced
         self._wake()
+
+    def _path(self, header: dict) -> str:
+        if self.state_dir is None:
+            raise PermissionError("save/load refused: this controller was started without a state folder "
+                                  "(launch(state_dir=...) or --state-dir)")
+        return contained_path(self.state_dir, _args(header, "path")[0])
 
     def _on_units(self, op: str, path: str, live: list[list[int]] | None = None) -> None:
         for unit, sock in enumerate(self.units):
@@ -329,6 +288,9 @@ class ControllerServer(_Server):
                 a["live"] = live[unit]
             sock.send_multipart([pack_header({"op": op, "id": self._unit_rid, "a": a, "tok": self._tok()})])
             while True:
+                if not sock.poll(int(UNIT_DEADLINE_S * 1000)):
+                    raise DataPlaneUnavailable(f"storage unit {unit} ({self.storage_endpoints[unit]}) did not "
+                                               f"answer {op!r} within {UNIT_DEADLINE_S:g}s")
                 reply = unpack_header(sock.recv_multipart()[0])
                 if reply.get("id") == self._unit_rid:
                     break
@@ -383,11 +345,24 @@ class ControllerServer(_Server):
                 self.reply(p.ident, p.header.get("id"), answer)
         self.parked = still
 
+    def gone(self, ident: bytes) -> None:
+        """Forget the parked requests of a client that disconnected."""
+        self.parked = [p for p in self.parked if p.ident != ident]
+
+    def _ping_waiters(self, now: float) -> None:
+        """Probe each client with parked requests (a reply it ignores); a bounced probe
+        means its connection is gone, and :meth:`gone` drops its waiters."""
+        self._pinged = now
+        for ident in {p.ident for p in self.parked}:
+            self.reply(ident, None, "ping")
+
     def on_idle(self) -> None:
         now = time.monotonic()
         self._send_drops(self.leases.expire(now))
         if not self.parked:
             return
+        if now - self._pinged >= _PING_S:
+            self._ping_waiters(now)
         expired = [p for p in self.parked if p.deadline is not None and p.deadline <= now]
         if expired:
             self.parked = [p for p in self.parked if p not in expired]

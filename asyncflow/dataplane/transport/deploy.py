@@ -3,14 +3,24 @@
 :func:`launch` starts N :class:`~asyncflow.dataplane.transport.storage_server.StorageServer` processes, then
 a :class:`~asyncflow.dataplane.transport.controller_server.ControllerServer` that knows their endpoints, and
 returns a :class:`Deployment` (``client()``, ``shutdown()``). Children get only plain
-data over the process-start pipe (schema as lists, endpoints, token); each reports the
-endpoint it bound. For servers started by hand (or by another launcher)::
+data over the process-start pipe (schema as lists, endpoints, keys, token); each reports
+the endpoint it bound.
 
-    ASYNCFLOW_PLANE_TOKEN=... python -m asyncflow.dataplane.transport.deploy storage --schema s.json
-    ASYNCFLOW_PLANE_TOKEN=... python -m asyncflow.dataplane.transport.deploy controller --schema s.json \
-        --storage tcp://127.0.0.1:PORT0 tcp://127.0.0.1:PORT1
+Secure by default: every launch makes fresh CURVE :class:`~asyncflow.dataplane.transport.auth.Credentials`
+(passed to the children over the pipe, never argv or environment) and a job folder
+``<tmp>/asyncflow-plane-XXXX`` of mode 0700: ``ipc`` sockets live in it (another user
+cannot even reach them), and its ``state`` subfolder (or ``state_dir``) is the only place
+``save``/``load`` touch. ``Deployment.client()`` carries the client keys; a client made
+without them is refused. ``secure=False`` (tests of the bare protocol only) starts the
+servers without CURVE. For servers started by hand (or by another launcher)::
 
-and clients connect with ``ZmqDataPlane(controller_endpoint, token)``.
+    python -m asyncflow.dataplane.transport.deploy keys job.keys        # 0600 file, once per job
+    python -m asyncflow.dataplane.transport.deploy storage --schema s.json --keys job.keys --state-dir DIR
+    python -m asyncflow.dataplane.transport.deploy controller --schema s.json --keys job.keys \
+        --state-dir DIR --storage tcp://127.0.0.1:PORT0 tcp://127.0.0.1:PORT1
+
+and clients connect with ``ZmqDataPlane(controller_endpoint, credentials=read_keys("job.keys"))``
+(``$ASYNCFLOW_PLANE_TOKEN`` adds a token check, as before).
 """
 
 from __future__ import annotations
@@ -20,33 +30,42 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import sys
 import tempfile
 import types
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
+from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client import ZmqDataPlane
-from asyncflow.dataplane.transport.controller_server import ControllerServer, _Server
+from asyncflow.dataplane.transport.controller_server import ControllerServer
+from asyncflow.dataplane.transport.link import DEADLINE_S
+from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server
 from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
-__all__ = ["Deployment", "launch", "main"]
+__all__ = ["Deployment", "launch", "main", "read_keys", "write_keys"]
 
 
-def _run_storage(schema_msg: list, bind: str, token: str | None, conn: Any) -> None:
-    server = StorageServer(schema_from_msg(schema_msg), bind, token)
+def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | None, state_dir: str,
+                 max_msg_bytes: int, conn: Any) -> None:
+    creds = None if keys is None else Credentials.from_msg(keys)
+    server = StorageServer(schema_from_msg(schema_msg), bind, token, creds=creds, state_dir=state_dir,
+                           max_msg_bytes=max_msg_bytes)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
 
 
 def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
-                    capacity: int | None, conn: Any) -> None:
-    server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity)
+                    capacity: int | None, keys: list | None, state_dir: str, max_msg_bytes: int,
+                    conn: Any) -> None:
+    creds = None if keys is None else Credentials.from_msg(keys)
+    server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity, creds=creds,
+                              state_dir=state_dir, max_msg_bytes=max_msg_bytes)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
@@ -54,20 +73,28 @@ def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str 
 
 @dataclass
 class Deployment:
-    """A running controller + storage units (child processes of :func:`launch`)."""
+    """A running controller + storage units (child processes of :func:`launch`).
+
+    ``credentials``: the job's keys (``None`` only with ``launch(secure=False)``);
+    ``folder``: the job's 0700 folder; ``state_dir``: where ``save``/``load`` names live."""
 
     endpoint: str
     token: str | None
     processes: list
+    credentials: Credentials | None = None
+    folder: str | None = None
+    state_dir: str | None = None
 
-    def client(self, use_shm: bool = True) -> ZmqDataPlane:
-        return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm)
+    def client(self, use_shm: bool = True, deadline: float | None = None) -> ZmqDataPlane:
+        """A client of this deployment holding the job's client keys (picklable)."""
+        return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm, credentials=self.credentials,
+                            deadline=DEADLINE_S if deadline is None else deadline)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every server process (asks them, then terminates stragglers)."""
         if all(p.is_alive() for p in self.processes):  # a dead unit would never answer
             try:
-                self.client().shutdown_servers()
+                self.client(deadline=timeout).shutdown_servers()
             except Exception:
                 pass
         for p in self.processes:
@@ -76,22 +103,42 @@ class Deployment:
                 p.terminate()
                 p.join(timeout)
         sweep_pids([p.pid for p in self.processes if not p.is_alive()])  # segments of a killed unit
+        self._remove_folder()
+
+    def _remove_folder(self) -> None:
+        """Remove the job folder's sockets; the folder too unless a saved state is in it."""
+        if self.folder is None:
+            return
+        shutil.rmtree(os.path.join(self.folder, "sock"), ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(self.folder, "state"))  # only if empty
+            os.rmdir(self.folder)
 
 
 def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,
-           host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp") -> Deployment:
+           host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp",
+           secure: bool = True, state_dir: str | os.PathLike | None = None,
+           max_msg_bytes: int = MAX_MSG_BYTES) -> Deployment:
     """Start ``n_storage`` storage units and a controller as processes; return their handle.
 
     Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
-    the temp folder (one machine only; skips the TCP stack). The child processes get only
-    plain data (the schema as lists, endpoints, token).
+    the job's 0700 folder (one machine only; skips the TCP stack). ``secure`` (default):
+    fresh CURVE keys for this job (see the module docstring). ``state_dir``: the folder
+    ``save``/``load`` names are relative to (default: ``state`` in the job folder).
+    ``max_msg_bytes``: the largest message a server reads (bigger ones are dropped). The
+    child processes get only plain data (the schema as lists, endpoints, keys, token).
     """
     if transport not in ("tcp", "ipc"):
         raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
-    prefix = os.path.join(tempfile.gettempdir(), f"asyncflow-plane-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-    bind = (lambda k: f"ipc://{prefix}-{k}") if transport == "ipc" else (lambda k: f"tcp://{host}:0")
     if n_storage < 1:
         raise ValueError(f"n_storage must be >= 1, got {n_storage}")
+    folder = tempfile.mkdtemp(prefix="asyncflow-plane-")  # mode 0700: this user only
+    os.mkdir(os.path.join(folder, "sock"), 0o700)
+    state = os.path.join(folder, "state") if state_dir is None else os.path.abspath(state_dir)
+    os.makedirs(state, 0o700, exist_ok=True)
+    bind = (lambda k: f"ipc://{folder}/sock/{k}") if transport == "ipc" else (lambda k: f"tcp://{host}:0")
+    creds = Credentials.generate() if secure else None
+    keys = None if creds is None else creds.to_msg()
     ctx = mp.get_context(start_method)
     msg, procs = schema_to_msg(schema), []
 
@@ -110,16 +157,38 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         return parent.recv()
 
     try:
-        pipes = [start(_run_storage, msg, bind(k), token) for k in range(n_storage)]  # start together
+        pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes)  # all at once
+                 for k in range(n_storage)]
         endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)]
-        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity), "controller")
+        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
+                                     max_msg_bytes), "controller")
     except BaseException:
         for p in procs:  # none is left behind by a launch that failed
             p.terminate()
             p.join(5)
         sweep_pids([p.pid for p in procs])
+        shutil.rmtree(folder, ignore_errors=True)
         raise
-    return Deployment(endpoint, token, procs)
+    return Deployment(endpoint, token, procs, creds, folder, state)
+
+
+def write_keys(path: str | os.PathLike) -> Credentials:
+    """Write fresh job credentials to ``path`` (JSON, created with mode 0600); return them."""
+    creds = Credentials.generate()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(creds.to_msg(), fh)
+    return creds
+
+
+def read_keys(path: str | os.PathLike) -> Credentials:
+    """The credentials :func:`write_keys` wrote (refused unless the file is this user's, 0600)."""
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise PermissionError(f"{path}: a key file must belong to this user with mode 0600; "
+                              "chmod 600 it (or make a new one with 'deploy keys')")
+    with open(path) as fh:
+        return Credentials.from_msg(json.load(fh))
 
 
 @contextlib.contextmanager
@@ -143,23 +212,37 @@ def _without_main() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m asyncflow.dataplane.transport.deploy {storage,controller} --schema S.json ...``
 
-    The schema file is ``[[name, dtype, shape, ragged], ...]``; the token is read from
-    ``$ASYNCFLOW_PLANE_TOKEN`` (never from the command line, where ``ps`` would show it).
+    The schema file is ``[[name, dtype, shape, ragged], ...]``; keys come from a 0600 file
+    (``--keys``, made by the ``keys`` role), the token from ``$ASYNCFLOW_PLANE_TOKEN`` (never
+    from the command line, where ``ps`` would show it).
     """
     ap = argparse.ArgumentParser(prog="python -m asyncflow.dataplane.transport.deploy")
-    ap.add_argument("role", choices=["storage", "controller"])
-    ap.add_argument("--schema", required=True, help="JSON file: [[name, dtype, shape, ragged], ...]")
+    ap.add_argument("role", choices=["storage", "controller", "keys"])
+    ap.add_argument("file", nargs="?", help="keys: the key file to create (mode 0600)")
+    ap.add_argument("--schema", help="JSON file: [[name, dtype, shape, ragged], ...]")
+    ap.add_argument("--keys", help="the job's key file (from the 'keys' role); without it: no CURVE")
+    ap.add_argument("--state-dir", default=None, help="the only folder save/load may touch (the same for "
+                    "the controller and every unit; without it both are refused)")
     ap.add_argument("--bind", default="tcp://127.0.0.1:0")
     ap.add_argument("--storage", nargs="*", default=[], help="controller: storage unit endpoints, in order")
     ap.add_argument("--capacity", type=int, default=None)
     args = ap.parse_args(argv)
+    if args.role == "keys":
+        if not args.file:
+            ap.error("keys: name the key file to create")
+        write_keys(args.file)
+        return
+    if not args.schema:
+        ap.error(f"{args.role}: --schema is required")
     with open(args.schema) as fh:
         schema = schema_from_msg(json.load(fh))
     token = os.environ.get("ASYNCFLOW_PLANE_TOKEN") or None
+    creds = None if args.keys is None else read_keys(args.keys)
     if args.role == "storage":
-        server: _Server = StorageServer(schema, args.bind, token)
+        server: _Server = StorageServer(schema, args.bind, token, creds=creds, state_dir=args.state_dir)
     else:
-        server = ControllerServer(schema, args.storage, args.bind, token, args.capacity)
+        server = ControllerServer(schema, args.storage, args.bind, token, args.capacity, creds=creds,
+                                  state_dir=args.state_dir)
     print(server.endpoint, flush=True)
     server.serve_forever()
 

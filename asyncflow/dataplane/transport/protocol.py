@@ -21,13 +21,14 @@ server can answer it and go on.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from asyncflow.dataplane.core.rules import BatchMeta, QueueClosed, QueueTimeout
+from asyncflow.dataplane.core.rules import BatchMeta, DataPlaneUnavailable, QueueClosed, QueueTimeout
 from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
@@ -62,11 +63,12 @@ class ProtocolError(ValueError):
 
 ERRORS: dict[str, type[Exception]] = {
     c.__name__: c
-    for c in (QueueTimeout, QueueClosed, SchemaError, ProtocolError, ValueError, TypeError,
+    for c in (QueueTimeout, QueueClosed, DataPlaneUnavailable, SchemaError, ProtocolError, ValueError, TypeError,
               KeyError, PermissionError, FileNotFoundError)
 }
 
 
+_MAX_DIM = 1 << 40  # any dimension of a column spec: more is no real array (and could overflow)
 SHARD_BLOCK = 64  # rows per block; block b lives on storage unit b % N
 
 
@@ -149,7 +151,7 @@ def decode_columns(
             shape = tuple(int(d) for d in shape)
         except Exception:
             raise SchemaError(f"field {name!r}: bad dtype {dtype_str!r} or shape {entry[3]!r}") from None
-        if dtype.hasobject or any(d < 0 for d in shape) or not shape:
+        if dtype.hasobject or any(not 0 <= d <= _MAX_DIM for d in shape) or not shape:
             raise SchemaError(f"field {name!r}: bad dtype {dtype_str!r} or shape {shape}")
         if schema is not None:
             f = schema[name]  # SchemaError for an unknown field
@@ -166,9 +168,7 @@ def decode_columns(
             out[name] = _view(name, frames[i], dtype, shape)
         else:
             lengths = _view(name, frames[i + 1], np.dtype(np.int64), (shape[0],))
-            if (lengths < 0).any():
-                raise ProtocolError(f"field {name!r}: negative row length")
-            flat = _view(name, frames[i], dtype, (int(lengths.sum()),))
+            flat = _view(name, frames[i], dtype, (_total_length(name, lengths, frames[i], dtype),))
             out[name] = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
         i += need
     if i != len(frames):
@@ -176,9 +176,27 @@ def decode_columns(
     return out
 
 
+def _nbytes(frame: Any) -> int:
+    return memoryview(frame.buffer if hasattr(frame, "buffer") else frame).nbytes
+
+
+def _total_length(name: str, lengths: np.ndarray, flat: Any, dtype: np.dtype) -> int:
+    """The sum of a ragged column's row lengths, checked without overflow: each length
+    non-negative and at most the flat frame's element count E; with n lengths the sum is at
+    most n * E <= (message bytes)**2 / 8, below 2**64 for any message under 8 GiB (the
+    servers' limit is 1 GiB), so the unsigned sum cannot wrap; :func:`_view` then requires
+    the sum to be exactly E."""
+    if not len(lengths):
+        return 0
+    have = _nbytes(flat) // dtype.itemsize if dtype.itemsize else 0
+    if int(lengths.min()) < 0 or int(lengths.max()) > have:
+        raise ProtocolError(f"field {name!r}: row lengths must be in [0, {have}] (the flat frame's elements)")
+    return int(lengths.sum(dtype=np.uint64))
+
+
 def _view(name: str, frame: Any, dtype: np.dtype, shape: tuple[int, ...]) -> np.ndarray:
     buf = memoryview(frame.buffer if hasattr(frame, "buffer") else frame)
-    want = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    want = math.prod(shape) * dtype.itemsize  # Python ints: a huge shape cannot wrap around
     if buf.nbytes != want:
         raise ProtocolError(
             f"field {name!r}: data frame has {buf.nbytes} bytes, spec {dtype}{list(shape)} needs {want}"

@@ -38,9 +38,11 @@ Only an unlinked name frees memory, and only once no process maps it any more. A
 that is killed leaves its ``s`` files; :func:`sweep_pids` (called by ``launch``'s
 ``shutdown``) removes every file of a dead unit's pid. Security: a ref names a file only
 by its suffix under the unit's own prefix (``[0-9a-z-]``, no ``/`` or ``.``), opened with
-``O_NOFOLLOW``, and must lie inside the file, so a client holding the token can make the
-unit read only segments of this unit, never another file. Requests are token-checked
-before any of this runs, and the sockets stay loopback by default.
+``O_NOFOLLOW | O_NONBLOCK`` (a FIFO planted at a segment's name cannot block the unit) and
+accepted only as a regular file of the unit's own user; a ref must lie inside the file,
+so a client of the job can make the unit read only segments of this unit, never another
+file. Requests are authenticated (CURVE, :mod:`asyncflow.dataplane.transport.auth`) before
+any of this runs, segment files are created 0600, and the sockets stay loopback by default.
 """
 
 from __future__ import annotations
@@ -104,6 +106,11 @@ def _check_name(name: Any, prefix: str) -> str:
     return name
 
 
+# Never follow a link, never block in open (a FIFO at a segment's name would, until a
+# writer came), never leak the descriptor into a child.
+_SAFE = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+
+
 def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
@@ -121,9 +128,10 @@ def write_segment(prefix: str, tag: str, buffers: Sequence[Any], leased: str | N
     new segment ``<prefix><tag><pid>-<hex>``, or over the ``leased`` one (a recycled segment
     a unit renamed for us; cut to size after); return its name and one ref per buffer."""
     name = leased or f"{prefix}{tag}{os.getpid()}-{secrets.token_hex(6)}"
-    flags = os.O_WRONLY | os.O_NOFOLLOW | (0 if leased else os.O_CREAT | os.O_EXCL)
+    flags = os.O_WRONLY | _SAFE | (0 if leased else os.O_CREAT | os.O_EXCL)
     fd = os.open(os.path.join(SHM_DIR, name), flags, 0o600)
     try:
+        _check_file(fd, name)
         refs, off, end = [], 0, 0
         for buf in buffers:
             parts = [np.ascontiguousarray(p).data.cast("B") for p in (buf if isinstance(buf, list) else [buf])]
@@ -154,13 +162,19 @@ def _pwrite_all(fd: int, parts: list[memoryview], off: int) -> None:
             parts[0] = parts[0][done:]
 
 
+def _check_file(fd: int, name: str) -> os.stat_result:
+    """Only a regular file of this user is a segment (never a FIFO, device or another's file)."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        raise PermissionError(f"shared-memory segment {name!r} is not a regular file of this user")
+    return st
+
+
 def _map(name: str) -> tuple[mmap.mmap | None, int, int]:
     """Map ``name`` read-only: ``(mapping or None if empty, size, inode)``."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | os.O_NOFOLLOW)
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY | _SAFE)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
-            raise PermissionError(f"shared-memory segment {name!r} is not a file of this user")
+        st = _check_file(fd, name)
         mm = mmap.mmap(fd, st.st_size, prot=mmap.PROT_READ) if st.st_size else None
         return mm, st.st_size, st.st_ino
     finally:

@@ -4,7 +4,8 @@ It holds the values of the rows of its shard (``shard_of(row) == unit``) by
 ``(row, field)`` in a :class:`~asyncflow.dataplane.core.storage.Storage`, knows nothing of tasks or
 readiness, keeps received buffers as read-only views (no copy), and refuses a second
 write of a ``(row, field)`` (fields are write-once). Same one-thread non-blocking ROUTER
-loop, token check and error replies as the controller.
+loop (:mod:`asyncflow.dataplane.transport.server_base`: CURVE, token check, error replies)
+as the controller; ``save``/``load`` only inside its ``state_dir``.
 
 Zero-copy reads: for a fixed field it also remembers which received block (and index)
 each row came in. A gather of rows that are consecutive rows of one block, the common
@@ -33,12 +34,13 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane.core.persist import data_files, save_arrays
+from asyncflow.dataplane.core.persist import contained_path, data_files, save_arrays
 from asyncflow.dataplane.core.schema import Schema
 from asyncflow.dataplane.core.storage import Storage, assemble
 from asyncflow.dataplane.transport import shm
-from asyncflow.dataplane.transport.controller_server import _args, _Server
+from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.protocol import ProtocolError, decode_columns, encode_columns, shard_of
+from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _args, _Server
 
 __all__ = ["StorageServer"]
 
@@ -47,8 +49,10 @@ class StorageServer(_Server):
     """One storage unit: values of the rows of its shard, by ``(row, field)``."""
 
     def __init__(self, schema: Schema, bind: str = "tcp://127.0.0.1:0", token: str | None = None,
-                 use_shm: bool = True) -> None:
-        super().__init__(bind, token)
+                 use_shm: bool = True, creds: Credentials | None = None, state_dir: str | None = None,
+                 max_msg_bytes: int = MAX_MSG_BYTES) -> None:
+        super().__init__(bind, token, creds, max_msg_bytes)
+        self.state_dir = state_dir
         self.schema, self.storage = schema, Storage(schema)
         # field -> row -> (block, index in block, (segment, byte offset of the block) or None)
         self.blocks: dict[str, dict[int, tuple[np.ndarray, int, tuple | None]]] = {}
@@ -67,7 +71,8 @@ class StorageServer(_Server):
 
     def write(self, header: dict, frames: list) -> None:
         rows, spec = _args(header, "rows", "cols")
-        rows = [int(r) for r in rows]
+        if not (isinstance(rows, list) and all(isinstance(r, int) and 0 <= r < 1 << 62 for r in rows)):
+            raise ProtocolError("write: rows must be a list of row ids (ints >= 0)")
         refs, seg = header["a"].get("shm"), None
         if refs is not None:
             frames, seg = self._shm().adopt(refs, frames)
@@ -175,12 +180,14 @@ class StorageServer(_Server):
 
     def save(self, header: dict, frames: list) -> None:
         path, unit, n_units = _args(header, "path", "unit", "n_units")
+        path = self._path(path)
         live = header["a"].get("live")
         keep = None if live is None else set(live).__contains__
         save_arrays(os.path.join(path, f"data-{unit}-of-{n_units}.npz"), self.storage.to_arrays(keep))
 
     def load(self, header: dict, frames: list) -> None:
         path, unit, n_units = _args(header, "path", "unit", "n_units")
+        path = self._path(path)
         storage = Storage(self.schema)
         for name in data_files(path):
             with np.load(name, allow_pickle=False) as arrays:
@@ -190,6 +197,11 @@ class StorageServer(_Server):
             for seg in segs.values():
                 self._shm().release(seg)
         self.seg_of = {}
+
+    def _path(self, path: Any) -> str:
+        if self.state_dir is None:
+            raise PermissionError("save/load refused: this storage unit was started without a state folder")
+        return contained_path(self.state_dir, path)
 
     def on_idle(self) -> None:
         if self.shm is not None:
