@@ -15,6 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from asyncflow.config.outputs import EvalConfig, LogConfig
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override. The message is one line."""
@@ -25,7 +27,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="Local Hugging Face model folder; None = the built-in tiny model.")
+    path: str | None = Field(None, description="Local Hugging Face model folder; None = the built-in tiny model. "
+                                               "Relative, in a YAML file: to that file's folder.")
     hidden_size: int = Field(128, gt=0, description="Built-in model: hidden size.")
     num_layers: int = Field(2, gt=0, description="Built-in model: transformer layers.")
     num_heads: int = Field(4, gt=0, description="Built-in model: attention heads.")
@@ -54,10 +57,14 @@ class TaskConfig(_Section):
     name: str = Field(
         "addition", description="Built-in: 'addition' (12+34=), 'countdown' (reach a target with given numbers: "
                                 "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path. Or "
-                                "your own: 'package.module:factory' / 'path/to/file.py:factory', factory(cfg) -> task.")
+                                "your own: 'package.module:factory' / 'path/to/file.py:factory', factory(cfg) -> task "
+                                "(a relative file in a YAML file: relative to that file's folder).")
     path: str | None = Field(None, description="dataset: local .jsonl or .parquet file, or a folder saved by "
-                                               "datasets' save_to_disk, of training rows.")
-    heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
+                                               "datasets' save_to_disk, of training rows (relative, in a YAML "
+                                               "file: to that file's folder; on the command line: to the "
+                                               "working directory).")
+    heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path); "
+                                                       "relative like path.")
     split: str = Field("train", description="dataset: the split of a DatasetDict folder at path.")
     heldout_split: str = Field("test", description="dataset: the split of a DatasetDict folder at heldout_path.")
     fields: dict[str, str] = Field(default_factory=dict,
@@ -141,7 +148,7 @@ class RewardConfig(_Section):
         None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
     concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
     fn: str | None = Field(None, description="Reward function 'package.module:function' or "
-                                             "'path/to/file.py:function', called "
+                                             "'path/to/file.py:function' (relative like task.path), called "
                                              "(prompt, response, sample) -> float or dict of "
                                              "named scores; None = the task's built-in reward.")
     key: str | None = Field(None, description="fn returns a dict: the named score used "
@@ -311,6 +318,8 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
 
     @field_validator("plan", mode="before")
     @classmethod
