@@ -275,7 +275,7 @@ def reward_error_line(s: dict, log: Path | None) -> str | None:
     if not n:
         return None
     calls = s["reward_fn"].get("reward_calls")
-    of = f" of {calls} calls" if calls else ""
+    of = f" of {calls}" if calls else ""
     first = f"; first: {s['reward_first_error']}" if s.get("reward_first_error") else ""
     where = f" (tracebacks of the first few: {log})" if log is not None else ""
     return f"asyncflow: warning: the reward failed on {n}{of} answers, scored as reward.on_error{first}{where}"

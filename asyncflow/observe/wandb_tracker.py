@@ -1,6 +1,7 @@
 """``log.backends: [wandb]``: a Weights & Biases run in offline mode under ``RUN_DIR/wandb``
 (``pip install 'asyncflow[wandb]'``). Nothing goes over the network; upload it later with
-``wandb sync RUN_DIR/wandb/offline-run-*``. The project is ``log.project``.
+``wandb sync RUN_DIR/wandb/offline-run-*``. The project is ``log.project``; the summary's
+numbers go in the run summary as ``summary/...`` (beside the last step's values).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class WandbTracker:
         self.run.log(numbers_only(metrics), step=step)
 
     def log_summary(self, summary: dict) -> None:
-        self.run.summary.update(numbers_only(summary))
+        self.run.summary.update(numbers_only(summary, "summary/"))  # (a step's "samples" is not the run's)
 
     def close(self) -> None:
         self.run.finish()
