@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import time
 from pathlib import Path
 
 import pytest
@@ -136,8 +137,12 @@ def test_wandb_writes_an_offline_run_with_config_metrics_and_summary(tmp_path):
     pytest.importorskip("wandb")
     summary, metrics = _train(tmp_path, "log.backends=[jsonl, wandb]")
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    records = _wandb_records(path)
-    kinds = [r.WhichOneof("record_type") for r in records]
+    for _ in range(300):  # wandb's service process may still be writing the file when finish() returns
+        records = _wandb_records(path)
+        kinds = [r.WhichOneof("record_type") for r in records]
+        if "exit" in kinds:
+            break
+        time.sleep(0.1)
     history = [{i.nested_key[0] if i.nested_key else i.key: json.loads(i.value_json) for i in r.history.item}
                for r, k in zip(records, kinds) if k == "history"]
     assert [h["_step"] for h in history] == [1, 2], " ".join(map(str, kinds))

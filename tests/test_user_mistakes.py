@@ -112,6 +112,13 @@ def test_relative_paths_in_a_yaml_file_are_relative_to_it(tmp_path, monkeypatch)
     (conf / "abs.yaml").write_text(f"task: {{path: {tmp_path}/a.jsonl}}\nmodel: {{path: ~/m}}\n")
     cfg = load_config(conf / "abs.yaml")
     assert cfg.task.path == f"{tmp_path}/a.jsonl" and cfg.model.path == "~/m"
+    from asyncflow.config import dump_config
+
+    cfg = load_config(None, ["task.path=rel.jsonl", "reward.fn=r.py:f"])  # a run folder's config.yaml:
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "config.yaml").write_text(dump_config(cfg, absolute=True))  # reads the same from there
+    again = load_config(tmp_path / "runs" / "config.yaml")
+    assert again.task.path == f"{elsewhere}/rel.jsonl" and again.reward.fn == f"{elsewhere}/r.py:f"
 
 
 def test_a_missing_file_says_how_relative_paths_are_read(tmp_path):

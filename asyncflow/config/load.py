@@ -129,5 +129,8 @@ def _field_doc(loc: tuple) -> str:
     return info.description if info is not None and info.description else ""
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: RunConfig, absolute: bool = False) -> str:
+    """``cfg`` as YAML; ``absolute``: relative paths made absolute (against the working directory), so
+    that the file reads the same wherever it is saved (a run folder's ``config.yaml``)."""
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(_relative_to(data, Path.cwd()) if absolute else data, sort_keys=False)

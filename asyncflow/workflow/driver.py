@@ -34,7 +34,7 @@ def make_run_dir(cfg: RunConfig) -> Path:
     while d.exists():
         d, n = d.with_name(f"{stamp}-{cfg.mode}-{n}"), n + 1
     d.mkdir(parents=True)
-    (d / "config.yaml").write_text(dump_config(cfg))
+    (d / "config.yaml").write_text(dump_config(cfg, absolute=True))  # its paths read the same from the run folder
     return d
 
 
