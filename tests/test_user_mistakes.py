@@ -90,6 +90,26 @@ def test_a_reward_that_raises_is_one_line_at_the_end_and_counted_once(tmp_path, 
     assert 1 <= text.count("Traceback (most recent call last)") == min(n, 5) and "flaky.py" in text
 
 
+def test_a_task_reward_that_raises_is_one_line_too(tmp_path, capsys):
+    (tmp_path / "tasks.py").write_text(
+        "from asyncflow.tasks.addition import AdditionTask\n"
+        "class Picky(AdditionTask):\n"
+        "    def reward(self, prompt, response, answer):\n"
+        "        if len(response) % 2:\n"
+        "            raise KeyError('odd')\n"
+        "        return 1.0\n"
+        "def build(cfg):\n"
+        "    return Picky(digits=2, holdout_frac=0.2, seed=0)\n")
+    argv = ["train", f"task.name={tmp_path}/tasks.py:build", "warmstart.enabled=false", f"run_dir={tmp_path}/runs",
+            *TINY]
+    assert main(argv) == 0
+    (line,) = _errors(capsys.readouterr().err)
+    s = _summary(tmp_path / "runs")
+    assert s["reward_errors"] > 0 and s["reward_fn"] == {} and s["reward_first_error"] == "KeyError: 'odd'"
+    assert f"the reward failed on {s['reward_errors']} answers" in line and "first: KeyError: 'odd'" in line
+    assert "tasks.py" in (Path(s["run_dir"]) / "reward_errors.log").read_text()
+
+
 def test_relative_paths_in_a_yaml_file_are_relative_to_it(tmp_path, monkeypatch):
     conf = tmp_path / "conf"
     conf.mkdir()
