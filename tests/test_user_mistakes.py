@@ -155,3 +155,4 @@ def test_a_missing_tracker_package_is_one_line_naming_the_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     with pytest.raises(ConfigError, match=r"mlflow needs the mlflow package.*pip install 'asyncflow\[mlflow\]'"):
         load_config(None, ["log.backends=[jsonl, mlflow]"])
+    assert load_config(None, ["log.backends=jsonl"]).log.backends == ["jsonl"]  # one name, or a,b

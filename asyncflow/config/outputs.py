@@ -43,6 +43,11 @@ class LogConfig(_Section):
     mlflow_uri: str | None = Field(None, description="mlflow: tracking URI (None = a local file store, "
                                                      "file:RUN_DIR/mlruns).")
 
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _one_or_many(cls, v: object) -> object:
+        return [b.strip() for b in v.split(",") if b.strip()] if isinstance(v, str) else v  # log.backends=a,b
+
     @model_validator(mode="after")
     def _installed(self) -> LogConfig:
         for b in self.backends:
