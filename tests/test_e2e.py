@@ -40,7 +40,7 @@ def _run_dir(tmp_path):
 def test_default_async_job_on_ray_trains_and_leaves_a_run_folder(tmp_path, capsys):
     assert main(["train", "train.steps=16", "train.eval_every=8", f"run_dir={tmp_path}", "progress=false"]) == 0
     out = capsys.readouterr().out
-    assert "held-out accuracy" in out and "busy fraction" in out
+    assert "held-out exact match" in out and "busy fraction" in out
     run = _run_dir(tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["mode"] == "async" and summary["staleness_bound"] == 1
@@ -53,7 +53,8 @@ def test_default_async_job_on_ray_trains_and_leaves_a_run_folder(tmp_path, capsy
         assert f"pinned cores       rollout [{cores[1]}], actor [{cores[0]}]" in out
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 17))
-    assert "heldout_acc" in metrics[7]
+    assert "heldout_acc" in metrics[7] and metrics[7]["heldout_metric"] == "exact match"
+    assert summary["heldout_metric"] == "exact match"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoint", local_files_only=True)

@@ -65,15 +65,15 @@ def client(dep):
 @pytest.fixture(scope="module")
 def recycling():
     """Units that recycle segments from MIN bytes on (the client is told in the test)."""
-    old = os.environ.get("ASYNCFLOW_DP_SHM_RECYCLE_MIN")
-    os.environ["ASYNCFLOW_DP_SHM_RECYCLE_MIN"] = str(MIN)
+    old = os.environ.get("ASYNCFLOW_PLANE_SHM_RECYCLE_MIN")
+    os.environ["ASYNCFLOW_PLANE_SHM_RECYCLE_MIN"] = str(MIN)
     try:
         d = launch(SCHEMA, n_storage=2, token="tok")
     finally:
         if old is None:
-            del os.environ["ASYNCFLOW_DP_SHM_RECYCLE_MIN"]
+            del os.environ["ASYNCFLOW_PLANE_SHM_RECYCLE_MIN"]
         else:
-            os.environ["ASYNCFLOW_DP_SHM_RECYCLE_MIN"] = old
+            os.environ["ASYNCFLOW_PLANE_SHM_RECYCLE_MIN"] = old
     yield d
     d.shutdown()
 

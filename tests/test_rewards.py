@@ -145,7 +145,7 @@ def test_reward_fn_in_a_run_never_crashes_and_is_counted(tmp_path):
         "reward.fn=test_rewards:always_raises", "reward.timeout_s=1", f"run_dir={tmp_path}"])
     summary = train(cfg, launcher=LocalLauncher(), run_dir=tmp_path, evaluate=False)
     assert summary["reward_fn"]["reward_calls"] == 8
-    assert summary["reward_fn"]["reward_exception"] == 8
+    assert summary["reward_fn"]["reward_exception"] == 8 == summary["reward_errors"]  # one figure, agreeing
 
 
 def always_raises(prompt, response, sample):

@@ -6,6 +6,7 @@ must stay light: it imports no torch (the CLI parses configs before any heavy im
 """
 
 from asyncflow.config.load import dump_config, load_config
+from asyncflow.config.outputs import EvalConfig, LogConfig
 from asyncflow.config.schema import (
     BUILTIN_TASKS,
     AlgorithmConfig,
@@ -22,7 +23,7 @@ from asyncflow.config.schema import (
 )
 
 __all__ = [
-    "BUILTIN_TASKS", "AlgorithmConfig", "ConfigError", "ModelConfig", "ResourcesConfig", "RewardConfig",
-    "RolloutConfig", "RunConfig", "TaskConfig", "TrainConfig", "WarmStartConfig", "dump_config", "engine_installed",
-    "load_config",
+    "BUILTIN_TASKS", "AlgorithmConfig", "ConfigError", "EvalConfig", "LogConfig", "ModelConfig", "ResourcesConfig",
+    "RewardConfig", "RolloutConfig", "RunConfig", "TaskConfig", "TrainConfig", "WarmStartConfig", "dump_config",
+    "engine_installed", "load_config",
 ]

@@ -38,6 +38,8 @@ SECTIONS = {
     "algorithm": "Advantage estimator, policy loss, KL, off-policy corrections, PPO's critic, DAPO's pieces.",
     "train": "The trainer: steps, batch, optimizer, micro-batches, evaluation, data parallelism.",
     "resources": "Where things run: threads, the data plane's deployment, core pinning, the device.",
+    "eval": "What the held-out evaluation measures (named in the progress bar, metrics.jsonl and the summary).",
+    "log": "Where metrics go: metrics.jsonl, TensorBoard, Weights & Biases (offline), MLflow.",
 }
 
 _BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))

@@ -31,13 +31,41 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
-        data = loaded
+        data = _relative_to(loaded, p.resolve().parent)
     for item in overrides:
         _apply_override(data, item)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
         raise ConfigError(_describe(e, path)) from None
+
+
+# (section, key, what): paths a YAML file may give relative to its own folder; "spec" = the
+# file part of 'path/to/file.py:name' (a 'package.module:name' is left alone)
+_PATHS = (("task", "path", "path"), ("task", "heldout_path", "path"), ("model", "path", "path"),
+          ("reward", "fn", "spec"), ("task", "name", "spec"), ("eval", "metric", "spec"))
+
+
+def _relative_to(data: dict, base: Path) -> dict:
+    """``data`` (a YAML file's mapping) with its relative paths resolved against ``base``, the
+    file's folder. Command-line overrides, applied after, stay relative to the working directory."""
+    for section, key, what in _PATHS:
+        node = data.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        assert isinstance(node, dict)  # value came from it
+        if what == "spec":
+            target, sep, name = value.rpartition(":")
+            if sep and target.endswith(".py") and _relative(target):
+                node[key] = f"{base / target}:{name}"
+        elif _relative(value):
+            node[key] = str(base / value)
+    return data
+
+
+def _relative(path: str) -> bool:
+    return not (Path(path).is_absolute() or path.startswith("~"))
 
 
 def _apply_override(data: dict, item: str) -> None:
@@ -102,5 +130,8 @@ def _field_doc(loc: tuple) -> str:
     return info.description if info is not None and info.description else ""
 
 
-def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+def dump_config(cfg: RunConfig, absolute: bool = False) -> str:
+    """``cfg`` as YAML; ``absolute``: relative paths made absolute (against the working directory), so
+    that the file reads the same wherever it is saved (a run folder's ``config.yaml``)."""
+    data = cfg.model_dump(mode="json")
+    return yaml.safe_dump(_relative_to(data, Path.cwd()) if absolute else data, sort_keys=False)

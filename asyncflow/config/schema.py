@@ -16,6 +16,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from asyncflow.config.checks import check_dp
+from asyncflow.config.outputs import EvalConfig, LogConfig
+
 
 class ConfigError(ValueError):
     """A user mistake in a config file or override. The message is one line."""
@@ -26,7 +29,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    path: str | None = Field(None, description="Local Hugging Face model folder; None = the built-in tiny model.")
+    path: str | None = Field(None, description="Local Hugging Face model folder; None = the built-in tiny model. "
+                                               "Relative, in a YAML file: to that file's folder.")
     hidden_size: int = Field(128, gt=0, description="Built-in model: hidden size.")
     num_layers: int = Field(2, gt=0, description="Built-in model: transformer layers.")
     num_heads: int = Field(4, gt=0, description="Built-in model: attention heads.")
@@ -55,10 +59,14 @@ class TaskConfig(_Section):
     name: str = Field(
         "addition", description="Built-in: 'addition' (12+34=), 'countdown' (reach a target with given numbers: "
                                 "3,5,2:13=), 'multistep' (3+4*2-5=); 'dataset': prompts and answers from task.path. Or "
-                                "your own: 'package.module:factory' / 'path/to/file.py:factory', factory(cfg) -> task.")
+                                "your own: 'package.module:factory' / 'path/to/file.py:factory', factory(cfg) -> task "
+                                "(a relative file in a YAML file: relative to that file's folder).")
     path: str | None = Field(None, description="dataset: local .jsonl or .parquet file, or a folder saved by "
-                                               "datasets' save_to_disk, of training rows.")
-    heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path).")
+                                               "datasets' save_to_disk, of training rows (relative, in a YAML "
+                                               "file: to that file's folder; on the command line: to the "
+                                               "working directory).")
+    heldout_path: str | None = Field(None, description="dataset: held-out rows (None = hold out holdout_frac of path); "
+                                                       "relative like path.")
     split: str = Field("train", description="dataset: the split of a DatasetDict folder at path.")
     heldout_split: str = Field("test", description="dataset: the split of a DatasetDict folder at heldout_path.")
     fields: dict[str, str] = Field(default_factory=dict,
@@ -140,7 +148,7 @@ class RewardConfig(_Section):
         None, description="Emulated remote verifier: each call waits uniform(lo, hi) ms. None = local reward.")
     concurrency: int = Field(64, gt=0, description="Reward calls in flight at once.")
     fn: str | None = Field(None, description="Reward function 'package.module:function' or "
-                                             "'path/to/file.py:function', called "
+                                             "'path/to/file.py:function' (relative like task.path), called "
                                              "(prompt, response, sample) -> float or dict of "
                                              "named scores; None = the task's built-in reward.")
     key: str | None = Field(None, description="fn returns a dict: the named score used "
@@ -313,6 +321,8 @@ class RunConfig(_Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
 
     @field_validator("plan", mode="before")
     @classmethod
@@ -343,7 +353,7 @@ class RunConfig(_Section):
             raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group "
                              "is kept or dropped when it finishes): set reward.placement=rollout")
         if self.train.dp > 1:
-            self._check_dp()
+            check_dp(self)
         if self.resources.device != "cpu" and self.train.dp > 1:
             raise ValueError(f"resources.device={self.resources.device} with train.dp={self.train.dp}: data-parallel "
                              f"trainer ranks run on CPU only so far; set train.dp=1 or resources.device=cpu")
@@ -354,36 +364,6 @@ class RunConfig(_Section):
             raise ValueError(f"train.micro_prompts ({self.train.micro_prompts}) must be <= train.prompts_per_step "
                              f"({self.train.prompts_per_step})")
         return self
-
-    def _check_dp(self) -> None:
-        t = self.train
-        if t.strategy == "fsdp" and self.launcher == "local":
-            raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed), but "
-                             "launcher=local runs them as threads: set launcher=ray, or train.strategy=ddp")
-        if t.strategy == "fsdp" and t.max_tokens_per_micro is not None:
-            raise ValueError("train.strategy=fsdp runs one pass per micro-batch on every rank (FSDP collectives), "
-                             "so it cannot split by token budget: unset train.max_tokens_per_micro or use ddp")
-        if t.strategy == "fsdp" and t.dp > self.rollout.group_size:
-            raise ValueError(f"train.strategy=fsdp needs train.dp ({t.dp}) <= rollout.group_size "
-                             f"({self.rollout.group_size}) so that every rank gets rows of every micro-batch")
-        if self.mode == "sync":
-            self._check_sync_dp()
-        rows = t.micro_prompts * self.rollout.group_size
-        if t.dp > rows:
-            raise ValueError(f"train.dp ({t.dp}) is more than the rows of a micro-batch (train.micro_prompts x "
-                             f"rollout.group_size = {rows}): some ranks would never train; lower train.dp")
-
-    def _check_sync_dp(self) -> None:
-        t = self.train
-        if t.strategy == "fsdp":
-            raise ValueError("mode=sync with train.strategy=fsdp: each rank's rollout decodes with its own whole "
-                             "model, which FSDP would shard; use train.strategy=ddp")
-        if self.algorithm.dynamic_sampling:
-            raise ValueError("mode=sync with train.dp > 1 does not support algorithm.dynamic_sampling yet (rollout "
-                             "feeds its own prompts then, one feeder per run); use train.dp=1 or mode=async")
-        if t.dp > t.prompts_per_step:
-            raise ValueError(f"mode=sync with train.dp={t.dp}: each rank generates whole prompt groups, so "
-                             f"train.prompts_per_step ({t.prompts_per_step}) must be >= train.dp")
 
     @property
     def effective_staleness(self) -> int:

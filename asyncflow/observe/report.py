@@ -29,49 +29,86 @@ from tqdm import tqdm
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
 
+PERCENT = ("exact match", "accuracy")  # held-out metrics that are fractions of problems right
+
+
+def fmt_metric(name: str | None, value: float) -> str:
+    """A held-out figure as its metric reads: a percentage for exact match / accuracy, else 3 decimals."""
+    return f"{value:.1%}" if name in PERCENT else f"{value:.3f}"
+
 
 class Progress:
-    """tqdm bar over RL steps (and a line for the warm-start); silent when disabled."""
+    """The warm-start and the RL steps: tqdm bars on a terminal; without one (a file, a CI log)
+    one plain line every ``every_s`` seconds and at the last step, instead of carriage-return
+    updates; silent when disabled. ``metric`` names the held-out figure (exact match,
+    accuracy, mean reward or a user metric)."""
 
     bar: Any  # tqdm bars, None until started
     _ws: Any
 
-    def __init__(self, steps: int, enabled: bool = True):
+    def __init__(self, steps: int, enabled: bool = True, metric: str = "exact match", tty: bool | None = None,
+                 every_s: float = 10.0):
         self.steps, self.enabled, self.bar, self._ws = steps, enabled, None, None
+        self.metric = metric
+        self._acc: float | None = None
+        self.tty = sys.stderr.isatty() if tty is None else tty
+        self.every_s, self._last = every_s, -every_s
+
+    def _line(self, text: str, force: bool = False) -> None:
+        now = time.monotonic()
+        if force or now - self._last >= self.every_s:
+            self._last = now
+            print(text, file=sys.stderr, flush=True)
 
     def warmstart(self, step: int, acc: float | None, loss: float) -> None:
         if not self.enabled:
+            return
+        if not self.tty:
+            held = f", held-out {acc:.1%}" if acc is not None else ""
+            self._line(f"warm-start (SFT) step {step}: loss {loss:.3f}{held}")
             return
         if self._ws is None:
             self._ws = tqdm(desc="warm-start (SFT)", unit="step", leave=False, file=sys.stderr)
         self._ws.update(step - self._ws.n)
         post = {"loss": f"{loss:.3f}"}
         if acc is not None:
-            post["heldout_acc"] = f"{acc:.1%}"
+            post["heldout"] = f"{acc:.1%}"
         self._ws.set_postfix(post)
 
     def start(self, acc0: float | None) -> None:
         if self._ws is not None:
             self._ws.close()
+        self._acc = acc0
         if not self.enabled:
             return
+        if not self.tty:
+            held = f", held-out {self.metric} {fmt_metric(self.metric, acc0)}" if acc0 is not None else ""
+            self._line(f"RL: {self.steps} steps{held}", force=True)
+            return
+        from tqdm import tqdm  # lazy: only with a terminal (the plain-line progress needs none)
+
         self.bar = tqdm(total=self.steps, desc="RL", unit="step", file=sys.stderr)
         if acc0 is not None:
-            self.bar.set_postfix(heldout_acc=f"{acc0:.1%}")
-        self._acc = acc0
+            self.bar.set_postfix({self.metric: fmt_metric(self.metric, acc0)})
 
     def update(self, m: dict) -> None:
-        if self.bar is None:
+        if not self.enabled:
             return
-        self._acc = m.get("heldout_acc", self._acc)
+        fresh = m.get("heldout_acc")
+        self._acc = fresh if fresh is not None else self._acc
         post = {"reward": f"{m['reward']:.2f}", "samples/s": f"{m['samples_per_s']:.1f}",
                 "tokens/s": f"{m['tokens_per_s']:.0f}", "stale": m.get("max_staleness", 0)}
         if "value_loss" in m:  # PPO's critic
             post.update(vf_loss=f"{m['value_loss']:.3f}", ev=f"{m['explained_var']:.2f}")
         if self._acc is not None:
-            post["heldout_acc"] = f"{self._acc:.1%}"
-        self.bar.set_postfix(post)
-        self.bar.update(1)
+            post[self.metric] = fmt_metric(self.metric, self._acc)
+        if not self.tty:
+            step = m.get("step", 0)
+            self._line(f"RL step {step}/{self.steps}: " + ", ".join(f"{k} {v}" for k, v in post.items()),
+                       force=fresh is not None or step in (1, self.steps))
+        elif self.bar is not None:
+            self.bar.set_postfix(post)
+            self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -198,7 +235,8 @@ def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None
     return {
         "mode": cfg.mode, "staleness_bound": cfg.effective_staleness, "steps": cfg.train.steps,
         "device": cfg.resources.device,
-        "init": init, "heldout_acc_before": acc0, "heldout_acc_after": acc1,
+        "init": init, "heldout_metric": totals.get("heldout_metric"), "heldout_acc_before": acc0,
+        "heldout_acc_after": acc1,
         "samples": samples, "tokens": tokens, "wall_s": wall,
         "samples_per_s": samples / wall if wall else 0.0, "tokens_per_s": tokens / wall if wall else 0.0,
         "steady_samples_per_s": totals["steady_samples"] / s_wall if s_wall else 0.0,
@@ -208,19 +246,60 @@ def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None
         "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "rollout_decode_steps": rollout.get("decode_steps", 0),
-        "reward_errors": totals["stats"].get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0),
-        # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
-        "reward_fn": {k: v for k, v in (totals["stats"].get("reward") or rollout).items()
-                      if k.startswith(("reward_", "score_")) and k != "reward_errors"},
+        **reward_counts(totals["stats"]),
         "run_dir": str(run_dir), "checkpoint": ckpt, "pinned": totals.get("pinned", {}), **dyn,
+        # task.on_bad_row=skip: bad dataset rows skipped, and the first of them (file:line: what is wrong)
+        "skipped_rows": totals.get("skipped_rows", 0), "skipped_first": totals.get("skipped_first"),
     }
+
+
+FN_ERRORS = ("reward_exception", "reward_timeout", "reward_non_number", "reward_wrong_length")
+
+
+def _reward_source(stats: dict) -> dict:
+    """The stats that carry the reward function's counters: the reward role's, else rollout's."""
+    return stats.get("reward") or stats.get("rollout", {})
+
+
+def reward_counts(stats: dict) -> dict:
+    """``reward_errors``: answers whose reward failed and scored ``reward.on_error``, one figure = a
+    configured reward.fn's counters by kind (``reward_fn``) + failures of a task's own reward;
+    ``reward_first_error``: what the first failure was (one line), or None."""
+    src, rollout = _reward_source(stats), stats.get("rollout", {})
+    fn = {k: v for k, v in src.items() if k.startswith(("reward_", "score_")) and k != "reward_errors"}
+    own = stats.get("reward", {}).get("errors", 0) + rollout.get("reward_errors", 0)
+    fails = reward_failures(stats)  # a traceback's last line says what was raised
+    first = next((ln.strip() for ln in reversed(fails[0].splitlines()) if ln.strip()), None) if fails else None
+    # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
+    return {"reward_errors": own + sum(fn.get(k, 0) for k in FN_ERRORS),
+            "reward_first_error": first[:200] if first else None, "reward_fn": fn}
+
+
+def reward_failures(stats: dict) -> list[str]:
+    """The first few failures of a configured reward.fn: each a traceback, or what went wrong."""
+    return list(_reward_source(stats).get("failures", []))
+
+
+def reward_error_line(s: dict, log: Path | None) -> str | None:
+    """One line on the rewards that failed (None when none did): count, the first error, the log."""
+    n = s.get("reward_errors", 0)
+    if not n:
+        return None
+    calls = s["reward_fn"].get("reward_calls")
+    of = f" of {calls}" if calls else ""
+    first = f"; first: {s['reward_first_error']}" if s.get("reward_first_error") else ""
+    where = f" (tracebacks of the first few: {log})" if log is not None else ""
+    return f"asyncflow: warning: the reward failed on {n}{of} answers, scored as reward.on_error{first}{where}"
 
 
 def format_summary(s: dict) -> str:
     acc = ""
     if s["heldout_acc_before"] is not None:
-        d = (s["heldout_acc_after"] - s["heldout_acc_before"]) * 100
-        acc = f"held-out accuracy  {s['heldout_acc_before']:.1%} -> {s['heldout_acc_after']:.1%} ({d:+.1f} points)\n"
+        name, a, b = s.get("heldout_metric") or "accuracy", s["heldout_acc_before"], s["heldout_acc_after"]
+        d = f"{(b - a) * 100:+.1f} points" if name in PERCENT else f"{b - a:+.3f}"
+        acc = f"{'held-out ' + name:<18} {fmt_metric(name, a)} -> {fmt_metric(name, b)} ({d})\n"
+    if s.get("skipped_rows"):
+        acc += f"bad rows skipped   {s['skipped_rows']} (task.on_bad_row=skip); first: {s['skipped_first']}\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
     oncpu = "  ".join(f"{k} {v:.0%}" for k, v in s.get("on_cpu", {}).items())
     oncpu = f"on a core          {oncpu} of the busy time (the rest: preempted)\n" if oncpu else ""

@@ -7,6 +7,8 @@ import numpy as np
 from asyncflow.config import ConfigError, RunConfig
 from asyncflow.tasks.datasets import DatasetError, load_dataset
 
+SKIP_HINT = "set task.on_bad_row=skip"  # the config key that skips bad rows, named in a bad row's error
+
 
 class DatasetTask:
     """Rows of a local file (``task.path``, mapped by ``task.fields``), split into train and
@@ -20,11 +22,13 @@ class DatasetTask:
         t = cfg.task
         assert t.path is not None  # RunConfig requires task.path for task.name=dataset
         try:
-            train = load_dataset(t.path, t.fields, t.on_bad_row, t.split)
-            held = load_dataset(t.heldout_path, t.fields, t.on_bad_row, t.heldout_split) if t.heldout_path else None
+            train = load_dataset(t.path, t.fields, t.on_bad_row, t.split, skip_hint=SKIP_HINT)
+            held = load_dataset(t.heldout_path, t.fields, t.on_bad_row, t.heldout_split,
+                                skip_hint=SKIP_HINT) if t.heldout_path else None
         except DatasetError as e:
             raise ConfigError(str(e)) from None
-        self.skipped = train.skipped + (held.skipped if held else 0)
+        self.skipped = train.skipped + (held.skipped if held else 0)  # bad rows skipped (task.on_bad_row=skip)
+        self.bad_rows = train.errors + (held.errors if held else [])  # the first few of them, one line each
         if held is None:
             order = np.random.default_rng(cfg.seed).permutation(len(train.samples))
             k = min(max(1, int(round(t.holdout_frac * len(order)))), len(order) - 1)  # both sides non-empty

@@ -61,9 +61,11 @@ class Dataset:
 
 
 def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
-                 on_error: Literal["raise", "skip"] = "raise", split: str = "train") -> Dataset:
+                 on_error: Literal["raise", "skip"] = "raise", split: str = "train",
+                 skip_hint: str = "load with on_error='skip'") -> Dataset:
     """Read a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, or a
-    ``save_to_disk`` folder (``split`` picks a ``DatasetDict``'s split; see module doc)."""
+    ``save_to_disk`` folder (``split`` picks a ``DatasetDict``'s split; see module doc).
+    ``skip_hint``: how the caller's user skips bad rows, named in a bad row's error."""
     p = Path(path).expanduser()
     fields = {**{k: k for k in REQUIRED}, **(fields or {})}
     if on_error not in ("raise", "skip"):
@@ -90,7 +92,7 @@ def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
             msg = f"{p}:{n}: {e}" if where == "line" else f"{p}: row {n}: {e}"
             if on_error == "raise":
                 raise DatasetError(
-                    msg + " (fix the row, or load with on_error='skip' to skip and count bad rows)") from None
+                    msg + f" (fix the row, or {skip_hint} to skip and count bad rows)") from None
             ds.skipped += 1
             if len(ds.errors) < KEEP_ERRORS:
                 ds.errors.append(msg)

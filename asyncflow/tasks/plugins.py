@@ -40,8 +40,8 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
 
 def _import_file(path: Path, spec: str, what: str) -> Any:
     if not path.is_file():
-        raise ConfigError(f"{what} = '{spec}': no such file '{path}' (a relative path is relative to the "
-                          "directory asyncflow runs in)")
+        raise ConfigError(f"{what} = '{spec}': no such file '{path}' (a relative path is relative to the folder "
+                          "of the YAML file that gives it, or on the command line to the directory asyncflow runs in)")
     key = "asyncflow_user_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     if key in sys.modules:
         return sys.modules[key]

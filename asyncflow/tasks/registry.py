@@ -48,3 +48,21 @@ def build_task(cfg: RunConfig) -> Task:
                           "(a task needs train, heldout, reward(prompt, response, answer) and greedy_eval_tokens; "
                           "see asyncflow/tasks/base.py)")
     return task
+
+
+def heldout_metric(cfg: RunConfig, task: Task,
+                   reward: Callable[[], Callable] | None = None) -> tuple[str, Callable | None]:
+    """What the held-out evaluation measures: its name and the score ``fn(prompt, response, answer)``
+    (None = exact match of the stripped response). ``eval.metric`` when set (named after its
+    function); else a task's ``eval_score`` ("accuracy") unless ``reward.fn`` replaces the reward;
+    else the reward ("mean reward": ``reward()`` builds it) for a task that generates
+    ``greedy_eval_tokens``; else "exact match"."""
+    if cfg.eval.metric:
+        fn = load_callable(cfg.eval.metric, what="eval.metric")
+        return getattr(fn, "__name__", cfg.eval.metric), fn
+    score = getattr(task, "eval_score", None) if not cfg.reward.fn else None
+    if score is not None:
+        return "accuracy", score
+    if task.greedy_eval_tokens:
+        return "mean reward", reward() if reward is not None else task.reward
+    return "exact match", None

@@ -56,6 +56,7 @@ import math
 import numbers
 import re
 import threading
+import traceback
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -86,6 +87,7 @@ class BatchedRewardFn(Protocol):
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 _GSM8K = re.compile(r"####\s*([^\n]+)")
+KEEP_FAILURES = 5  # failures whose traceback (or what went wrong) RewardFunction keeps for reward_errors.log
 
 
 # --------------------------------------------------------------------------- extraction
@@ -207,6 +209,7 @@ class RewardFunction:
         self.batches = 0
         self.errors = {"exception": 0, "timeout": 0, "non_number": 0, "wrong_length": 0}
         self._named: dict[str, list[float]] = {}
+        self.failures: list[str] = []  # the first KEEP_FAILURES failures: a traceback, or what went wrong
 
     # ------------------------------------------------------------------ role-style entry points
     def __call__(self, prompt: str, response: str, answer: str) -> float:
@@ -229,9 +232,9 @@ class RewardFunction:
         try:
             value = self._invoke(prompt, response, sample)
         except (FutureTimeout, asyncio.TimeoutError):
-            return self._fail("timeout")
+            return self._fail("timeout", detail=f"timed out after reward.timeout_s = {self.timeout_s} s")
         except Exception:
-            return self._fail("exception")
+            return self._fail("exception", detail=traceback.format_exc())
         return self._one(value)
 
     async def ascore(self, prompt: str, response: str, sample: dict) -> float:
@@ -243,9 +246,9 @@ class RewardFunction:
         try:
             value = await asyncio.wait_for(self.fn(prompt, response, sample), self.timeout_s)
         except (asyncio.TimeoutError, FutureTimeout):
-            return self._fail("timeout")
+            return self._fail("timeout", detail=f"timed out after reward.timeout_s = {self.timeout_s} s")
         except Exception:
-            return self._fail("exception")
+            return self._fail("exception", detail=traceback.format_exc())
         return self._one(value)
 
     # ------------------------------------------------------------------ batches
@@ -261,11 +264,12 @@ class RewardFunction:
             else:
                 values = self._invoke(prompts, responses, samples)
         except (FutureTimeout, asyncio.TimeoutError):
-            return [self._fail("timeout", n)] * n
+            return [self._fail("timeout", n, f"timed out after reward.timeout_s = {self.timeout_s} s")] * n
         except Exception:
-            return [self._fail("exception", n)] * n
+            return [self._fail("exception", n, traceback.format_exc())] * n
         if isinstance(values, (str, bytes, dict)) or not hasattr(values, "__len__") or len(values) != n:
-            return [self._fail("wrong_length", n)] * n
+            got = f"{len(values)} scores" if hasattr(values, "__len__") else type(values).__name__
+            return [self._fail("wrong_length", n, f"returned {got:.80} for a batch of {n}")] * n
         return [self._one(v) for v in list(values)]
 
     # ------------------------------------------------------------------ helpers
@@ -289,7 +293,8 @@ class RewardFunction:
 
     def _one(self, value: Any) -> float:
         reward = self._reduce(value)
-        return self._fail("non_number") if reward is None else reward
+        return self._fail("non_number", detail=f"returned {value!r:.80} (not a finite number{self._keyed})") \
+            if reward is None else reward
 
     def _reduce(self, value: Any) -> float | None:
         if isinstance(value, dict):
@@ -303,18 +308,26 @@ class RewardFunction:
             return finite[self.key] if self.key else float(sum(finite.values()))
         return _finite(value)
 
-    def _fail(self, kind: str, n: int = 1) -> float:
+    @property
+    def _keyed(self) -> str:
+        return f", or a dict of them with '{self.key}'" if self.key else ", or a dict of them"
+
+    def _fail(self, kind: str, n: int = 1, detail: str = "") -> float:
         with self._lock:
             self.errors[kind] += n
+            if len(self.failures) < KEEP_FAILURES:
+                self.failures.append(detail.rstrip() or kind)
         return self.on_error
 
     def stats(self) -> dict:
         """Counters (samples; ``reward_batches``: calls of a batched function) and the mean of each named score."""
         with self._lock:
-            out: dict[str, float] = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
+            out: dict[str, Any] = {"reward_calls": self.calls, **{f"reward_{k}": n for k, n in self.errors.items()}}
             if self.batched:
                 out["reward_batches"] = self.batches
             out.update({f"score_{k}": sum(v) / len(v) for k, v in self._named.items() if v})
+            if self.failures:
+                out["failures"] = list(self.failures)
         return out
 
     def close(self) -> None:

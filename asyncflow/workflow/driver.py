@@ -11,14 +11,18 @@ trainer step for ``stream``/``async``).
 from __future__ import annotations
 
 import json
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from asyncflow.config import ConfigError, RunConfig, dump_config
-from asyncflow.observe.report import Progress, RunMeter, summarize
+from asyncflow.observe.report import Progress, RunMeter, reward_error_line, reward_failures, summarize
 from asyncflow.observe.trace import PlotUnavailable, write_gantt, write_trace
+from asyncflow.observe.trackers import Trackers, open_trackers
 from asyncflow.tasks.models import load_model, prepare_model
-from asyncflow.tasks.registry import build_task
+from asyncflow.tasks.registry import build_task, heldout_metric
+from asyncflow.tasks.rewards import load_reward_fn
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
 from asyncflow.workflow.launcher import Launcher
@@ -31,7 +35,7 @@ def make_run_dir(cfg: RunConfig) -> Path:
     while d.exists():
         d, n = d.with_name(f"{stamp}-{cfg.mode}-{n}"), n + 1
     d.mkdir(parents=True)
-    (d / "config.yaml").write_text(dump_config(cfg))
+    (d / "config.yaml").write_text(dump_config(cfg, absolute=True))  # its paths read the same from the run folder
     return d
 
 
@@ -52,45 +56,79 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
     if cfg.plan == "auto":
         raise ConfigError("plan=auto is resolved before the driver runs: call asyncflow.api.train, or resolve it "
                           "with asyncflow.planner.auto.resolve")
+    task = build_task(cfg)  # a user's mistakes (a bad dataset row, a missing module) fail before any role starts
+    if cfg.reward.fn:
+        load_reward_fn(cfg.reward.fn)
+    metric, _ = heldout_metric(cfg, task)
     run_dir = run_dir or make_run_dir(cfg)
-    progress = Progress(cfg.train.steps, enabled=cfg.progress)
+    progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)
-    job = Job(cfg, launcher, model_dir)
+    job, trackers = Job(cfg, launcher, model_dir), Trackers([])
     try:
-        feeder = PromptFeeder(cfg, load_model(model_dir)[1], build_task(cfg), job.plane)
+        trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri)
+        trackers.log_config(cfg.model_dump(mode="json"))
+        feeder = PromptFeeder(cfg, load_model(model_dir)[1], task, job.plane)
         acc0 = job.evaluate() if evaluate else None
         progress.start(acc0)
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
-        steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
-        ahead = cfg.effective_staleness + 2 + -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)
-
-        def submit(v: int) -> list | None:  # feed prompts for every admissible step, then queue step v on the trainer
-            if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
-                feeder.fill(v + ahead)  # (over-provisioned groups reach further ahead)
-            return job.submit(v) if v < steps else None
-
-        fut = submit(0)
-        with (run_dir / "metrics.jsonl").open("w") as log:
-            for v in range(steps):
-                eval_now = every and (v + 1) % every == 0 and v + 1 < steps
-                # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
-                nxt = submit(v + 1) if not eval_now else None
-                assert fut is not None  # v < steps: submitted
-                m = meter.step(job.result(fut, v))
-                if eval_now:
-                    m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
-                fut = submit(v + 1) if eval_now else nxt
-                log.write(json.dumps(m) + "\n")
-                log.flush()
-                progress.update(m)
-        totals = {**meter.finish(), "pinned": job.pinned()}
+        _rl_steps(cfg, job, feeder, meter, lambda m: _log_step(m, metric, progress, trackers), evaluate)
+        totals = {**meter.finish(), "pinned": job.pinned(), "heldout_metric": metric if evaluate else None,
+                  "skipped_rows": getattr(task, "skipped", 0),  # task.on_bad_row=skip
+                  "skipped_first": next(iter(getattr(task, "bad_rows", [])), None)}
         write_run_trace(job.spans(), run_dir / "trace.json")
         acc1 = job.evaluate() if evaluate else None
         ckpt = job.save(str(run_dir / "checkpoint"))
         progress.close()
         summary = summarize(cfg, init, acc0, acc1, totals, run_dir, ckpt)
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        trackers.log_summary(summary)
+        _warn_reward_errors(summary, totals["stats"], run_dir)
         return summary
     finally:
+        trackers.close()
         job.shutdown()
+
+
+def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, log: Callable[[dict], None],
+              evaluate: bool) -> None:
+    """The RL steps: feed prompts far enough ahead for the staleness bound, train, evaluate every
+    ``train.eval_every`` steps, ``log`` each step's metrics."""
+    steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
+    ahead = cfg.effective_staleness + 2 + -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)
+
+    def submit(v: int) -> list | None:  # feed prompts for every admissible step, then queue step v on the trainer
+        if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
+            feeder.fill(v + ahead)  # (over-provisioned groups reach further ahead)
+        return job.submit(v) if v < steps else None
+
+    fut = submit(0)
+    for v in range(steps):
+        eval_now = every and (v + 1) % every == 0 and v + 1 < steps
+        # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
+        nxt = submit(v + 1) if not eval_now else None
+        assert fut is not None  # v < steps: submitted
+        m = meter.step(job.result(fut, v))
+        if eval_now:
+            m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
+        fut = submit(v + 1) if eval_now else nxt
+        log(m)
+
+
+def _log_step(m: dict, metric: str, progress: Progress, trackers: Trackers) -> None:
+    if "heldout_acc" in m:
+        m["heldout_metric"] = metric  # what heldout_acc measures (exact match, accuracy, mean reward, ...)
+    trackers.log_metrics(m["step"], m)
+    progress.update(m)
+
+
+def _warn_reward_errors(summary: dict, stats: dict, run_dir: Path) -> None:
+    """Rewards that failed: the first few tracebacks to ``reward_errors.log``, one line to stderr."""
+    failures = reward_failures(stats)
+    log = run_dir / "reward_errors.log" if failures else None
+    if log is not None:
+        log.write_text("".join(f"--- failure {i + 1} of the first {len(failures)}\n{f}\n"
+                               for i, f in enumerate(failures)))
+    line = reward_error_line(summary, log)
+    if line:
+        print(line, file=sys.stderr, flush=True)

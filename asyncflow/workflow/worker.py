@@ -33,7 +33,7 @@ from asyncflow.engines.collective import Collective, ThreadRendezvous, TorchGrou
 from asyncflow.engines.device import resolve_device
 from asyncflow.engines.inference import load_named_weights
 from asyncflow.tasks.models import load_model
-from asyncflow.tasks.registry import build_task
+from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
@@ -190,10 +190,7 @@ class Worker:
     # ------------------------------------------------------------------ common
     def evaluate(self, n: int | None = None) -> float:
         problems = self.task.heldout[: n or self.cfg.task.eval_n]
-        # a task's own held-out metric (countdown/multistep: accuracy), unless reward.fn replaces the reward
-        score = getattr(self.task, "eval_score", None) if not self.cfg.reward.fn else None
-        if score is None:
-            score = self.reward_fn() if self.task.greedy_eval_tokens else None  # None: exact-match accuracy
+        _, score = heldout_metric(self.cfg, self.task, self.reward_fn)  # (None: exact match)
         return self._on_compute(evaluate, self._whole(), self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
                                 score, self.cfg.task.chat_template)
 

@@ -19,7 +19,7 @@ behave exactly as in process. On one host, a unit's part of a put of at least
 ``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
 cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
 answer with segment refs (:mod:`asyncflow.dataplane.transport.shm`; probed per unit at connect;
-``use_shm=False`` or ``ASYNCFLOW_DP_SHM=0`` turns it off). Below the threshold, or without
+``use_shm=False`` or ``ASYNCFLOW_PLANE_SHM=0`` turns it off). Below the threshold, or without
 shared memory, each contiguous slice is one message of frames.
 
 Invariants:
@@ -61,9 +61,10 @@ from asyncflow.dataplane.core.samplers import Sampler
 from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
 from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.auth import Credentials
-from asyncflow.dataplane.transport.link import DEADLINE_S
+from asyncflow.dataplane.transport.link import DEADLINE_S, gather_all
 from asyncflow.dataplane.transport.link import Link as _Link
 from asyncflow.dataplane.transport.protocol import (
+    concat_spec,
     decode_columns,
     encode_columns,
     meta_from_msg,
@@ -145,7 +146,7 @@ class AsyncZmqDataPlane:
         hello, _ = await self._ctrl.call("hello", {})
         units = [self._link(ep, loop) for ep in hello["storage"]]
         try:
-            prefixes = await _all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
+            prefixes = await gather_all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
                 else [None] * len(units)
         except BaseException:
             for u in units:
@@ -214,7 +215,7 @@ class AsyncZmqDataPlane:
         big = sum(v.nbytes if isinstance(v, np.ndarray) else sum(r.nbytes for r in v)
                   for v in columns.values()) >= self.shm_min_bytes  # else frames for every unit
         try:
-            await _all([self._write(unit, rows, columns, spans, big) for unit, spans in by_unit.items()])
+            await gather_all([self._write(unit, rows, columns, spans, big) for unit, spans in by_unit.items()])
         except BaseException:
             await ctrl.call("commit", {**commit, "abort": True})
             raise
@@ -229,7 +230,7 @@ class AsyncZmqDataPlane:
         link, prefix = self._units[unit], self._shm_prefix[unit]
         if prefix is not None and big:
             mine = [r for i, j in spans for r in rows[i:j]]
-            spec, buffers = _concat_spec(columns, spans)
+            spec, buffers = concat_spec(columns, spans)
             size = shm.segment_bytes(buffers)
             if size >= self.shm_min_bytes:
                 leased = None
@@ -332,7 +333,7 @@ class AsyncZmqDataPlane:
         by_unit: dict[int, list[tuple[int, int]]] = {}
         for u, i, j in runs(rows, len(self._units)) if rows else []:
             by_unit.setdefault(u, []).append((i, j))
-        replies = await _all([self._units[u].call("gather", {"rows": [r for i, j in spans for r in rows[i:j]],
+        replies = await gather_all([self._units[u].call("gather", {"rows": [r for i, j in spans for r in rows[i:j]],
                                                               "fields": names, "pid": os.getpid(),
                                                               "shm": None if self._shm_prefix[u] is None
                                                               else self.shm_min_bytes})
@@ -391,21 +392,3 @@ class AsyncZmqDataPlane:
             if link is not None:
                 link.close()
         self._reset()
-
-
-def _concat_spec(columns: Mapping[str, Any], spans: list[tuple[int, int]]) -> tuple[list[list], list[Any]]:
-    """As :func:`encode_columns` of the rows in ``spans`` one after another, without
-    concatenating: each buffer is the list of its per-span parts (written back to back)."""
-    parts = [encode_columns({k: v[i:j] for k, v in columns.items()}) for i, j in spans]
-    spec = [[name, kind, dtype, [sum(p[0][c][3][0] for p in parts), *shape[1:]]]
-            for c, (name, kind, dtype, shape) in enumerate(parts[0][0])]
-    return spec, [[p[1][b] for p in parts] for b in range(len(parts[0][1]))]
-
-
-async def _all(calls: Sequence[Any]) -> list[Any]:
-    """Await every call (so no reply is left behind); then raise the first error, if any."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return results

@@ -182,3 +182,12 @@ def _check_ipc(endpoint: str) -> None:
         except OSError as exc:
             raise DataPlaneUnavailable(f"data plane socket {path} cannot be reached ({exc.strerror}); is the data "
                                        "plane running, and is this process the job's user?") from None
+
+
+async def gather_all(calls: Sequence[Any]) -> list[Any]:
+    """Await every call (so no reply is left behind); then raise the first error, if any."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results

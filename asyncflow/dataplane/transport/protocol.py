@@ -263,3 +263,12 @@ def error_to_msg(exc: BaseException) -> dict[str, str]:
 def error_from_msg(msg: Mapping[str, Any]) -> Exception:
     cls = ERRORS.get(str(msg.get("type")), RuntimeError)
     return cls(str(msg.get("msg")))
+
+
+def concat_spec(columns: Mapping[str, Any], spans: list[tuple[int, int]]) -> tuple[list[list], list[Any]]:
+    """As :func:`encode_columns` of the rows in ``spans`` one after another, without
+    concatenating: each buffer is the list of its per-span parts (written back to back)."""
+    parts = [encode_columns({k: v[i:j] for k, v in columns.items()}) for i, j in spans]
+    spec = [[name, kind, dtype, [sum(p[0][c][3][0] for p in parts), *shape[1:]]]
+            for c, (name, kind, dtype, shape) in enumerate(parts[0][0])]
+    return spec, [[p[1][b] for p in parts] for b in range(len(parts[0][1]))]

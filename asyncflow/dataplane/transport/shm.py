@@ -10,7 +10,7 @@ refs into the unit's segments, which the client maps (no copy on either side). B
 Handshake (per client and unit, at connect): the unit answers ``shm_hello`` with its boot
 id and its *prefix* ``afdp-<pid>-<random>-``; a client on the same boot id writes a probe
 segment with random bytes and asks the unit to read it back (``shm_probe``), which proves
-that both see the same ``/dev/shm``. Disabled by ``ASYNCFLOW_DP_SHM=0`` (in the client's
+that both see the same ``/dev/shm``. Disabled by ``ASYNCFLOW_PLANE_SHM=0`` (in the client's
 or the unit's environment), or ``shm=False`` on either side.
 
 Names and lifetimes (every segment name starts with the unit's prefix):
@@ -74,8 +74,8 @@ _IOV_MAX = 1024
 
 
 def enabled(flag: bool = True) -> bool:
-    """Shared memory is possible here and not disabled by ``ASYNCFLOW_DP_SHM=0``."""
-    return flag and os.environ.get("ASYNCFLOW_DP_SHM", "1") != "0" and os.path.isdir(SHM_DIR)
+    """Shared memory is possible here and not disabled by ``ASYNCFLOW_PLANE_SHM=0``."""
+    return flag and os.environ.get("ASYNCFLOW_PLANE_SHM", "1") != "0" and os.path.isdir(SHM_DIR)
 
 
 def boot_id() -> str:

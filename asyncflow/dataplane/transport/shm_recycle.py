@@ -7,8 +7,8 @@ exist). So a unit keeps the files of cleared rows for the next puts:
 * **Keep.** When the last stored row of an owned segment ``<prefix>s<n>`` is dropped and
   the file is at least ``min_bytes`` (default :data:`RECYCLE_MIN`), it is renamed
   ``<prefix>r<n>`` instead of unlinked, while the kept files total at most ``budget``
-  bytes (default :data:`RECYCLE_BYTES`). The unit's ``ASYNCFLOW_DP_SHM_RECYCLE`` and
-  ``ASYNCFLOW_DP_SHM_RECYCLE_MIN`` (bytes) set both; ``ASYNCFLOW_DP_SHM_RECYCLE=0`` turns
+  bytes (default :data:`RECYCLE_BYTES`). The unit's ``ASYNCFLOW_PLANE_SHM_RECYCLE`` and
+  ``ASYNCFLOW_PLANE_SHM_RECYCLE_MIN`` (bytes) set both; ``ASYNCFLOW_PLANE_SHM_RECYCLE=0`` turns
   recycling off. A kept file not leased within :data:`RECYCLE_IDLE_S` is unlinked.
 * **Lease.** A client about to write at least its ``recycle_min_bytes`` asks for one
   (``shm_lease``, with its size and pid). The smallest kept file that is big enough is
@@ -46,8 +46,8 @@ class Recycler:
 
     def __init__(self, prefix: str, directory: str, budget: int | None = None, min_bytes: int | None = None):
         self.prefix, self.dir = prefix, directory
-        self.budget = int(os.environ.get("ASYNCFLOW_DP_SHM_RECYCLE", RECYCLE_BYTES)) if budget is None else budget
-        self.min_bytes = int(os.environ.get("ASYNCFLOW_DP_SHM_RECYCLE_MIN", RECYCLE_MIN)) if min_bytes is None \
+        self.budget = int(os.environ.get("ASYNCFLOW_PLANE_SHM_RECYCLE", RECYCLE_BYTES)) if budget is None else budget
+        self.min_bytes = int(os.environ.get("ASYNCFLOW_PLANE_SHM_RECYCLE_MIN", RECYCLE_MIN)) if min_bytes is None \
             else min_bytes
         self.mapped: dict[str, Any] = {}  # owned segment -> weak reference to the unit's mapping
         self.readers: dict[str, set[int]] = {}  # owned segment -> pids sent refs into it

@@ -32,6 +32,7 @@ import queue
 import random
 import threading
 import time
+import traceback
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -46,6 +47,7 @@ from asyncflow.workflow.roles.base import Role
 
 RewardFn = TaskReward  # what RewardRole calls: (prompt, response, answer) -> float
 FIELDS = ["prompt_ids", "response_ids", "answer"]
+KEEP_FAILURES = 5  # failures whose traceback (or value) a role keeps for the run's reward_errors.log
 
 
 class RemoteCalls:
@@ -152,6 +154,7 @@ class RewardRole(Role):
         self.async_fn = getattr(reward_fn, "acall", reward_fn) if is_async and not self.batched else None
         self.remote = RemoteCalls() if (latency_ms or self.async_fn) and not self.batched else None
         self.errors = 0
+        self.failures: list[str] = []  # the first KEEP_FAILURES failures of the function itself
 
     def poll(self, timeout: float) -> int:
         inflight = self.remote.inflight if self.remote else 0
@@ -213,6 +216,7 @@ class RewardRole(Role):
             return self._safe(self.fn(*texts))
         except Exception:
             self.errors += 1
+            self._keep(traceback.format_exc())
             return 0.0
 
     def _safe(self, value: Any) -> float:
@@ -224,7 +228,13 @@ class RewardRole(Role):
         if math.isfinite(v):
             return v
         self.errors += 1
+        self._keep("".join(traceback.format_exception(value)) if isinstance(value, BaseException)
+                   else f"returned {value!r:.80} (not a finite number)")
         return 0.0
+
+    def _keep(self, failure: str) -> None:
+        if len(self.failures) < KEEP_FAILURES:
+            self.failures.append(failure.rstrip())
 
     def _put(self, partition: Hashable, rows: Sequence[int], scores: Sequence[float]) -> None:
         with self.work():
@@ -242,7 +252,7 @@ class RewardRole(Role):
         s.update(errors=self.errors, inflight=self.remote.inflight if self.remote else 0)
         if hasattr(self.fn, "stats"):  # a configured reward.fn: its error counters and named scores
             s.update(self.fn.stats())
-        return s
+        return with_failures(s, self.failures)
 
 
 class GroupScorer:
@@ -353,7 +363,14 @@ class GroupScorer:
     def stats(self) -> dict:
         """A configured reward.fn's counters (calls, errors by kind, named score means)."""
         fn = self.role.fn
-        return fn.stats() if hasattr(fn, "stats") else {}
+        return with_failures(fn.stats() if hasattr(fn, "stats") else {}, self.role.failures)
 
     def close(self) -> None:
         self.role.close()
+
+
+def with_failures(stats: dict, failures: list[str]) -> dict:
+    """``stats`` with the role's own failures before its function's (``failures``, the first few)."""
+    if failures:
+        stats["failures"] = (failures + stats.get("failures", []))[:KEEP_FAILURES]
+    return stats

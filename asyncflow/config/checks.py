@@ -1,0 +1,44 @@
+"""Cross-field checks of a run config too long to sit in :class:`~asyncflow.config.schema.RunConfig`.
+
+Each raises ``ValueError`` with one line naming the fields and the fix; pydantic turns it
+into the config error the CLI prints. Called from ``RunConfig``'s validator only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # (the schema imports this module)
+    from asyncflow.config.schema import RunConfig
+
+
+def check_dp(cfg: RunConfig) -> None:
+    """The checks of a data-parallel trainer (``train.dp > 1``)."""
+    t = cfg.train
+    if t.strategy == "fsdp" and cfg.launcher == "local":
+        raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed), but "
+                         "launcher=local runs them as threads: set launcher=ray, or train.strategy=ddp")
+    if t.strategy == "fsdp" and t.max_tokens_per_micro is not None:
+        raise ValueError("train.strategy=fsdp runs one pass per micro-batch on every rank (FSDP collectives), "
+                         "so it cannot split by token budget: unset train.max_tokens_per_micro or use ddp")
+    if t.strategy == "fsdp" and t.dp > cfg.rollout.group_size:
+        raise ValueError(f"train.strategy=fsdp needs train.dp ({t.dp}) <= rollout.group_size "
+                         f"({cfg.rollout.group_size}) so that every rank gets rows of every micro-batch")
+    if cfg.mode == "sync":
+        _check_sync_dp(cfg)
+    rows = t.micro_prompts * cfg.rollout.group_size
+    if t.dp > rows:
+        raise ValueError(f"train.dp ({t.dp}) is more than the rows of a micro-batch (train.micro_prompts x "
+                         f"rollout.group_size = {rows}): some ranks would never train; lower train.dp")
+
+def _check_sync_dp(cfg: RunConfig) -> None:
+    t = cfg.train
+    if t.strategy == "fsdp":
+        raise ValueError("mode=sync with train.strategy=fsdp: each rank's rollout decodes with its own whole "
+                         "model, which FSDP would shard; use train.strategy=ddp")
+    if cfg.algorithm.dynamic_sampling:
+        raise ValueError("mode=sync with train.dp > 1 does not support algorithm.dynamic_sampling yet (rollout "
+                         "feeds its own prompts then, one feeder per run); use train.dp=1 or mode=async")
+    if t.dp > t.prompts_per_step:
+        raise ValueError(f"mode=sync with train.dp={t.dp}: each rank generates whole prompt groups, so "
+                         f"train.prompts_per_step ({t.prompts_per_step}) must be >= train.dp")
