@@ -5,6 +5,9 @@ weight store, workers of the mode), then per step: feed prompts far enough ahead
 staleness bound, train one version, log. Throughput and busy fractions are metered by
 :class:`~asyncflow.observe.report.RunMeter` (whole run, and steady state after step 1). The mode only changes what ``job.step`` does
 (colocated phases for ``sync``, a streamed trainer step for ``stream``/``async``).
+Mistakes found before any role starts (model folder, dataset rows, ``reward.fn``) are
+``ConfigError`` errors; any failure writes ``<run_dir>/error.log`` (driver and worker
+tracebacks, the watchdog's stack dumps: :mod:`asyncflow.workflow.failure`) and re-raises.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from asyncflow.observe.report import Progress, RunMeter, summarize
 from asyncflow.observe.trace import PlotUnavailable, write_gantt, write_trace
 from asyncflow.tasks.models import load_model, prepare_model
 from asyncflow.tasks.registry import build_task
+from asyncflow.tasks.rewards import load_reward_fn
+from asyncflow.workflow.failure import describe, origin, root_cause, write_error_log
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
 from asyncflow.workflow.launcher import Launcher
@@ -52,11 +57,35 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
         raise ConfigError("plan=auto is resolved before the driver runs: call asyncflow.api.train, or resolve it "
                           "with asyncflow.planner.auto.resolve")
     run_dir = run_dir or make_run_dir(cfg)
+    try:
+        return _run(cfg, launcher, run_dir, evaluate)
+    except Exception as e:  # the whole story for the user's one line (asyncflow.cli)
+        write_error_log(run_dir / "error.log", e)
+        raise
+
+
+def check_reward_fn(cfg: RunConfig) -> None:
+    """Import ``reward.fn`` once here, before any role starts: a mistake in it is the user's
+    (``ConfigError``), found in one line instead of in every worker that loads it."""
+    if not cfg.reward.fn:
+        return
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"reward.fn = '{cfg.reward.fn}': loading it raised {describe(e)} "
+                          f"(at {origin(root_cause(e))})") from e
+
+
+def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress)
-    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)
+    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
+    task = build_task(cfg)  # dataset rows and a user task factory: checked before any role starts
+    check_reward_fn(cfg)
     job = Job(cfg, launcher, model_dir)
     try:
-        feeder = PromptFeeder(cfg, load_model(model_dir)[1], build_task(cfg), job.plane)
+        feeder = PromptFeeder(cfg, load_model(model_dir)[1], task, job.plane)
         acc0 = job.evaluate() if evaluate else None
         progress.start(acc0)
         job.start()

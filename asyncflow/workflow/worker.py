@@ -16,8 +16,10 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -35,6 +37,7 @@ from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
 from asyncflow.workflow.cores import pin_thread, run_pinned
+from asyncflow.workflow.failure import tag
 from asyncflow.workflow.roles.base import Role
 
 
@@ -43,31 +46,44 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, roles: list[str], model_dir: str, plane: DataPlaneClient,
                  weights: WeightSource | None, threads: int, rank: int = 0, cores: tuple[int, ...] = ()):
-        torch.set_num_threads(threads)
-        keep_heap()  # no page faults per step (they were ~10% of a solo trainer step)
-        torch.manual_seed(cfg.seed)
+        self.name = "colocated" if len(roles) > 1 else (f"{roles[0]}.{rank}" if rank else roles[0])  # as in plan
         self.cores = tuple(cores)  # the compute thread and the role loops run here (see pin_thread)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=pin_thread,
                                            initargs=(self.cores,))
         self._order = threading.Condition()  # steps enter the compute queue in order (see _in_order)
         self._expect = 0
         self.cfg, self.plane, self.rank = cfg, plane, rank
-        self.model, self.tokenizer = load_model(model_dir)
-        self.model.to(resolve_device(cfg.resources.device))  # every engine below computes where its model is
-        self.task = build_task(cfg)
-        self.ctx = RoleContext(cfg, plane, weights, self.model, self.tokenizer, self.task, model_dir, list(roles), rank)
         self.roles: dict[str, Role] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._full = None  # FSDP: rank 0's gathered copy of the whole weights
+        self.ctx: RoleContext | None = None
+        self.started = time.perf_counter()
+        # an error while building is kept and raised by health(): under Ray a constructor's
+        # error would kill the actor and reach the driver as an ActorDiedError without its cause
+        self._init_error: BaseException | None = None
+        try:
+            self._build(list(roles), model_dir, weights, threads)
+        except Exception as e:
+            self._init_error = tag(e, f"worker '{self.name}' (building {', '.join(roles)})")
+
+    def _build(self, roles: list[str], model_dir: str, weights: WeightSource | None, threads: int) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(threads)
+        keep_heap()  # no page faults per step (they were ~10% of a solo trainer step)
+        torch.manual_seed(cfg.seed)
+        self.model, self.tokenizer = load_model(model_dir)
+        self.model.to(resolve_device(cfg.resources.device))  # every engine below computes where its model is
+        self.task = build_task(cfg)
+        self.ctx = RoleContext(cfg, self.plane, weights, self.model, self.tokenizer, self.task, model_dir, roles,
+                               self.rank)
         for name in BUILD_ORDER:
             if name in roles and not (name == "actor" and cfg.train.dp > 1):  # dp > 1: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
-        self.started = time.perf_counter()
 
     @property
     def group(self) -> Collective | None:
-        return self.ctx.group
+        return self.ctx.group if self.ctx is not None else None
 
     def _build_actor(self) -> None:
         """The actor role on the joined data-parallel group (FSDP: rank 0 also keeps a whole copy)."""
@@ -134,7 +150,11 @@ class Worker:
         own OpenMP team, and idle teams spinning beside the busy one cost a measured ~60%
         of a colocated step on 2 cores; one compute thread keeps one team.
         """
-        return self._compute.submit(fn, *args).result()
+        try:
+            return self._compute.submit(fn, *args).result()
+        except Exception as e:
+            tag(e, f"worker '{self.name}' in {getattr(fn, '__name__', 'a call')}")
+            raise
 
     def _in_order(self, v: int, fn, *args):
         """Run step ``v`` on the compute thread after step ``v - 1``, whatever order the calls
@@ -146,7 +166,11 @@ class Worker:
             fut = self._compute.submit(fn, *args)
             self._expect = v + 1
             self._order.notify_all()
-        return fut.result()
+        try:
+            return fut.result()
+        except Exception as e:
+            tag(e, f"worker '{self.name}' at step {v}")
+            raise
 
     def train_step(self, v: int, prefetch_next: bool = False) -> dict:
         return self._in_order(v, self.roles["actor"].train_step, v, prefetch_next)
@@ -198,11 +222,25 @@ class Worker:
 
         return self._on_compute(save)
 
-    def health(self) -> None:
-        """Raise the first error of a background role, if any."""
+    def health(self) -> dict[str, dict]:
+        """Raise the error of building this worker, or the first of a background role, if any
+        (tagged with where it happened: :mod:`asyncflow.workflow.failure`). Else a heartbeat:
+        per role, rows done (``items``) and seconds in its current call (``stuck_s``)."""
+        if self._init_error is not None:
+            raise self._init_error
         for name, role in self.roles.items():
             if role.error is not None:
-                raise RuntimeError(f"role '{name}' failed: {role.error!r}") from role.error
+                where = f"role '{name}' on worker '{self.name}'"
+                err = RuntimeError(f"{where} failed: {role.error!r}")
+                err.__cause__ = role.error  # (before tagging: the tag names the root cause)
+                raise tag(err, where)
+        return {self._key(name): {"items": role.items, "stuck_s": role.stuck_s()} for name, role in self.roles.items()}
+
+    def stacks(self) -> str:
+        """Every thread's stack in this process, now (the watchdog writes it to ``error.log``)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(f"thread '{names.get(ident, ident)}':\n" + "".join(traceback.format_stack(frame))
+                         for ident, frame in sys._current_frames().items())
 
     def stats(self) -> dict:
         wall, cpu = time.perf_counter() - self.started, time.process_time()  # cpu: this whole process
@@ -219,6 +257,9 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._init_error is not None:  # nothing was started
+            self._compute.shutdown(wait=False)
+            return
         if self.group is not None:  # a rank still waiting in a collective gives up
             self.group.abort()
         for th in self._threads:
