@@ -78,10 +78,14 @@ class Watchdog:
 
     def stacks(self) -> dict[str, str]:
         """Every worker's thread stacks, or why it gave none."""
-        out = {}
+        out: dict[str, str] = {}
         for name in self.workers:
             try:
-                out[name] = self.ask(name, "stacks", timeout=STACKS_TIMEOUT_S)
+                text = self.ask(name, "stacks", timeout=STACKS_TIMEOUT_S)
             except Exception as e:
-                out[name] = f"(no stacks: {type(e).__name__}: {e})"
+                out[name] = f"(it did not answer: {type(e).__name__}: {e})"
+                continue
+            pid = text.partition("\n")[0]  # workers of one process (the local launcher): dumped once
+            same = [n for n, t in out.items() if t.partition("\n")[0] == pid]
+            out[name] = f"{pid}: the same process as worker '{same[0]}'" if same else text
         return out

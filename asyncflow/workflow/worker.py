@@ -239,8 +239,9 @@ class Worker:
     def stacks(self) -> str:
         """Every thread's stack in this process, now (the watchdog writes it to ``error.log``)."""
         names = {t.ident: t.name for t in threading.enumerate()}
-        return "\n".join(f"thread '{names.get(ident, ident)}':\n" + "".join(traceback.format_stack(frame))
-                         for ident, frame in sys._current_frames().items())
+        threads = (f"thread '{names.get(ident, ident)}':\n" + "".join(traceback.format_stack(frame))
+                   for ident, frame in sys._current_frames().items())
+        return f"pid {os.getpid()}\n" + "\n".join(threads)
 
     def stats(self) -> dict:
         wall, cpu = time.perf_counter() - self.started, time.process_time()  # cpu: this whole process
