@@ -53,7 +53,8 @@ class Job:
             self.watch.ask(name, "health")
         if len(self.ranks) > 1:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
-            self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks])
+            self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
+                      "joining the trainer's ranks")
 
     def start(self) -> None:
         if self.cfg.mode != "sync":

@@ -228,13 +228,14 @@ class Worker:
         per role, rows done (``items``) and seconds in its current call (``stuck_s``)."""
         if self._init_error is not None:
             raise self._init_error
-        for name, role in self.roles.items():
+        roles = list(self.roles.items())  # (join_dp may add the actor meanwhile, on the compute thread)
+        for name, role in roles:
             if role.error is not None:
                 where = f"role '{name}' on worker '{self.name}'"
                 err = RuntimeError(f"{where} failed: {role.error!r}")
                 err.__cause__ = role.error  # (before tagging: the tag names the root cause)
                 raise tag(err, where)
-        return {self._key(name): {"items": role.items, "stuck_s": role.stuck_s()} for name, role in self.roles.items()}
+        return {self._key(name): {"items": role.items, "stuck_s": role.stuck_s()} for name, role in roles}
 
     def stacks(self) -> str:
         """Every thread's stack in this process, now (the watchdog writes it to ``error.log``)."""
