@@ -225,7 +225,8 @@ class Worker:
     def health(self) -> dict[str, dict]:
         """Raise the error of building this worker, or the first of a background role, if any
         (tagged with where it happened: :mod:`asyncflow.workflow.failure`). Else a heartbeat:
-        per role, rows done (``items``) and seconds in its current call (``stuck_s``)."""
+        per role, its progress (``items``: rows done, and rollout's decode steps) and the
+        seconds it has been in its current call (``stuck_s``)."""
         if self._init_error is not None:
             raise self._init_error
         roles = list(self.roles.items())  # (join_dp may add the actor meanwhile, on the compute thread)
@@ -235,7 +236,8 @@ class Worker:
                 err = RuntimeError(f"{where} failed: {role.error!r}")
                 err.__cause__ = role.error  # (before tagging: the tag names the root cause)
                 raise tag(err, where)
-        return {self._key(name): {"items": role.items, "stuck_s": role.stuck_s()} for name, role in roles}
+        return {self._key(name): {"items": role.items + getattr(role, "steps", 0),  # (rollout: + decode steps)
+                                  "stuck_s": role.stuck_s()} for name, role in roles}
 
     def stacks(self) -> str:
         """Every thread's stack in this process, now (the watchdog writes it to ``error.log``)."""
