@@ -3,6 +3,9 @@
 Heavy modules (torch, transformers, ray) are imported only inside the commands, so
 ``--help`` and ``--dry-run`` are instant. A user mistake (bad config, bad override,
 missing file) prints one line ``asyncflow: error: ...`` and exits 2, without a traceback.
+A crash (a role's error, a lost worker process, a stalled step) prints one line too, naming
+where it happened, the root cause and its ``file:line``, and exits 1; the tracebacks are in
+``<run_dir>/error.log`` (:mod:`asyncflow.workflow.failure`).
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 
 from asyncflow.config import ConfigError, RunConfig, dump_config, load_config
+from asyncflow.workflow.failure import LOG, one_line  # light: no torch
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -114,6 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("asyncflow: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        return _crashed(e)
+    return 1
+
+
+def _crashed(e: Exception) -> int:
+    """One line for a crash (exit 1); the traceback goes to stderr only when no error.log has it."""
+    if getattr(e, LOG, None) is None:
+        traceback.print_exception(type(e), e, e.__traceback__)
+    print(f"asyncflow: error: {one_line(e)}", file=sys.stderr)
     return 1
 
 

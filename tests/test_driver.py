@@ -15,15 +15,19 @@ class OrderLauncher(LocalLauncher):
         super().__init__()
         self.events: list[tuple] = []
 
-    def submit(self, handle, method, *args):
-        self.events.append(("submit", method, args[0]))
+    def submit(self, handle, method, *args):  # (the job's other calls, heartbeats..., are not recorded)
         fut = super().submit(handle, method, *args)
-        fut.step = args[0]
+        if method == "evaluate":
+            self.events.append(("evaluate",))
+        elif method == "train_step":
+            self.events.append(("submit", method, args[0]))
+            fut.step = args[0]
         return fut
 
     def result(self, fut, timeout):
         out = super().result(fut, timeout)
-        self.events.append(("result", fut.step))
+        if hasattr(fut, "step"):
+            self.events.append(("result", fut.step))
         return out
 
     def call(self, handle, method, *args):

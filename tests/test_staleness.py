@@ -9,17 +9,22 @@ trains), and checks ``0 <= v - version <= k`` for each one.
 
 from __future__ import annotations
 
+import pickle
 import random
 import threading
 import time
 
+import numpy as np
 import pytest
 
-from asyncflow.config import load_config
-from asyncflow.weights.store import WeightStore
-from asyncflow.launch.local import LocalLauncher
-from asyncflow.dataplane import DataPlane
+from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.api import train
+from asyncflow.config import AlgorithmConfig, load_config
+from asyncflow.dataplane import DataPlane
+from asyncflow.launch.local import LocalLauncher
+from asyncflow.weights.store import WeightStore
+from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.roles.actor import ActorRole, StalenessViolation
 
 
 class DelayedDataPlane(DataPlane):
@@ -112,3 +117,59 @@ def test_async_actually_overlaps(tmp_path):
     train(cfg, launcher=launcher, evaluate=False)
     lags = [v - w for v, w in launcher.plane.trained]
     assert max(lags) == 1 and min(lags) == 0
+
+
+@pytest.mark.parametrize("extra", [
+    ["rollout.overprovision=2"],  # stragglers stall and restart at a later version
+    ["rollout.on_swap=discard"],  # groups restart whole at each swap
+    ["reward.placement=separate"],  # rewards from a reward role: rows reach the trainer later
+], ids=["overprovision", "discard", "separate-reward"])
+def test_the_bound_holds_on_every_path_that_restarts_or_delays_groups(tmp_path, extra):
+    """No row outside the bound reaches the trainer (it would raise StalenessViolation).
+    (Dynamic sampling: tests/test_dynamic_sampling.py checks the bound on its own path.)"""
+    steps, k = 5, 1
+    cfg = small_job(tmp_path, "mode=async", f"staleness={k}", f"train.steps={steps}", "rollout.max_batch=8", *extra)
+    launcher = DelayLauncher(7, max_delay_s=0.01)
+    train(cfg, launcher=launcher, evaluate=False)
+    lags = [v - w for v, w in launcher.plane.trained]
+    assert len(lags) == steps * 16 and 0 <= min(lags) and max(lags) <= k
+
+
+class CountingEngine:
+    """A training engine stand-in: counts the rows it is asked to train."""
+
+    version, trained, steps = 0, 0, 0
+
+    def forward_backward(self, prompts, responses, extras, loss):
+        self.trained += len(prompts)
+        return {"loss": 0.0}
+
+    def optimizer_step(self, **kw):
+        self.steps += 1
+        self.version += 1
+        return {}
+
+
+@pytest.mark.parametrize("lag", [2, -1], ids=["too-old", "from-the-future"])
+def test_a_row_outside_the_bound_raises_and_nothing_of_its_batch_is_trained(lag):
+    """A row of version v - k - 1 (or v + 1) put straight into partition v: the trainer raises
+    StalenessViolation naming it, instead of dropping it and normalising by the full batch."""
+    v, k, group = 3, 1, 2
+    plane, engine = DataPlane(SCHEMA), CountingEngine()
+    n = 2 * group
+    versions = [v] * n
+    versions[3] = v - lag  # one row of the second group
+    plane.put({"prompt_ids": [np.array([1, 5])] * n, "response_ids": [np.array([6, 7])] * n,
+               "logprobs": [np.zeros(2, np.float32)] * n, "reward": np.arange(n, dtype=np.float32),
+               "group": np.repeat([0, 1], group), "version": np.array(versions)},
+              partition=v, tags={"group": [0, 0, 1, 1], "version": versions})
+    role = ActorRole(engine, plane, n, group, 2, staleness=k, algorithm=Algorithm.from_config(AlgorithmConfig(), 8),
+                     wait_timeout_s=5)
+    with pytest.raises(StalenessViolation) as e:
+        role.train_step(v)
+    err = e.value
+    assert (err.row, err.version, err.trainer_version, err.bound) == (3, v - lag, v, k)
+    assert f"row 3 of version {v - lag}" in str(err) and f"trainer at version {v}" in str(err)
+    assert f"staleness={k}" in str(err)
+    assert engine.trained == 0 and engine.steps == 0  # the whole micro-batch is refused
+    assert pickle.loads(pickle.dumps(err)).args == err.args  # crosses processes (Ray) intact

@@ -274,6 +274,11 @@ class TrainConfig(_Section):
                                                "rank (gloo); local launcher: one thread per rank. mode=sync: N "
                                                "colocated workers, rank r generating and scoring prompts r, r+N, ... "
                                                "of each step.")
+    step_timeout_s: float = Field(
+        600.0, gt=0, description="Watchdog: the run stops with one line naming the stuck role when no role makes "
+                                 "progress (rows produced, a step done) for this many seconds; also the deadline "
+                                 "of every other driver call to a worker (building it, evaluate, save). A dead or "
+                                 "silent worker process is found within ~10 s whatever this is.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
                            "(FSDP2 sharding of parameters, gradients and AdamW states; needs launcher=ray).")

@@ -18,9 +18,13 @@ import ray
 from asyncflow.dataplane import BatchMeta, DataPlane
 from asyncflow.dataplane.core.rules import Data
 from asyncflow.dataplane.transport.wire import pack_columns, unpack_columns
+from asyncflow.workflow.failure import TRACE, WorkerLost
 
 
 def ray_get(ref: Any, timeout: float | None = None) -> Any:
+    """``ray.get`` that raises what the call raised: the task's own exception (Ray keeps it as
+    ``cause``), ``TimeoutError``, or :class:`~asyncflow.workflow.failure.WorkerLost` when the
+    actor's process is gone (killed, crashed: ``RayActorError``, ``ActorDiedError``)."""
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.GetTimeoutError:
@@ -29,7 +33,17 @@ def ray_get(ref: Any, timeout: float | None = None) -> Any:
         cause = e.cause if getattr(e, "cause", None) is not None else None
         if cause is not None:
             raise cause from None
-        raise
+        err = RuntimeError(_last_line(getattr(e, "traceback_str", "") or str(e)))  # the cause did not unpickle
+        setattr(err, TRACE, getattr(e, "traceback_str", None) or str(e))
+        raise err from None
+    except ray.exceptions.RayActorError as e:  # Ray's few paragraphs: their first sentence
+        first = (str(e).strip().splitlines() or [""])[0].split(". ")[0].rstrip(".")
+        raise WorkerLost(f"its process died ({first})") from None
+
+
+def _last_line(text: str) -> str:
+    lines = [s.strip() for s in text.strip().splitlines() if s.strip()]
+    return lines[-1] if lines else text
 
 
 class PackedDataPlane(DataPlane):

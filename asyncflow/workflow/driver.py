@@ -6,6 +6,9 @@ staleness bound, train one version, log. Throughput and busy fractions are meter
 :class:`~asyncflow.observe.report.RunMeter` (whole run, and steady state after step 1). The
 mode only changes what ``job.step`` does (colocated phases for ``sync``, a streamed
 trainer step for ``stream``/``async``).
+Mistakes found before any role starts (model folder, dataset rows, ``reward.fn``) are
+``ConfigError`` errors; any failure writes ``<run_dir>/error.log`` (driver and worker
+tracebacks, the watchdog's stack dumps: :mod:`asyncflow.workflow.failure`) and re-raises.
 """
 
 from __future__ import annotations
@@ -20,9 +23,11 @@ from asyncflow.config import ConfigError, RunConfig, dump_config
 from asyncflow.observe.report import Progress, RunMeter, reward_error_line, reward_failures, summarize
 from asyncflow.observe.trace import PlotUnavailable, write_gantt, write_trace
 from asyncflow.observe.trackers import Trackers, open_trackers
+from asyncflow.tasks.base import Task
 from asyncflow.tasks.models import load_model, prepare_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import load_reward_fn
+from asyncflow.workflow.failure import describe, origin, root_cause, write_error_log
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
 from asyncflow.workflow.launcher import Launcher
@@ -57,12 +62,33 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
         raise ConfigError("plan=auto is resolved before the driver runs: call asyncflow.api.train, or resolve it "
                           "with asyncflow.planner.auto.resolve")
     task = build_task(cfg)  # a user's mistakes (a bad dataset row, a missing module) fail before any role starts
-    if cfg.reward.fn:
-        load_reward_fn(cfg.reward.fn)
+    check_reward_fn(cfg)
     metric, _ = heldout_metric(cfg, task)
     run_dir = run_dir or make_run_dir(cfg)
+    try:
+        return _run(cfg, launcher, run_dir, evaluate, task, metric)
+    except Exception as e:  # the whole story for the user's one line (asyncflow.cli)
+        write_error_log(run_dir / "error.log", e)
+        raise
+
+
+def check_reward_fn(cfg: RunConfig) -> None:
+    """Import ``reward.fn`` once here, before any role starts: a mistake in it is the user's
+    (``ConfigError``), found in one line instead of in every worker that loads it."""
+    if not cfg.reward.fn:
+        return
+    try:
+        load_reward_fn(cfg.reward.fn)
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"reward.fn = '{cfg.reward.fn}': loading it raised {describe(e)} "
+                          f"(at {origin(root_cause(e))})") from e
+
+
+def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task: Task, metric: str) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
-    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)
+    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
     job, trackers = Job(cfg, launcher, model_dir), Trackers([])
     try:
         trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri)

@@ -25,6 +25,7 @@ from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
 from asyncflow.workflow.plan import plan_workers
+from asyncflow.workflow.watchdog import HEALTH_TIMEOUT_S, Watchdog
 from asyncflow.workflow.worker import Worker
 
 
@@ -36,22 +37,35 @@ class Job:
         self.plane = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
-        self.workers = {s.name: launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights, s.threads,
-                                               s.rank, s.cores) for s in self.specs}
+        self.workers: dict = {}
+        self.watch = Watchdog(launcher, self.workers, cfg.train.step_timeout_s)  # every wait has a deadline
+        try:
+            self._launch(model_dir)
+        except BaseException:
+            self.shutdown()  # the workers already built go too
+            raise
+
+    def _launch(self, model_dir: str) -> None:
+        cfg, launcher = self.cfg, self.launcher
+        for s in self.specs:
+            self.workers[s.name] = launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights,
+                                                  s.threads, s.rank, s.cores)
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"
         # the trainer's workers, rank 0 first (sync: the colocated workers, every one an actor rank)
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles]
+        self.watch.waiting("building the workers")
         for name in self.workers:  # wait for every worker to be built (errors surface here)
-            launcher.call(self.workers[name], "health")
+            self.watch.ask(name, "health")
         if len(self.ranks) > 1:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
-            self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks])
+            self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
+                      "joining the trainer's ranks")
 
     def start(self) -> None:
         if self.cfg.mode != "sync":
-            for name, w in self.workers.items():
+            for name in self.workers:
                 if name != self.trainer:
-                    self.launcher.call(w, "start")
+                    self.watch.ask(name, "start")
 
     def submit(self, v: int) -> list[Any]:
         """Queue training of version ``v`` on the trainer (it runs after any step queued
@@ -65,21 +79,23 @@ class Job:
     def result(self, futs: list, v: int) -> dict:
         """Step ``v``'s metrics (rank 0's; PPO: with the critic's); while waiting, check that
         the other workers are alive."""
-        out = self._all(futs)[0]
+        out = self._all(futs, f"step {v}")[0]
         if "critic" in self.workers:  # PPO: the critic's update on step v runs beside the actor's
-            while (m := self.launcher.call(self.workers["critic"], "critic_metrics", v)) is None:
-                self._health()
+            while (m := self.watch.ask("critic", "critic_metrics", v, timeout=HEALTH_TIMEOUT_S)) is None:
+                self.watch.beat()
             out.update(m)
         return out
 
     def step(self, v: int) -> dict:
         return self.result(self.submit(v), v)
 
-    def _all(self, futs: list) -> list:
+    def _all(self, futs: list, what: str = "the trainer's ranks") -> list:
         """Results of ``futs`` (one per trainer rank), raising the first error of any, and
         checking the other workers while waiting (a failed rank must not leave us blocked
-        on one that waits for it in a collective)."""
+        on one that waits for it in a collective). ``what`` they do, for the watchdog's line
+        (:mod:`asyncflow.workflow.watchdog`: a dead worker or a stalled step ends the wait)."""
         out, pending = [None] * len(futs), dict(enumerate(futs))
+        self.watch.waiting(what)
         while pending:
             for i, fut in list(pending.items()):
                 try:
@@ -87,22 +103,21 @@ class Job:
                     del pending[i]
                 except TimeoutError:
                     pass
+                except Exception as e:  # named after the rank it came from (a dead process too)
+                    raise self.watch.blame(self.ranks[i], e) from None
             if pending:
-                self._health()
+                self.watch.beat()
         return out
-
-    def _health(self) -> None:
-        for name, w in self.workers.items():
-            if name not in self.ranks:
-                self.launcher.call(w, "health")
 
     def evaluate(self, n: int | None = None) -> float:
         self._gather()
-        return self.launcher.call(self.workers[self.trainer], "evaluate", n)
+        self.watch.waiting("evaluating")
+        return self.watch.ask(self.trainer, "evaluate", n)
 
     def save(self, path: str) -> str:
         self._gather()
-        return self.launcher.call(self.workers[self.trainer], "save", path)
+        self.watch.waiting("saving")
+        return self.watch.ask(self.trainer, "save", path)
 
     def _gather(self) -> None:
         """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
@@ -111,24 +126,24 @@ class Job:
 
     def stats(self) -> dict:
         out: dict = {}
-        for w in self.workers.values():
-            out.update(self.launcher.call(w, "stats"))
+        for name in self.workers:
+            out.update(self.watch.ask(name, "stats"))
         return out
 
     def pinned(self) -> dict[str, list[int]]:
         """The cores each pinned worker's compute thread may run on (asked of the worker)."""
-        return {s.name: self.launcher.call(self.workers[s.name], "affinity") for s in self.specs if s.cores}
+        return {s.name: self.watch.ask(s.name, "affinity") for s in self.specs if s.cores}
 
     def spans(self) -> dict:
         out: dict = {}
-        for w in self.workers.values():
-            out.update(self.launcher.call(w, "spans"))
+        for name in self.workers:
+            out.update(self.watch.ask(name, "spans"))
         return out
 
     def shutdown(self) -> None:
-        for w in self.workers.values():
+        for name in self.workers:
             try:
-                self.launcher.call(w, "stop")
+                self.watch.ask(name, "stop", timeout=HEALTH_TIMEOUT_S)
             except Exception:
                 pass
         try:

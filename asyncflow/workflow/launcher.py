@@ -8,7 +8,9 @@ runs against every implementation.
 
 Invariants: ``spawn`` builds the object from picklable arguments (a Ray launcher builds it
 in another process); ``result`` raises ``TimeoutError`` when ``timeout`` passes and the
-call's own exception when it failed; ``release`` and ``shutdown`` are idempotent.
+call's own exception when it failed, and
+:class:`~asyncflow.workflow.failure.WorkerLost` when the worker's process is gone (a
+launcher with processes: Ray); ``release`` and ``shutdown`` are idempotent.
 """
 
 from __future__ import annotations

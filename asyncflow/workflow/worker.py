@@ -17,8 +17,10 @@ from __future__ import annotations
 import copy
 import os
 import socket
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -38,6 +40,7 @@ from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
 from asyncflow.workflow.cores import pin_thread, run_pinned
+from asyncflow.workflow.failure import tag
 
 _T = TypeVar("_T")
 
@@ -47,34 +50,54 @@ class Worker:
 
     def __init__(self, cfg: RunConfig, roles: list[str], model_dir: str, plane: DataPlaneClient,
                  weights: WeightSource | None, threads: int, rank: int = 0, cores: tuple[int, ...] = ()):
-        torch.set_num_threads(threads)
-        keep_heap()  # no page faults per step (they were ~10% of a solo trainer step)
-        torch.manual_seed(cfg.seed)
+        base = "colocated" if len(roles) > 1 else roles[0]
+        self.name = f"{base}.{rank}" if rank else base  # as in plan.py
         self.cores = tuple(cores)  # the compute thread and the role loops run here (see pin_thread)
         self._compute = ThreadPoolExecutor(1, thread_name_prefix="compute", initializer=pin_thread,
                                            initargs=(self.cores,))
         self._order = threading.Condition()  # steps enter the compute queue in order (see _in_order)
         self._expect = 0
         self.cfg, self.plane, self.rank = cfg, plane, rank
-        self.model, self.tokenizer = load_model(model_dir)
-        # every engine below computes where its model is (transformers' functools.wraps on
-        # PreTrainedModel.to loses the self binding in its type)
-        self.model.to(resolve_device(cfg.resources.device))  # type: ignore[arg-type]
-        self.task = build_task(cfg)
-        self.ctx = RoleContext(cfg, plane, weights, self.model, self.tokenizer, self.task, model_dir, list(roles), rank)
         # Role subclasses by name (builders.BUILDERS): the worker calls each kind's own methods
         self.roles: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._full: PreTrainedModel | None = None  # FSDP: rank 0's gathered copy of the whole weights
+        self.ctx: RoleContext | None = None
+        self.started = time.perf_counter()
+        # an error while building is kept and raised by health(): under Ray a constructor's
+        # error would kill the actor and reach the driver as an ActorDiedError without its cause
+        self._init_error: BaseException | None = None
+        try:
+            self._build(list(roles), model_dir, weights, threads)
+        except Exception as e:
+            self._init_error = tag(e, f"worker '{self.name}' (building {', '.join(roles)})")
+
+    def _context(self) -> RoleContext:
+        """What the role builders got (raises the building error if the worker could not be built)."""
+        if self.ctx is None:
+            raise self._init_error or RuntimeError(f"worker '{self.name}' is not built")
+        return self.ctx
+
+    def _build(self, roles: list[str], model_dir: str, weights: WeightSource | None, threads: int) -> None:
+        cfg = self.cfg
+        torch.set_num_threads(threads)
+        keep_heap()  # no page faults per step (they were ~10% of a solo trainer step)
+        torch.manual_seed(cfg.seed)
+        self.model, self.tokenizer = load_model(model_dir)
+        # every engine below computes where its model is (transformers' functools.wraps on
+        # PreTrainedModel.to loses the self binding in its type)
+        self.model.to(resolve_device(cfg.resources.device))  # type: ignore[arg-type]
+        self.task = build_task(cfg)
+        self.ctx = RoleContext(cfg, self.plane, weights, self.model, self.tokenizer, self.task, model_dir, roles,
+                               self.rank)
         for name in BUILD_ORDER:
             if name in roles and not (name == "actor" and cfg.train.dp > 1):  # dp > 1: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
-        self.started = time.perf_counter()
 
     @property
     def group(self) -> Collective | None:
-        return self.ctx.group
+        return self.ctx.group if self.ctx is not None else None
 
     def _build_actor(self) -> None:
         """The actor role on the joined data-parallel group (FSDP: rank 0 also keeps a whole copy)."""
@@ -83,7 +106,7 @@ class Worker:
                 raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed): "
                                  "set launcher=ray, or train.strategy=ddp")
             self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
-        self.roles["actor"] = BUILDERS["actor"](self.ctx)
+        self.roles["actor"] = BUILDERS["actor"](self._context())
 
     # ------------------------------------------------------------------ data-parallel trainer
     def dp_address(self) -> str:
@@ -99,7 +122,7 @@ class Worker:
         the actor role on the group. ``rendezvous``: a ``tcp://`` address (processes) or a
         :class:`~asyncflow.engines.collective.ThreadRendezvous` (threads of this process)."""
         def build() -> None:
-            self.ctx.group = join(rendezvous, self.rank, self.cfg.train.dp)
+            self._context().group = join(rendezvous, self.rank, self.cfg.train.dp)
             self._build_actor()
 
         self._on_compute(build)
@@ -142,7 +165,11 @@ class Worker:
         own OpenMP team, and idle teams spinning beside the busy one cost a measured ~60%
         of a colocated step on 2 cores; one compute thread keeps one team.
         """
-        return self._compute.submit(fn, *args).result()
+        try:
+            return self._compute.submit(fn, *args).result()
+        except Exception as e:
+            tag(e, f"worker '{self.name}' in {getattr(fn, '__name__', 'a call')}")
+            raise
 
     def _in_order(self, v: int, fn: Callable[..., _T], *args: Any) -> _T:
         """Run step ``v`` on the compute thread after step ``v - 1``, whatever order the calls
@@ -154,7 +181,11 @@ class Worker:
             fut = self._compute.submit(fn, *args)
             self._expect = v + 1
             self._order.notify_all()
-        return fut.result()
+        try:
+            return fut.result()
+        except Exception as e:
+            tag(e, f"worker '{self.name}' at step {v}")
+            raise
 
     def train_step(self, v: int, prefetch_next: bool = False) -> dict:
         return self._in_order(v, self.roles["actor"].train_step, v, prefetch_next)
@@ -196,7 +227,7 @@ class Worker:
 
     def reward_fn(self) -> Callable:
         """The task's reward, or ``reward.fn`` wrapped with its timeout, error score and counters."""
-        return self.ctx.reward_fn()
+        return self._context().reward_fn()
 
     def save(self, path: str) -> str:
         def save() -> str:
@@ -206,11 +237,29 @@ class Worker:
 
         return self._on_compute(save)
 
-    def health(self) -> None:
-        """Raise the first error of a background role, if any."""
-        for name, role in self.roles.items():
+    def health(self) -> dict[str, dict]:
+        """Raise the error of building this worker, or the first of a background role, if any
+        (tagged with where it happened: :mod:`asyncflow.workflow.failure`). Else a heartbeat:
+        per role, its progress (``items``: rows done, and rollout's decode steps) and the
+        seconds it has been in its current call (``stuck_s``)."""
+        if self._init_error is not None:
+            raise self._init_error
+        roles = list(self.roles.items())  # (join_dp may add the actor meanwhile, on the compute thread)
+        for name, role in roles:
             if role.error is not None:
-                raise RuntimeError(f"role '{name}' failed: {role.error!r}") from role.error
+                where = f"role '{name}' on worker '{self.name}'"
+                err = RuntimeError(f"{where} failed: {role.error!r}")
+                err.__cause__ = role.error  # (before tagging: the tag names the root cause)
+                raise tag(err, where)
+        return {self._key(name): {"items": role.items + getattr(role, "steps", 0),  # (rollout: + decode steps)
+                                  "stuck_s": role.stuck_s()} for name, role in roles}
+
+    def stacks(self) -> str:
+        """Every thread's stack in this process, now (the watchdog writes it to ``error.log``)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        threads = (f"thread '{names.get(ident, ident)}':\n" + "".join(traceback.format_stack(frame))
+                   for ident, frame in sys._current_frames().items())
+        return f"pid {os.getpid()}\n" + "\n".join(threads)
 
     def stats(self) -> dict:
         wall, cpu = time.perf_counter() - self.started, time.process_time()  # cpu: this whole process
@@ -227,6 +276,9 @@ class Worker:
 
     def stop(self) -> None:
         self._stop.set()
+        if self._init_error is not None:  # nothing was started
+            self._compute.shutdown(wait=False)
+            return
         if self.group is not None:  # a rank still waiting in a collective gives up
             self.group.abort()
         for th in self._threads:

@@ -4,9 +4,12 @@
 
 * pulls micro-batches of whole GRPO groups (``GroupSampler``) as soon as their rewards
   (and reference log-probs, with KL) are produced, so training overlaps generation;
-* the sampler is wrapped in ``StalenessSampler(v - staleness)``: a sample generated before
-  ``v - staleness`` is never handed out (admission control makes that impossible, the
-  sampler makes it a checked invariant; any drop is counted in ``dropped_stale``);
+* the staleness bound is an invariant, not a filter: admission control
+  (:class:`~asyncflow.workflow.placement.GroupPlacer`) never places a group started at
+  ``w`` in a step later than ``w + staleness``, so every row of partition ``v`` has
+  ``v - staleness <= version <= v``. A row outside that range raises
+  :class:`StalenessViolation` (naming the row, its version, ``v`` and the bound) before
+  anything of its micro-batch is trained: nothing is dropped, nothing is mis-normalised;
 * computes advantages (PPO: reads those the critic role wrote) with the configured
   :class:`~asyncflow.algorithms.algorithm.Algorithm` and accumulates its loss's gradient
   (normalised by the step's totals, so accumulation equals one big batch), then one
@@ -22,7 +25,7 @@
 Data parallel (``group``, an :mod:`asyncflow.engines.collective` group of ``world``
 ranks, one ``ActorRole`` each; ``train.dp``): rank 0 alone asks the data plane for each
 micro-batch, with ``TokenBalancedSampler(world, <the sampler above>)``, and broadcasts
-the answer (rows and dropped rows) to every rank. Every rank reads the micro-batch's
+the answer (its rows) to every rank. Every rank reads the micro-batch's
 columns and computes the same advantages over it (a balanced split may cut a GRPO
 group), then trains only its own contiguous chunk of the rows (``chunk_sizes``: rank
 ``i`` gets chunk ``i``), so each row is trained exactly once per step. Losses are
@@ -43,14 +46,14 @@ no rank empty; no token-budget chunks) and joins rank 0's export each step.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from asyncflow.algorithms.algorithm import Algorithm
-from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, StalenessSampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, TokenBalancedSampler, chunk_sizes
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.dataplane.core.rules import Data
 from asyncflow.engines.collective import Collective
@@ -59,6 +62,20 @@ from asyncflow.weights.store import seal
 from asyncflow.workflow.roles.base import Role
 
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]
+
+
+class StalenessViolation(RuntimeError):
+    """A row generated outside ``[v - staleness, v]`` reached the trainer at version ``v``
+    (admission control failed, or a row was put into the partition by hand)."""
+
+    def __init__(self, row: int, version: int, trainer_version: int, bound: int):
+        self.row, self.version, self.trainer_version, self.bound = row, version, trainer_version, bound
+        super().__init__(f"row {row} of version {version} reached the trainer at version {trainer_version}: "
+                         f"outside the staleness bound (versions {trainer_version - bound}..{trainer_version}, "
+                         f"staleness={bound})")
+
+    def __reduce__(self):  # pickled with its fields (a Ray worker's error crosses processes)
+        return type(self), (self.row, self.version, self.trainer_version, self.bound), self.__dict__
 
 
 class ActorRole(Role):
@@ -83,11 +100,10 @@ class ActorRole(Role):
         self._next: tuple | None = None  # (step, submit, first fetch, clear of the step before)
         self.max_staleness = 0
         self.staleness_hist: dict[int, int] = {}
-        self.dropped_stale = 0
 
     def _fetcher_for(self, v: int) -> Callable[[int], Future]:
         """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
-        sampler: Sampler = StalenessSampler(v - self.staleness, GroupSampler(self.group_size))
+        sampler: Sampler = GroupSampler(self.group_size)  # (no staleness filter: see _check_staleness)
         if self.world > 1:
             sampler = TokenBalancedSampler(self.world, sampler)
 
@@ -148,8 +164,7 @@ class ActorRole(Role):
             t = time.perf_counter()
             meta, data = nxt.result()
             self.wait_s += time.perf_counter() - t
-            seen += len(meta.rows) + len(meta.dropped)
-            self.dropped_stale += len(meta.dropped)
+            seen += len(meta.rows)
             if seen < self.batch_size:  # the next micro-batch travels while this one computes
                 nxt = submit(min(micro, self.batch_size - seen))
             elif prefetch_next:  # the step's rows are all here: clear it, start the next step
@@ -158,6 +173,7 @@ class ActorRole(Role):
                 self._next = (v + 1, nsubmit, nsubmit(min(micro, self.batch_size)), cleared)
             if not meta.rows:
                 continue
+            self._check_staleness(v, meta.rows, data["version"])
             if self.algorithm.batch_level:
                 pending.append(data)
             else:
@@ -183,8 +199,7 @@ class ActorRole(Role):
         out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
         out.update(step, reward=float(np.mean(rewards)) if rewards else 0.0,
                    response_len=float(np.mean(lengths)) if lengths else 0.0,
-                   samples=len(rewards), tokens=int(sum(lengths)), dropped_stale=self.dropped_stale,
-                   max_staleness=self.max_staleness)
+                   samples=len(rewards), tokens=int(sum(lengths)), max_staleness=self.max_staleness)
         return out
 
     def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:
@@ -202,13 +217,19 @@ class ActorRole(Role):
             i += n
         return out
 
-    def _accumulate(self, v: int, data: dict, adv: list) -> dict:
-        """Check the staleness of every row; accumulate the gradient of this rank's rows."""
-        for ver in data["version"].tolist():
-            lag = v - int(ver)
-            assert 0 <= lag <= self.staleness, f"sample of version {ver} reached trainer version {v}"
+    def _check_staleness(self, v: int, rows: list[int], versions: Sequence[int] | np.ndarray) -> None:
+        """Raise :class:`StalenessViolation` for the first row outside ``[v - staleness, v]``;
+        else count every row's lag (checked for the whole micro-batch before any is trained)."""
+        lags = [v - int(ver) for ver in versions]
+        for row, lag in zip(rows, lags):
+            if not 0 <= lag <= self.staleness:
+                raise StalenessViolation(row, v - lag, v, self.staleness)
+        for lag in lags:
             self.staleness_hist[lag] = self.staleness_hist.get(lag, 0) + 1
             self.max_staleness = max(self.max_staleness, lag)
+
+    def _accumulate(self, v: int, data: dict, adv: list) -> dict:
+        """Accumulate the gradient of this rank's rows (their staleness is checked on arrival)."""
         idx = self._mine(len(data["version"]))
         if not idx:
             return {}
@@ -221,5 +242,5 @@ class ActorRole(Role):
     def stats(self) -> dict:
         s = super().stats()
         s.update(version=self.engine.version, wait_s=self.wait_s, max_staleness=self.max_staleness,
-                 staleness_hist=dict(self.staleness_hist), dropped_stale=self.dropped_stale)
+                 staleness_hist=dict(self.staleness_hist))
         return s

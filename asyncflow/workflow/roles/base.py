@@ -55,13 +55,23 @@ class Role:
         self.items = 0  # rows produced
         self.error: BaseException | None = None
         self.spans: list[tuple[float, float]] = []
+        self._since: float | None = None  # start of the current poll or work section (the watchdog's)
+
+    def stuck_s(self) -> float:
+        """Seconds this role has been inside its current poll (or computing section); 0 when
+        it is between them (the watchdog names the role stuck longest)."""
+        since = self._since
+        return time.perf_counter() - since if since is not None else 0.0
 
     @contextmanager
     def work(self) -> Iterator[None]:
         t, c = time.perf_counter(), time.thread_time()
+        outer = self._since
+        self._since = outer if outer is not None else t
         try:
             yield
         finally:
+            self._since = outer
             d = time.perf_counter() - t
             self.busy_s += d
             self.busy_cpu_s += time.thread_time() - c
@@ -95,12 +105,13 @@ class Role:
         """Poll until ``stop`` is set or the data plane closes. Errors are kept in ``error``."""
         try:
             while not stop.is_set():
+                self._since = time.perf_counter()
                 self.poll(timeout)
+                self._since = None
         except QueueClosed:
             pass
-        except BaseException as e:  # surfaced by the worker's health check
-            self.error = e
-            raise
+        except BaseException as e:  # surfaced by the worker's health check (not re-raised: the
+            self.error = e  # thread's own report would go to stderr, beside the driver's one line)
 
     def stats(self) -> dict:
         return {"busy_s": self.busy_s, "busy_cpu_s": self.busy_cpu_s, "items": self.items}

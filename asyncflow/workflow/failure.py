@@ -1,0 +1,106 @@
+"""How a failed run is told: one line for the user, the whole story in ``RUN_DIR/error.log``.
+
+* A worker calls :func:`tag` on an exception before it leaves it: *where* it failed (``role
+  'reward' on worker 'reward'``), *what* the root cause is (``ValueError: boom``), the
+  ``file:line`` that raised it and the full traceback. They are plain attributes, so they
+  cross processes with the exception (Ray pickles its ``__dict__``; the traceback object
+  and ``__cause__`` do not travel).
+* :func:`one_line` makes the line the CLI prints (``asyncflow: error: <it>``);
+  :func:`write_error_log` writes the driver's traceback, the worker's and any stack dumps.
+* :class:`WorkerLost` (a worker's process died or stopped answering) and
+  :class:`StepStalled` (no step progress for ``train.step_timeout_s``) are raised by the
+  job's watchdog (:mod:`asyncflow.workflow.job`).
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import TypeVar
+
+_E = TypeVar("_E", bound=BaseException)
+
+WHERE, CAUSE, AT, TRACE = "asyncflow_where", "asyncflow_cause", "asyncflow_at", "asyncflow_trace"
+LOG = "asyncflow_log"  # the error.log the driver wrote (set on the exception it re-raises)
+STACKS = "asyncflow_stacks"  # worker name -> its threads' stacks (or why there are none)
+
+
+class WorkerLost(RuntimeError):
+    """A worker's process died, or it did not answer a call within its deadline."""
+
+
+class StepStalled(RuntimeError):
+    """The trainer's step made no progress for ``train.step_timeout_s`` seconds."""
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The innermost exception of ``exc``'s chain (``raise ... from``, or raised while handling)."""
+    seen = {id(exc)}
+    while True:
+        nxt = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+        if nxt is None or id(nxt) in seen:
+            return exc
+        seen.add(id(nxt))
+        exc = nxt
+
+
+def origin(exc: BaseException) -> str | None:
+    """``file:line`` of the frame that raised ``exc`` (the last of its traceback), if known."""
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else None
+
+
+def _first_line(text: str) -> str:
+    lines = [s.strip() for s in text.strip().splitlines() if s.strip()]
+    return lines[0] if lines else ""
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: message`` of ``exc``'s root cause, on one line."""
+    root = root_cause(exc)
+    msg = _first_line(str(root))
+    return f"{type(root).__name__}: {msg}" if msg else type(root).__name__
+
+
+def tag(exc: _E, where: str) -> _E:
+    """Record on ``exc`` where it failed, its root cause, its ``file:line`` and traceback
+    (the first tag wins: the innermost caller knows best); returns ``exc``."""
+    if getattr(exc, WHERE, None) is None:
+        try:
+            setattr(exc, WHERE, where)
+            setattr(exc, CAUSE, describe(exc))
+            setattr(exc, AT, origin(root_cause(exc)))
+            setattr(exc, TRACE, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+        except AttributeError:  # an exception type without a __dict__ (rare): told as it is
+            pass
+    return exc
+
+
+def one_line(exc: BaseException) -> str:
+    """What the CLI prints after ``asyncflow: error:``: where, the root cause, ``file:line``."""
+    where, cause = getattr(exc, WHERE, None), getattr(exc, CAUSE, None) or describe(exc)
+    at = getattr(exc, AT, None) or origin(root_cause(exc))
+    text = f"{where} failed: {cause}" if where else cause
+    if isinstance(exc, (WorkerLost, StepStalled)):  # the watchdog's own line says it all
+        text = _first_line(str(exc))
+    elif at:
+        text += f" (at {at})"
+    log = getattr(exc, LOG, None)
+    return f"{text}; details in {log}" if log else text
+
+
+def write_error_log(path: Path, exc: BaseException) -> Path:
+    """Write the driver's traceback of ``exc``, the worker's (when it came from one) and the
+    workers' stack dumps (the watchdog's) to ``path``; mark ``exc`` with it."""
+    parts = ["asyncflow: error: " + one_line(exc), "",
+             "driver traceback:", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))]
+    if getattr(exc, TRACE, None):
+        parts += [f"traceback in the worker ({getattr(exc, WHERE, '?')}):", getattr(exc, TRACE)]
+    for name, stacks in (getattr(exc, STACKS, None) or {}).items():
+        parts += [f"threads of worker '{name}':", stacks]
+    path.write_text("\n".join(parts) + "\n")
+    try:
+        setattr(exc, LOG, str(path))
+    except AttributeError:
+        pass
+    return path
