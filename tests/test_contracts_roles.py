@@ -192,8 +192,8 @@ def test_run_stops_when_told_and_when_the_plane_closes(name, plane):
         stop.set()
         t.join(5)
         assert not t.is_alive()
-        if errors:
-            raise errors[0]
+        if errors or role.error is not None:  # run() keeps its error in role.error (the worker reports it)
+            raise (errors or [role.error])[0]
         t = threading.Thread(target=run)
         stop.clear()
         t.start()

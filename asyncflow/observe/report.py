@@ -177,7 +177,10 @@ class RunMeter:
     def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False):
         self.stats, self.drops, self._groups = stats, drops, (0, 0)
         self.stragglers, self._stragglers = stragglers, (0, 0)
-        self.t0, self.stats0, self.cpu0 = time.perf_counter(), stats(), machine_cpu_s()
+        # the clock and the machine's CPU are read together, before the workers' stats (a round trip
+        # to every worker): CPU spent in between would fall outside the wall-clock window
+        self.t0, self.cpu0 = time.perf_counter(), machine_cpu_s()
+        self.stats0 = stats()
         self.steps = self.samples = self.tokens = 0
         # (time, stats, samples, tokens, machine cpu) at the end of step 1
         self.steady0: tuple[float, dict, int, int, float | None] | None = None
@@ -188,7 +191,8 @@ class RunMeter:
         self.samples, self.tokens = self.samples + m["samples"], self.tokens + m["tokens"]
         elapsed = time.perf_counter() - self.t0
         if self.steady0 is None:
-            self.steady0 = (time.perf_counter(), self.stats(), self.samples, self.tokens, machine_cpu_s())
+            t, cpu = time.perf_counter(), machine_cpu_s()
+            self.steady0 = (t, self.stats(), self.samples, self.tokens, cpu)
         r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
         if self.stragglers:
             carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
@@ -205,7 +209,8 @@ class RunMeter:
 
     def finish(self) -> dict:
         """Totals for :func:`summarize`: whole run, and steady state (after step 1)."""
-        wall, stats, cpu = time.perf_counter() - self.t0, self.stats(), machine_cpu_s()
+        wall, cpu = time.perf_counter() - self.t0, machine_cpu_s()
+        stats = self.stats()
         t1, stats1, s1, k1, c1 = (self.steady0 if self.steps > 1 and self.steady0 is not None
                                   else (self.t0, self.stats0, 0, 0, self.cpu0))
         steady_wall = wall - (t1 - self.t0)
