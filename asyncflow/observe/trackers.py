@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -96,25 +96,21 @@ def open_trackers(backends: Sequence[str], run_dir: Path, project: str = "asyncf
     return Trackers(out)
 
 
+def _leaves(d: dict, sep: str, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """``(key, value)`` of every non-dict value of a nested dict, keys joined with ``sep``."""
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, sep, f"{prefix}{k}{sep}")
+        else:
+            yield f"{prefix}{k}", v
+
+
 def numbers_only(d: dict, prefix: str = "") -> dict[str, float]:
     """The numbers of a nested dict as a flat ``{"a/b": float}`` (strings, lists and None are left out)."""
-    out: dict[str, float] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(numbers_only(v, key + "/"))
-        elif isinstance(v, numbers.Real):
-            out[key] = float(v)
-    return out
+    return {k: float(v) for k, v in _leaves(d, "/", prefix) if isinstance(v, numbers.Real)}
 
 
-def flat(d: dict, prefix: str = "") -> dict[str, Any]:
+def flat(d: dict) -> dict[str, Any]:
     """A nested config as ``{"section.key": value}`` (values as their JSON text when not scalars)."""
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(flat(v, key + "."))
-        else:
-            out[key] = v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v)
-    return out
+    return {k: v if isinstance(v, (str, int, float, bool)) or v is None else json.dumps(v)
+            for k, v in _leaves(d, ".")}
