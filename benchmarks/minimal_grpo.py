@@ -66,7 +66,8 @@ def plain_run(overrides: list[str], model_dir: str, threads: int, rank: int = 0,
     torch.manual_seed(cfg.seed)
     model, tok = load_model(model_dir)
     task = build_task(cfg)
-    infer = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed + rank, dtype=cfg.model.dtype)
+    infer = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed + rank,
+                            dtype=cfg.model.dtype)
     engine = TrainEngine(model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
                          temperature=r.temperature, schedule=lr_schedule(cfg), **passes(cfg))  # same model: colocated
     algo = Algorithm.from_config(cfg.algorithm, r.max_new_tokens)
