@@ -25,8 +25,9 @@ def benchmarks(monkeypatch):
 def test_minimal_grpo_smoke_runs_the_plain_loop_and_asyncflow_sync(benchmarks, tmp_path):
     import minimal_grpo
 
-    speeds = minimal_grpo.main(["--smoke", "--sides", "plain", "sync", "--run-dir", str(tmp_path), *TINY])
-    assert set(speeds) == {"plain", "sync"} and all(len(v) == 1 and v[0] > 0 for v in speeds.values())
+    speeds = minimal_grpo.main(["--smoke", "--procs", "1", "--sides", "plain", "sync", "--run-dir", str(tmp_path),
+                                *TINY])
+    assert set(speeds) == {"plain-1p", "sync"} and all(len(v) == 1 and v[0] > 0 for v in speeds.values())
 
 
 @pytest.mark.slow
