@@ -1,0 +1,47 @@
+"""benchmarks/minimal_grpo.py and benchmarks/vs_trl.py run end to end (``--smoke``: 1 round of
+2 steps of 8 prompts, on the untrained tiny model so that no warm-start runs). vs_trl needs the
+``bench`` extra (trl): skipped without it. No timing is checked: only that every side trains."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "benchmarks"
+TINY = ["warmstart.enabled=false"]
+
+
+@pytest.fixture
+def benchmarks(monkeypatch):
+    # importable by name: the scripts' spawned processes (plain loop --procs, TRL) import them again
+    monkeypatch.syspath_prepend(str(BENCH))
+    yield
+    for name in ("minimal_grpo", "vs_trl"):
+        sys.modules.pop(name, None)
+
+
+def test_minimal_grpo_smoke_runs_the_plain_loop_and_asyncflow_sync(benchmarks, tmp_path):
+    import minimal_grpo
+
+    speeds = minimal_grpo.main(["--smoke", "--procs", "1", "--sides", "plain", "sync", "--run-dir", str(tmp_path),
+                                *TINY])
+    assert set(speeds) == {"plain-1p", "sync"} and all(len(v) == 1 and v[0] > 0 for v in speeds.values())
+
+
+@pytest.mark.slow
+def test_minimal_grpo_smoke_with_two_processes_and_sync_dp2(benchmarks, tmp_path):
+    import minimal_grpo
+
+    speeds = minimal_grpo.main(["--smoke", "--procs", "2", "--sides", "plain", "sync-dp2",
+                                "--run-dir", str(tmp_path), *TINY])
+    assert all(v[0] > 0 for v in speeds.values())
+
+
+def test_vs_trl_smoke_runs_trl_and_asyncflow_sync(benchmarks, tmp_path):
+    pytest.importorskip("trl")
+    import vs_trl
+
+    speeds = vs_trl.main(["--smoke", "--sides", "trl-1t", "sync", "--run-dir", str(tmp_path), *TINY])
+    assert set(speeds) == {"trl-1t", "sync"} and all(v[0] > 0 for v in speeds.values())
