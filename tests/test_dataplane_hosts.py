@@ -17,11 +17,15 @@ is bounded and the namespaces are removed whatever happens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
+import secrets
 import shutil
+import signal
 import subprocess
+import tempfile
 import sys
 import time
 from collections.abc import Iterator
@@ -59,8 +63,19 @@ class Pair:
             _ip("-n", ns, "link", "set", "lo", "up")
 
     def down(self) -> None:
-        for ns in self.made:  # deleting a namespace deletes its end of the veth pair (and the pair)
+        """Stop what runs in the two namespaces (only this test's processes are there), then
+        delete them (which deletes the veth pair)."""
+        for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 2.0)):
+            pids = [int(p) for ns in self.made for p in _ip("netns", "pids", ns, check=False).stdout.split()]
+            for pid in pids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+            end = time.monotonic() + wait
+            while pids and time.monotonic() < end and any(os.path.exists(f"/proc/{p}") for p in pids):
+                time.sleep(0.1)
+        for ns in self.made:
             _ip("netns", "del", ns, check=False)
+        self.made = []
 
 
 @pytest.fixture
@@ -90,12 +105,16 @@ def _first_line(proc: subprocess.Popen, timeout: float) -> str:
     return line
 
 
-def _start(ns: str, *cmd: str, private_shm: bool = False) -> subprocess.Popen:
+def _in_ns(ns: str, *cmd: str, private_shm: bool = False) -> list[str]:
     if private_shm:  # as on another host: this process's /dev/shm is not the client's
         inner = " ".join(cmd)
         cmd = ("unshare", "-m", "sh", "-c", f"mount -t tmpfs -o mode=1777 tmpfs /dev/shm && exec {inner}")
-    return subprocess.Popen(["ip", "netns", "exec", ns, *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV, cwd=ROOT)
+    return ["ip", "netns", "exec", ns, *cmd]
+
+
+def _start(ns: str, *cmd: str, private_shm: bool = False) -> subprocess.Popen:
+    return subprocess.Popen(_in_ns(ns, *cmd, private_shm=private_shm), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
 
 
 def test_a_unit_on_another_host_serves_frames_over_curve(pair, tmp_path):
@@ -155,3 +174,35 @@ def test_launch_refuses_a_non_loopback_host_without_keys_before_starting_anythin
     assert time.monotonic() - t0 < 5
     check_bind(tcp_bind("127.0.0.2"), None)  # loopback: allowed without keys (tests of the bare protocol)
     assert tcp_bind("fd00::1") == "tcp://[fd00::1]:0" and tcp_bind("tcp://h:5") == "tcp://h:5"
+
+
+@pytest.mark.ray
+def test_ray_across_two_nodes_runs_the_zeromq_plane_on_both(pair):
+    """A Ray cluster whose head is namespace A and whose second node is namespace B (its own
+    /dev/shm): ``data_plane=auto`` starts a unit on each node bound to its address, the
+    controller on A's; the client in A reads B's unit through frames, A's through shm."""
+    if shutil.which("ray") is None:
+        pytest.skip("needs the 'ray' command")
+    temp = tempfile.mkdtemp(prefix="afh-ray-", dir="/tmp")  # short: Ray's socket paths must fit
+    env = {**ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
+    head = f"{pair.addr_a}:6390"
+    common = ["--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats"]
+    try:
+        for cmd in (_in_ns(pair.a, "ray", "start", "--head", f"--node-ip-address={pair.addr_a}", "--port=6390",
+                           "--include-dashboard=false", f"--temp-dir={temp}/a", *common),
+                    _in_ns(pair.b, "ray", "start", f"--address={head}", f"--node-ip-address={pair.addr_b}",
+                           f"--temp-dir={temp}/b", *common, private_shm=True)):
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+            assert out.returncode == 0, out.stderr[-3000:]
+        out = subprocess.run(_in_ns(pair.a, sys.executable, str(ROOT / "tests" / "plane_hosts_ray_driver.py")),
+                             capture_output=True, text=True, timeout=180, env={**env, "RAY_ADDRESS": head}, cwd=ROOT)
+        assert out.returncode == 0, out.stderr[-3000:]
+        report = json.loads(out.stdout.strip().splitlines()[-1])
+        assert report["nodes"] == sorted([pair.addr_a, pair.addr_b]) and not report["one_host"], report
+        assert report["kind"] == "ZmqDataPlane" and report["equal"], report
+        hosts = [u.split("//")[1].rsplit(":", 1)[0] for u in report["units"]]
+        assert sorted(hosts) == sorted([pair.addr_a, pair.addr_b]), report
+        assert {h: t for h, t in zip(hosts, report["transports"])} == {pair.addr_a: "shm", pair.addr_b: "zmq"}
+    finally:
+        pair.down()  # the Ray processes live in the two namespaces: stopped by pid, nothing else
+        shutil.rmtree(temp, ignore_errors=True)
