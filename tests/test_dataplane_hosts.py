@@ -186,6 +186,7 @@ def test_ray_across_two_nodes_runs_the_zeromq_plane_on_both(pair):
     temp = tempfile.mkdtemp(prefix="afh-ray-", dir="/tmp")  # short: Ray's socket paths must fit
     env = {**ENV, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
     head = f"{pair.addr_a}:6390"
+    folders = set(Path(tempfile.gettempdir()).glob("asyncflow-unit-*"))
     common = ["--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats"]
     try:
         for cmd in (_in_ns(pair.a, "ray", "start", "--head", f"--node-ip-address={pair.addr_a}", "--port=6390",
@@ -203,6 +204,7 @@ def test_ray_across_two_nodes_runs_the_zeromq_plane_on_both(pair):
         hosts = [u.split("//")[1].rsplit(":", 1)[0] for u in report["units"]]
         assert sorted(hosts) == sorted([pair.addr_a, pair.addr_b]), report
         assert {h: t for h, t in zip(hosts, report["transports"])} == {pair.addr_a: "shm", pair.addr_b: "zmq"}
+        assert set(Path(tempfile.gettempdir()).glob("asyncflow-unit-*")) <= folders  # the units' folders removed
     finally:
         pair.down()  # the Ray processes live in the two namespaces: stopped by pid, nothing else
         shutil.rmtree(temp, ignore_errors=True)

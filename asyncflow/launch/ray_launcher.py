@@ -39,7 +39,7 @@ from asyncflow.config import ConfigError
 from asyncflow.dataplane import Schema
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.deploy import Deployment, launch
-from asyncflow.launch.ray_plane import cluster_plane
+from asyncflow.launch.ray_plane import cluster_plane, stop_units
 from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
 from asyncflow.weights.store import WeightStore
 
@@ -164,8 +164,7 @@ class RayLauncher:
 
     def _stop(self, dep: Deployment) -> None:
         dep.shutdown()  # asks every unit to stop too
-        for unit in self._unit_actors.pop(dep.endpoint, []):
-            ray.kill(unit)
+        stop_units(self._unit_actors.pop(dep.endpoint, []))
 
     def shutdown(self) -> None:
         for dep in self._deployments:

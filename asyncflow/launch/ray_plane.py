@@ -14,6 +14,8 @@ A client on a unit's node uses shared memory with it; elsewhere, ZeroMQ frames.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import tempfile
 import threading
 from typing import Any
@@ -27,16 +29,16 @@ from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.deploy import Deployment, launch
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
-__all__ = ["StorageUnitActor", "cluster_plane", "node_ips"]
+__all__ = ["StorageUnitActor", "cluster_plane", "node_ips", "stop_units"]
 
 
 class StorageUnitActor:
     """One storage unit serving from a thread of this actor's process (on its node)."""
 
     def __init__(self, schema_msg: list, keys: list, host: str) -> None:
+        self.state_dir = tempfile.mkdtemp(prefix="asyncflow-unit-")  # 0700, on this node
         self.server = StorageServer(schema_from_msg(schema_msg), f"tcp://{host}:0", None,
-                                    creds=Credentials.from_msg(keys),
-                                    state_dir=tempfile.mkdtemp(prefix="asyncflow-unit-"))
+                                    creds=Credentials.from_msg(keys), state_dir=self.state_dir)
         self.thread = threading.Thread(target=self.server.serve_forever, name="storage-unit", daemon=True)
         self.thread.start()
 
@@ -46,6 +48,24 @@ class StorageUnitActor:
     def alive(self) -> bool:
         return self.thread.is_alive()
 
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop serving (if ``shutdown`` has not) and remove the state folder unless a save is in it."""
+        self.server.running = False
+        self.thread.join(timeout)
+        with contextlib.suppress(OSError):
+            os.rmdir(self.state_dir)
+
+
+def stop_units(units: list[Any], timeout: float = 10.0) -> None:
+    """Stop each unit actor (its folder removed where empty), then kill it; never raises."""
+    if not units:
+        return
+    with contextlib.suppress(Exception):
+        ray.get([u.stop.remote() for u in units], timeout=timeout)
+    for unit in units:
+        with contextlib.suppress(Exception):
+            ray.kill(unit)
+
 
 def node_ips() -> list[tuple[str, str]]:
     """``(node id, address)`` of every alive node, sorted by node id."""
@@ -54,7 +74,7 @@ def node_ips() -> list[tuple[str, str]]:
 
 def cluster_plane(schema: Schema, storage_units: int, timeout: float = 120.0) -> tuple[Deployment, list[Any]]:
     """Start the units on the cluster's nodes and a controller here; the deployment and the
-    unit actors (``ray.kill`` them after ``Deployment.shutdown``)."""
+    unit actors (:func:`stop_units` after ``Deployment.shutdown``)."""
     nodes = node_ips()
     creds = Credentials.generate()
     actor: Any = ray.remote(StorageUnitActor)  # an actor class (Ray's stubs do not say so)
@@ -67,7 +87,6 @@ def cluster_plane(schema: Schema, storage_units: int, timeout: float = 120.0) ->
         dep = launch(schema, n_storage=0, host=ray.util.get_node_ip_address(), credentials=creds,
                      storage=endpoints)
     except BaseException:
-        for u in units:
-            ray.kill(u)
+        stop_units(units)
         raise
     return dep, units
