@@ -10,8 +10,8 @@ rows put and read back equal, through ZeroMQ frames (the shared-memory probe fai
 cleanly), every socket CURVE-authenticated and encrypted: a marker text in the data is
 nowhere in the frames captured on the veth (a raw packet socket in A), and a client with
 a stranger's keys is refused within its deadline by the controller and gets no answer
-from the unit. Also: a non-loopback bind without keys, or a wildcard,
-is refused with one line. Needs root, ``ip`` and ``unshare`` (else skipped); every step
+from the unit. Also: a non-loopback bind without keys, a wildcard, or an address not on
+the host is refused with one line. Needs root, ``ip`` and ``unshare`` (else skipped); every step
 is bounded and the namespaces are removed whatever happens.
 """
 
@@ -148,8 +148,9 @@ def test_a_unit_on_another_host_serves_frames_over_curve(pair, tmp_path):
             p.wait(10)
 
 
-@pytest.mark.parametrize("bind,keys", [("B", False), ("0.0.0.0", True)])
-def test_an_unauthenticated_or_wildcard_bind_is_refused_in_one_line(pair, tmp_path, bind, keys):
+@pytest.mark.parametrize("bind,keys,why", [("B", False, "refusing to bind"), ("0.0.0.0", True, "refusing to bind"),
+                                            ("10.231.255.254", True, "Cannot assign requested address")])
+def test_an_unauthenticated_wildcard_or_foreign_bind_is_refused_in_one_line(pair, tmp_path, bind, keys, why):
     schema, key_file = tmp_path / "schema.json", tmp_path / "job.keys"
     schema.write_text(json.dumps([["x", "float32", [4], False]]))
     subprocess.run([*DEPLOY, "keys", str(key_file)], check=True, env=ENV, timeout=60)
@@ -158,7 +159,7 @@ def test_an_unauthenticated_or_wildcard_bind_is_refused_in_one_line(pair, tmp_pa
                           *(["--keys", str(key_file)] if keys else [])],
                          capture_output=True, text=True, timeout=60, env=ENV, cwd=ROOT)
     assert out.returncode != 0 and out.stdout == ""
-    assert len(out.stderr.strip().splitlines()) == 1 and "refusing to bind" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and why in out.stderr, out.stderr
 
 
 def test_launch_refuses_a_non_loopback_host_without_keys_before_starting_anything():

@@ -45,6 +45,8 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client import ZmqDataPlane
@@ -262,13 +264,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     creds = None if args.keys is None else read_keys(args.keys)
     try:
         check_bind(tcp_bind(args.bind), creds)
-    except ValueError as exc:  # one line, no traceback
-        sys.exit(f"deploy {args.role}: {exc}")
-    if args.role == "storage":
-        server: _Server = StorageServer(schema, tcp_bind(args.bind), token, creds=creds, state_dir=args.state_dir)
-    else:
-        server = ControllerServer(schema, args.storage, tcp_bind(args.bind), token, args.capacity, creds=creds,
-                                  state_dir=args.state_dir)
+        if args.role == "storage":
+            server: _Server = StorageServer(schema, tcp_bind(args.bind), token, creds=creds,
+                                            state_dir=args.state_dir)
+        else:
+            server = ControllerServer(schema, args.storage, tcp_bind(args.bind), token, args.capacity, creds=creds,
+                                      state_dir=args.state_dir)
+    except (ValueError, zmq.ZMQError) as exc:  # one line, no traceback (e.g. an address not on this host)
+        sys.exit(f"deploy {args.role}: {exc} (--bind {args.bind})")
     print(server.endpoint, flush=True)
     server.serve_forever()
 
