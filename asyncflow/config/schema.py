@@ -289,7 +289,7 @@ class ResourcesConfig(_Section):
     sync_threads: int = Field(0, ge=0, description="torch threads of each colocated sync worker (0 = all cores, "
                                                    "divided among the train.dp ranks).")
     data_plane: Literal["auto", "ray", "zmq"] = Field("auto", description="ray launcher: zmq (controller + storage "
-        "units, one host), ray (one actor, any cluster), auto (zmq when every Ray node is this machine).")
+        "units: child processes on one host, Ray actors on each node of a cluster), ray (one actor), auto (zmq).")
     storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
     pin_cores: Literal["auto", "on", "off"] = Field("auto", description="stream/async: each compute role computes on "
         "cores of its own (trainer first; when they fit). auto: with a local Ray instance the launcher started.")

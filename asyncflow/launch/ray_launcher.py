@@ -20,10 +20,11 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 * The data plane (``resources.data_plane``): ``zmq`` is the distributed ZeroMQ data plane
   (:mod:`asyncflow.dataplane.transport.deploy`: a controller + ``resources.storage_units`` storage
   units as child processes of the driver, bound to loopback, with fresh CURVE keys per
-  job; roles get its picklable client, which carries the client keys); ``ray`` is one
-  threaded actor holding an in-process ``DataPlane`` (calls go through Ray's RPC), which
-  works across the nodes of a Ray cluster; ``auto`` (the
-  default) takes ``zmq`` when every Ray node is this machine, else ``ray``.
+  job; roles get its picklable client, which carries the client keys); on a cluster of
+  several hosts (``zmq`` or ``auto``) the units are Ray actors pinned one or more a node,
+  bound to each node's address, and the controller binds the driver node's address
+  (:mod:`asyncflow.launch.ray_plane`; CURVE as on one host); ``ray`` is one threaded
+  actor holding an in-process ``DataPlane`` (calls go through Ray's RPC).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from asyncflow.config import ConfigError
 from asyncflow.dataplane import Schema
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.deploy import Deployment, launch
+from asyncflow.launch.ray_plane import cluster_plane, stop_units
 from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
 from asyncflow.weights.store import WeightStore
 
@@ -63,6 +65,7 @@ class RayLauncher:
         self._owns_host = False  # a local instance started here: the machine is the job's (resources.pin_cores)
         self._cpus = self._gpus = 0
         self._deployments: list[Deployment] = []  # ZeroMQ data planes started by data_plane()
+        self._unit_actors: dict[str, list] = {}  # per deployment (its endpoint): storage units that are Ray actors
 
     def _start(self) -> None:
         """Start (or connect to) Ray on first use, not when the launcher is made: the driver
@@ -113,11 +116,14 @@ class RayLauncher:
     def data_plane(self, schema: Schema, kind: str = "auto",
                    storage_units: int = 2) -> ZmqDataPlane | RayDataPlane:
         self._start()  # (else an actor call would start Ray itself: all CPUs, never shut down here)
-        if kind == "auto":  # the ZeroMQ servers bind loopback: on one host only
-            kind = "zmq" if self.one_host() else "ray"
-        if kind == "zmq":
+        if kind in ("zmq", "auto") and self.one_host():  # child processes of the driver, bound to loopback
             self._deployments.append(launch(schema, n_storage=storage_units))
             return self._deployments[-1].client()
+        if kind in ("zmq", "auto"):  # units on every node, bound to each node's address (ray_plane)
+            dep, units = cluster_plane(schema, storage_units)
+            self._deployments.append(dep)
+            self._unit_actors[dep.endpoint] = units
+            return dep.client()
         return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,
                                                                 enable_task_events=False).remote(schema))
 
@@ -149,16 +155,20 @@ class RayLauncher:
         """Kill the actor behind ``obj`` (a worker handle or a client) and free its CPUs."""
         for dep in [d for d in self._deployments if d.endpoint == getattr(obj, "endpoint", None)]:
             self._deployments.remove(dep)
-            dep.shutdown()
+            self._stop(dep)
         handle = getattr(obj, "handle", obj)
         try:
             ray.kill(handle)
         except Exception:  # already dead
             pass
 
+    def _stop(self, dep: Deployment) -> None:
+        dep.shutdown()  # asks every unit to stop too
+        stop_units(self._unit_actors.pop(dep.endpoint, []))
+
     def shutdown(self) -> None:
         for dep in self._deployments:
-            dep.shutdown()
+            self._stop(dep)
         self._deployments.clear()
         if self._owns and ray.is_initialized():
             ray.shutdown()

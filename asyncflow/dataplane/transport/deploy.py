@@ -21,6 +21,13 @@ servers without CURVE. For servers started by hand (or by another launcher)::
 
 and clients connect with ``ZmqDataPlane(controller_endpoint, credentials=read_keys("job.keys"))``
 (``$ASYNCFLOW_PLANE_TOKEN`` adds a token check, as before).
+
+Across hosts: ``--bind ADDR`` (or ``launch(host=ADDR)``) binds and advertises
+``tcp://ADDR:<port>``, ADDR being this host's address on the job's network; the same key
+file on every host (copied as a 0600 file). A non-loopback address is refused without
+keys, a wildcard always (one-line error). The controller takes the units' endpoints
+(``--storage``, or ``launch(storage=[...], credentials=...)``); clients probe shared memory
+per unit and use ZeroMQ frames (CURVE-encrypted) with a unit on another host.
 """
 
 from __future__ import annotations
@@ -38,12 +45,14 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.controller_server import ControllerServer
 from asyncflow.dataplane.transport.link import DEADLINE_S
-from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server
+from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server, check_bind, tcp_bind
 from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
@@ -118,7 +127,8 @@ class Deployment:
 def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,
            host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp",
            secure: bool = True, state_dir: str | os.PathLike | None = None,
-           max_msg_bytes: int = MAX_MSG_BYTES) -> Deployment:
+           max_msg_bytes: int = MAX_MSG_BYTES, credentials: Credentials | None = None,
+           storage: Sequence[str] = ()) -> Deployment:
     """Start ``n_storage`` storage units and a controller as processes; return their handle.
 
     Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
@@ -127,17 +137,20 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     ``save``/``load`` names are relative to (default: ``state`` in the job folder).
     ``max_msg_bytes``: the largest message a server reads (bigger ones are dropped). The
     child processes get only plain data (the schema as lists, endpoints, keys, token).
+
+    Across hosts: ``host`` is the address this machine's servers bind and advertise
+    (``tcp://<host>:<port>``; a non-loopback one needs ``secure``, a wildcard is refused);
+    ``storage`` adds units started elsewhere (another host's ``deploy storage --bind``,
+    or a launcher's) by endpoint, after the local ones, all holding ``credentials`` (the
+    job's keys, instead of fresh ones).
     """
-    if transport not in ("tcp", "ipc"):
-        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
-    if n_storage < 1:
-        raise ValueError(f"n_storage must be >= 1, got {n_storage}")
+    creds = credentials if credentials is not None else Credentials.generate() if secure else None
+    _check_launch(transport, n_storage + len(storage), host, creds)
     folder = tempfile.mkdtemp(prefix="asyncflow-plane-")  # mode 0700: this user only
     os.mkdir(os.path.join(folder, "sock"), 0o700)
     state = os.path.join(folder, "state") if state_dir is None else os.path.abspath(state_dir)
     os.makedirs(state, 0o700, exist_ok=True)
-    bind = (lambda k: f"ipc://{folder}/sock/{k}") if transport == "ipc" else (lambda k: f"tcp://{host}:0")
-    creds = Credentials.generate() if secure else None
+    bind = (lambda k: f"ipc://{folder}/sock/{k}") if transport == "ipc" else (lambda k: tcp_bind(host))
     keys = None if creds is None else creds.to_msg()
     ctx = mp.get_context(start_method)
     msg, procs = schema_to_msg(schema), []
@@ -159,7 +172,7 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     try:
         pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes)  # all at once
                  for k in range(n_storage)]
-        endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)]
+        endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
         endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
                                      max_msg_bytes), "controller")
     except BaseException:
@@ -170,6 +183,16 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return Deployment(endpoint, token, procs, creds, folder, state)
+
+
+def _check_launch(transport: str, units: int, host: str, creds: Credentials | None) -> None:
+    """Refuse a launch that cannot work, here rather than in a child that would only time out."""
+    if transport not in ("tcp", "ipc"):
+        raise ValueError(f"transport must be 'tcp' or 'ipc', got {transport!r}")
+    if units < 1:
+        raise ValueError(f"need at least one storage unit (n_storage plus storage endpoints), got {units}")
+    if transport == "tcp":
+        check_bind(tcp_bind(host), creds)
 
 
 def write_keys(path: str | os.PathLike) -> Credentials:
@@ -223,7 +246,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--keys", help="the job's key file (from the 'keys' role); without it: no CURVE")
     ap.add_argument("--state-dir", default=None, help="the only folder save/load may touch (the same for "
                     "the controller and every unit; without it both are refused)")
-    ap.add_argument("--bind", default="tcp://127.0.0.1:0")
+    ap.add_argument("--bind", default="127.0.0.1", help="the address to bind and advertise (this host's address "
+                    "on the job's network; a non-loopback one needs --keys), or a full tcp://HOST:PORT endpoint")
     ap.add_argument("--storage", nargs="*", default=[], help="controller: storage unit endpoints, in order")
     ap.add_argument("--capacity", type=int, default=None)
     args = ap.parse_args(argv)
@@ -238,11 +262,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         schema = schema_from_msg(json.load(fh))
     token = os.environ.get("ASYNCFLOW_PLANE_TOKEN") or None
     creds = None if args.keys is None else read_keys(args.keys)
-    if args.role == "storage":
-        server: _Server = StorageServer(schema, args.bind, token, creds=creds, state_dir=args.state_dir)
-    else:
-        server = ControllerServer(schema, args.storage, args.bind, token, args.capacity, creds=creds,
-                                  state_dir=args.state_dir)
+    try:
+        check_bind(tcp_bind(args.bind), creds)
+        if args.role == "storage":
+            server: _Server = StorageServer(schema, tcp_bind(args.bind), token, creds=creds,
+                                            state_dir=args.state_dir)
+        else:
+            server = ControllerServer(schema, args.storage, tcp_bind(args.bind), token, args.capacity, creds=creds,
+                                      state_dir=args.state_dir)
+    except (ValueError, zmq.ZMQError) as exc:  # one line, no traceback (e.g. an address not on this host)
+        sys.exit(f"deploy {args.role}: {exc} (--bind {args.bind})")
     print(server.endpoint, flush=True)
     server.serve_forever()
 

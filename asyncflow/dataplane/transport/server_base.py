@@ -19,6 +19,7 @@ waiters); ZMTP heartbeats drop connections of peers that vanished silently.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ from zmq.utils.monitor import recv_monitor_message
 from asyncflow.dataplane.transport.auth import Credentials, ZapCheck, secure_server
 from asyncflow.dataplane.transport.protocol import ProtocolError, error_to_msg, pack_header, unpack_header
 
-__all__ = ["MAX_MSG_BYTES", "_PARKED", "_POLL_MS", "_Server", "_args"]
+__all__ = ["MAX_MSG_BYTES", "_PARKED", "_POLL_MS", "_Server", "_args", "check_bind", "tcp_bind"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,7 @@ class _Server:
         self.sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_bytes))
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
+        check_bind(bind, creds)
         self.zap = None
         if creds is not None:
             self.zap = ZapCheck(self.ctx, creds)
@@ -161,6 +163,32 @@ class _Server:
         finally:
             self.sock.disable_monitor()
             self.ctx.destroy(linger=0)  # closes every socket of this server
+
+
+def tcp_bind(host: str) -> str:
+    """``--bind``'s value as an endpoint: a bare address (``10.0.0.5``) becomes
+    ``tcp://10.0.0.5:0`` (a free port); an endpoint (``tcp://...``, ``ipc://...``) stays."""
+    return host if "://" in host else f"tcp://[{host}]:0" if ":" in host else f"tcp://{host}:0"
+
+
+def check_bind(bind: str, creds: Credentials | None) -> None:
+    """Refuse what would listen where it must not: a wildcard address (``*``, ``0.0.0.0``,
+    ``::``; a client must be told one address, and a wildcard listens on every network)
+    and a non-loopback TCP address without CURVE keys (nothing listens unauthenticated
+    beyond this host)."""
+    if not bind.startswith("tcp://"):
+        return
+    host = bind[6:].rsplit(":", 1)[0].strip("[]")
+    if host in ("*", "0.0.0.0", "::"):
+        raise ValueError(f"data plane: refusing to bind {bind}: bind the one address clients use (this host's "
+                         "address on the job's network), not a wildcard")
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # an interface or host name: treated as reachable from other hosts
+        loopback = False
+    if not loopback and creds is None:
+        raise ValueError(f"data plane: refusing to bind {bind} without CURVE keys: a non-loopback address needs "
+                         "the job's credentials (launch(secure=True) or --keys FILE)")
 
 
 def _args(header: dict, *names: str) -> list[Any]:
