@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncflow.config import RunConfig
+from asyncflow.workflow.checkpoint import Snapshot
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
@@ -118,6 +119,15 @@ class Job:
         self._gather()
         self.watch.waiting("saving")
         return self.watch.ask(self.trainer, "save", path)
+
+    def snapshot(self) -> Snapshot:
+        """The trainer's state in host memory (mode=sync, one rank: :mod:`asyncflow.workflow.checkpoint`)."""
+        self.watch.waiting("taking a checkpoint snapshot")
+        return self.watch.ask(self.trainer, "snapshot")
+
+    def restore(self, snap: Snapshot, step: int) -> None:
+        self.watch.waiting("restoring the checkpoint")
+        self.watch.ask(self.trainer, "restore", snap, step)
 
     def _gather(self) -> None:
         """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
