@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,9 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.numpy import load_file
 
 from asyncflow.cli import main
+from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.workflow import checkpoint as C
 
 STEPS = 6
@@ -66,6 +70,40 @@ def test_resume_is_refused_in_one_line_for_async_and_for_a_changed_config(tmp_pa
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
+def _engine() -> TrainEngine:
+    tok = build_char_tokenizer()
+    return TrainEngine(build_tiny_model(tok, seed=0), pad_id=tok.pad_token_id, lr=1e-2,
+                       schedule=lambda s: lr_multiplier(s, 6, warmup=2, schedule="cosine"))
+
+
+def _train(engine: TrainEngine, steps: int) -> None:
+    """Steps on data drawn from the global RNGs (so their restored states matter too)."""
+    for _ in range(steps):
+        prompt = torch.randint(3, 20, (4,)).tolist() + [int(np.random.randint(3, 20)), random.randint(3, 19)]
+        engine.forward_backward([prompt], [[5, 6, 7]], {}, lambda out, b, x: (-(out * b.mask).sum(), {}))
+        engine.optimizer_step()
+
+
+def test_capture_then_restore_continues_the_same_steps(tmp_path):
+    """Weights, AdamW moments, the LR schedule's position, the version and the RNGs come back
+    through the files (no pickle): the steps after a restore are the steps after the capture."""
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    a = _engine()
+    _train(a, 2)
+    w = C.CheckpointWriter(tmp_path / "checkpoints", keep=1)
+    w.write(2, C.capture(a.model, a, None))
+    w.close()
+    _train(a, 3)
+    torch.manual_seed(7), np.random.seed(7), random.seed(7)  # other RNG states: restore must set them
+    b = _engine()
+    C.restore(b.model, b, None, C.read(C.latest(tmp_path)))
+    assert b.version == 2 and b.opt.param_groups[0]["lr"] == pytest.approx(1e-2)
+    _train(b, 3)
+    assert b.version == a.version == 5 and b.opt.param_groups[0]["lr"] == a.opt.param_groups[0]["lr"]
+    for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
+        assert torch.equal(p, q), n
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None:
     t = time.time()
     while not path.exists():
@@ -109,3 +147,8 @@ def test_a_sync_run_killed_and_resumed_ends_with_the_same_weights(tmp_path):
     assert last["version"] == last["rollout_version"] == last["driver"]["step"] == STEPS
     summary = json.loads((killed / "summary.json").read_text())
     assert summary["resumed_from"] >= 2 and all(p >= 0 for p in summary["checkpoint_pause_s"])
+
+    # a finished run extended by train.steps: from its last checkpoint, metrics go on
+    assert main(["train", "--resume", str(killed), f"train.steps={STEPS + 1}"]) == 0
+    steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 2)) and C.latest(killed).name == f"step-{STEPS + 1}"

@@ -124,6 +124,11 @@ class CheckpointWriter:
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
+        fd = os.open(self.folder, os.O_RDONLY)  # the rename itself on disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         for old in complete(self.folder)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
