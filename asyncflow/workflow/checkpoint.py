@@ -62,6 +62,8 @@ def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | No
     tensors["rng/torch"] = _host(torch.get_rng_state())
     if generator is not None:
         tensors["rng/generator"] = _host(generator.get_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors.update({f"rng/cuda/{i}": _host(st) for i, st in enumerate(torch.cuda.get_rng_state_all())})
     name, keys, pos, has_gauss, cached = np.random.get_state()
     tensors["rng/numpy"] = np.asarray(keys)
     py = random.getstate()
@@ -90,6 +92,9 @@ def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | No
     torch.set_rng_state(torch.from_numpy(tensors["rng/torch"].copy()))
     if generator is not None:
         generator.set_state(torch.from_numpy(tensors["rng/generator"].copy()))
+    cuda = sorted((int(k.split("/")[2]), v) for k, v in tensors.items() if k.startswith("rng/cuda/"))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(v.copy()) for _, v in cuda])
     name, pos, has_gauss, cached = meta["numpy_rng"]
     np.random.set_state((name, tensors["rng/numpy"], pos, has_gauss, cached))
     version, keys, gauss = meta["python_rng"]
