@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -152,3 +153,21 @@ def test_a_sync_run_killed_and_resumed_ends_with_the_same_weights(tmp_path):
     assert main(["train", "--resume", str(killed), f"train.steps={STEPS + 1}"]) == 0
     steps = [json.loads(line)["step"] for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, STEPS + 2)) and C.latest(killed).name == f"step-{STEPS + 1}"
+
+
+def test_a_two_rank_sync_run_resumed_from_an_earlier_checkpoint_is_exact(tmp_path):
+    """train.dp=2: rank 0's weights and AdamW state, every rank's own RNGs and versions."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    assert main(["train", *TINY, "train.steps=4", "train.save_every=2", "train.dp=2", f"reward.fn={reward}:score",
+                 f"run_dir={tmp_path / 'runs'}"]) == 0
+    whole = next((tmp_path / "runs").iterdir())
+    again = shutil.copytree(whole, tmp_path / "again")
+    shutil.rmtree(again / "checkpoint")
+    shutil.rmtree(again / "checkpoints" / "step-4")
+    assert main(["train", "--resume", str(again)]) == 0
+    a, b = (load_file(str(d / "checkpoint" / "model.safetensors")) for d in (whole, again))
+    assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-6
+    assert [json.loads(line)["step"] for line in (again / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    last = C.read(C.latest(again))[1]
+    assert last["version"] == last["ranks"][0]["version"] == last["ranks"][0]["rollout_version"] == 4

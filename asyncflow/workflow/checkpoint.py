@@ -16,7 +16,9 @@ position, the policy versions, numpy's and Python's RNG positions, the driver's 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
 (:func:`restore`), so a resumed ``sync`` run takes the same steps as an uninterrupted one:
 the prompts of step ``p`` depend only on ``(seed, p)`` and at a step boundary of ``sync``
-nothing is in flight. ``stream``/``async`` are refused (their answers in flight are not
+nothing is in flight. With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are
+saved once (every rank holds the same) with every rank's own RNGs (:func:`merge_ranks`,
+:func:`rank_part`). ``stream``/``async`` are refused (their answers in flight are not
 checkpointed), and so are the set-ups whose extra state is not captured yet.
 """
 
@@ -48,17 +50,24 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", copy=True).contiguous().numpy()
 
 
-def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | None) -> Snapshot:
-    """The trainer's state in host memory: weights, AdamW, LR schedule, version, RNGs."""
-    tensors = {f"model/{k}": _host(v) for k, v in model.state_dict().items()}
-    opt = engine.opt.state_dict()
-    scalars: dict[str, dict[str, Any]] = {}
-    for idx, st in opt["state"].items():
-        for key, val in st.items():
-            if isinstance(val, torch.Tensor):
-                tensors[f"optim/{idx}/{key}"] = _host(val)
-            else:
-                scalars.setdefault(str(idx), {})[key] = val
+def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, full: bool = True) -> Snapshot:
+    """The trainer's state in host memory: weights, AdamW, LR schedule, version, RNGs
+    (not ``full``: the RNGs and the version only, what differs between data-parallel ranks)."""
+    tensors: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {"version": engine.version}
+    if full:
+        tensors.update({f"model/{k}": _host(v) for k, v in model.state_dict().items()})
+        opt = engine.opt.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for idx, st in opt["state"].items():
+            for key, val in st.items():
+                if isinstance(val, torch.Tensor):
+                    tensors[f"optim/{idx}/{key}"] = _host(val)
+                else:
+                    scalars.setdefault(str(idx), {})[key] = val
+        sched = engine.sched.state_dict() if engine.sched is not None else None
+        meta.update(optim_groups=opt["param_groups"], optim_scalars=scalars,
+                    sched={k: v for k, v in sched.items() if k != "lr_lambdas"} if sched is not None else None)
     tensors["rng/torch"] = _host(torch.get_rng_state())
     if generator is not None:
         tensors["rng/generator"] = _host(generator.get_state())
@@ -67,11 +76,27 @@ def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | No
     name, keys, pos, has_gauss, cached = np.random.get_state()
     tensors["rng/numpy"] = np.asarray(keys)
     py = random.getstate()
-    sched = engine.sched.state_dict() if engine.sched is not None else None
-    meta = {"version": engine.version, "optim_groups": opt["param_groups"], "optim_scalars": scalars,
-            "sched": {k: v for k, v in sched.items() if k != "lr_lambdas"} if sched is not None else None,
-            "numpy_rng": [name, int(pos), int(has_gauss), float(cached)],
-            "python_rng": [py[0], list(py[1]), py[2]]}
+    meta.update(numpy_rng=[name, int(pos), int(has_gauss), float(cached)], python_rng=[py[0], list(py[1]), py[2]])
+    return tensors, meta
+
+
+def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
+    """One snapshot of the trainer's ranks: rank 0's whole, and each other rank's RNGs and
+    version (:func:`capture` not ``full``) under ``rank<r>/`` (tensors) and ``ranks`` (JSON)."""
+    tensors, meta = dict(snaps[0][0]), {**snaps[0][1], "ranks": [m for _, m in snaps[1:]]}
+    for r, (t, _) in enumerate(snaps[1:], 1):
+        tensors.update({f"rank{r}/{k}": v for k, v in t.items()})
+    return tensors, meta
+
+
+def rank_part(snap: Snapshot, r: int) -> Snapshot:
+    """What rank ``r`` restores from a :func:`merge_ranks` snapshot: rank 0's weights and AdamW
+    state (data-parallel ranks hold the same), its own RNGs and version."""
+    tensors = {k: v for k, v in snap[0].items() if not k.startswith("rank")}
+    meta = {k: v for k, v in snap[1].items() if k != "ranks"}
+    if r:
+        tensors.update({k.split("/", 1)[1]: v for k, v in snap[0].items() if k.startswith(f"rank{r}/")})
+        meta.update(snap[1]["ranks"][r - 1])
     return tensors, meta
 
 
@@ -187,7 +212,8 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a ``sync`` run of ``cfg`` could not be resumed exactly (None: it can)."""
-    for bad, why in ((cfg.mode != "sync", f"mode={cfg.mode}"), (cfg.train.dp > 1, "train.dp > 1"),
+    for bad, why in ((cfg.mode != "sync", f"mode={cfg.mode}"),
+                     (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
                      (cfg.algorithm.name == "ppo", "algorithm.name=ppo (its critic)"),
                      (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
                      (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):

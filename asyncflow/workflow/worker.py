@@ -238,11 +238,13 @@ class Worker:
 
         return self._on_compute(save)
 
-    def snapshot(self) -> Snapshot:
-        """A host copy of the trainer's state at a step boundary (mode=sync; :mod:`asyncflow.workflow.checkpoint`)."""
+    def snapshot(self, full: bool = True) -> Snapshot:
+        """A host copy of the trainer's state at a step boundary (mode=sync; :mod:`asyncflow.workflow.checkpoint`;
+        not ``full``: a data-parallel rank's RNGs and versions only)."""
         def snap() -> Snapshot:
             rollout = self.roles["rollout"]
-            tensors, meta = capture(self.model, self.roles["actor"].engine, getattr(rollout.engine, "generator", None))
+            tensors, meta = capture(self.model, self.roles["actor"].engine, getattr(rollout.engine, "generator", None),
+                                    full)
             return tensors, {**meta, "rollout_version": rollout.version}
 
         return self._on_compute(snap)
