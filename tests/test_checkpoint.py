@@ -155,11 +155,13 @@ def test_a_sync_run_killed_and_resumed_ends_with_the_same_weights(tmp_path):
     assert steps == list(range(1, STEPS + 2)) and C.latest(killed).name == f"step-{STEPS + 1}"
 
 
-def test_a_two_rank_sync_run_resumed_from_an_earlier_checkpoint_is_exact(tmp_path):
-    """train.dp=2: rank 0's weights and AdamW state, every rank's own RNGs and versions."""
+@pytest.mark.parametrize("extra", ["train.dp=2", "algorithm.name=ppo"])
+def test_a_run_resumed_from_an_earlier_checkpoint_is_exact(tmp_path, extra):
+    """train.dp=2: rank 0's weights and AdamW state, every rank's own RNGs and versions; PPO:
+    the critic's value model, AdamW state and step too."""
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD)
-    assert main(["train", *TINY, "train.steps=4", "train.save_every=2", "train.dp=2", f"reward.fn={reward}:score",
+    assert main(["train", *TINY, "train.steps=4", "train.save_every=2", extra, f"reward.fn={reward}:score",
                  f"run_dir={tmp_path / 'runs'}"]) == 0
     whole = next((tmp_path / "runs").iterdir())
     again = shutil.copytree(whole, tmp_path / "again")
@@ -170,4 +172,8 @@ def test_a_two_rank_sync_run_resumed_from_an_earlier_checkpoint_is_exact(tmp_pat
     assert max(float(np.abs(a[k] - b[k]).max()) for k in a) <= 1e-6
     assert [json.loads(line)["step"] for line in (again / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
     last = C.read(C.latest(again))[1]
-    assert last["version"] == last["ranks"][0]["version"] == last["ranks"][0]["rollout_version"] == 4
+    assert last["version"] == last["rollout_version"] == 4
+    if extra == "train.dp=2":
+        assert last["ranks"][0]["version"] == last["ranks"][0]["rollout_version"] == 4
+    else:
+        assert last["critic"]["version"] == 4  # (one critic epoch a step)

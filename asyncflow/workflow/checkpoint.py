@@ -19,7 +19,8 @@ the prompts of step ``p`` depend only on ``(seed, p)`` and at a step boundary of
 nothing is in flight. With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are
 saved once (every rank holds the same) with every rank's own RNGs (:func:`merge_ranks`,
 :func:`rank_part`). ``stream``/``async`` are refused (their answers in flight are not
-checkpointed), and so are the set-ups whose extra state is not captured yet.
+checkpointed), and so are fsdp, over-provisioning and dynamic sampling (their extra state
+is not captured yet). PPO: the critic (value model, AdamW, step) is saved under ``critic/``.
 """
 
 from __future__ import annotations
@@ -78,6 +79,38 @@ def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | No
     py = random.getstate()
     meta.update(numpy_rng=[name, int(pos), int(has_gauss), float(cached)], python_rng=[py[0], list(py[1]), py[2]])
     return tensors, meta
+
+
+def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = True) -> Snapshot:
+    """:func:`capture` of a colocated ``sync`` worker's roles: the actor's engine on ``model``, the
+    rollout's sampling generator and version, and PPO's critic (its own model, under ``critic/``)."""
+    rollout = roles["rollout"]
+    tensors, meta = capture(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), full)
+    meta["rollout_version"] = rollout.version
+    if full and "critic" in roles:
+        engine = roles["critic"].engine
+        ct, meta["critic"] = capture(engine.model, engine, None)
+        tensors.update({f"critic/{k}": v for k, v in ct.items() if not k.startswith("rng/")})
+    return tensors, meta
+
+
+def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
+    """Put a :func:`snapshot_roles` back, and set the roles' counters to ``step`` steps done."""
+    tensors, meta = snap
+    rollout = roles["rollout"]
+    if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
+        engine, critic = roles["critic"].engine, roles["critic"]
+        own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
+        restore(engine.model, engine, None, ({**own, **{k: v for k, v in tensors.items() if k.startswith("rng/")}},
+                                            meta["critic"]))
+        critic.step, critic.items = step, step * critic.batch_size
+    restore(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
+    rollout.set_version(meta["rollout_version"])
+    rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows
+    rollout.placer.started, rollout.placer.lowest = step * rollout.prompts_per_step, step
+    for name in ("reward", "reference"):  # their counters of rows done (see Worker._sync_step)
+        if name in roles:
+            roles[name].items = step * rollout.batch_rows
 
 
 def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
@@ -214,7 +247,6 @@ def not_resumable(cfg: RunConfig) -> str | None:
     """Why a ``sync`` run of ``cfg`` could not be resumed exactly (None: it can)."""
     for bad, why in ((cfg.mode != "sync", f"mode={cfg.mode}"),
                      (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
-                     (cfg.algorithm.name == "ppo", "algorithm.name=ppo (its critic)"),
                      (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
                      (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):
         if bad:

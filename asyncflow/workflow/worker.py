@@ -39,7 +39,7 @@ from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
-from asyncflow.workflow.checkpoint import Snapshot, capture, restore
+from asyncflow.workflow.checkpoint import Snapshot, restore_roles, snapshot_roles
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
 
@@ -241,28 +241,12 @@ class Worker:
     def snapshot(self, full: bool = True) -> Snapshot:
         """A host copy of the trainer's state at a step boundary (mode=sync; :mod:`asyncflow.workflow.checkpoint`;
         not ``full``: a data-parallel rank's RNGs and versions only)."""
-        def snap() -> Snapshot:
-            rollout = self.roles["rollout"]
-            tensors, meta = capture(self.model, self.roles["actor"].engine, getattr(rollout.engine, "generator", None),
-                                    full)
-            return tensors, {**meta, "rollout_version": rollout.version}
-
-        return self._on_compute(snap)
+        return self._on_compute(snapshot_roles, self.model, self.roles, full)
 
     def restore(self, snap: Snapshot, step: int) -> None:
         """Put a :meth:`snapshot` taken after ``step`` steps back; the next call is ``sync_step(step)``."""
-        def put() -> None:
-            rollout = self.roles["rollout"]
-            restore(self.model, self.roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
-            rollout.set_version(snap[1]["rollout_version"])
-            rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows
-            rollout.placer.started, rollout.placer.lowest = step * rollout.prompts_per_step, step
-            for name in ("reward", "reference"):  # their counters of rows done (see _sync_step)
-                if name in self.roles:
-                    self.roles[name].items = step * rollout.batch_rows
-            self._expect = step
-
-        self._on_compute(put)
+        self._on_compute(restore_roles, self.model, self.roles, snap, step)
+        self._expect = step
 
     def health(self) -> dict[str, dict]:
         """Raise the error of building this worker, or the first of a background role, if any
