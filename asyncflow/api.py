@@ -17,16 +17,22 @@ from asyncflow.launch.local import LocalLauncher
 from asyncflow.launch.registry import get_launcher
 from asyncflow.planner.auto import resolve  # light: it imports the profiler's torch only when it profiles
 from asyncflow.workflow import driver
+from asyncflow.workflow.checkpoint import check_resume
 from asyncflow.workflow.launcher import Launcher
 
 
 def train(cfg: RunConfig, launcher: Launcher | None = None, run_dir: Path | None = None,
-          evaluate: bool = True) -> dict:
+          evaluate: bool = True, resume: str | Path | None = None) -> dict:
     """Run one job; return its summary (also written to ``<run_dir>/summary.json``).
 
     ``launcher``: None starts the one ``cfg.launcher`` names and shuts it down at the end;
-    a launcher passed in is left running (several jobs may share one).
+    a launcher passed in is left running (several jobs may share one). ``resume``: a run
+    folder to continue from its latest checkpoint (``mode=sync``; ``cfg`` must be its
+    ``config.yaml``, ``train.steps`` excepted: :mod:`asyncflow.workflow.checkpoint`).
     """
+    if resume is not None:
+        check_resume(cfg, Path(resume))
+        run_dir = Path(resume)
     if cfg.plan == "auto":
         cfg, text = resolve(cfg)
         print(text, flush=True)
@@ -35,7 +41,7 @@ def train(cfg: RunConfig, launcher: Launcher | None = None, run_dir: Path | None
     owns = launcher is None
     launcher = launcher or get_launcher(cfg.launcher)
     try:
-        return driver.train(cfg, launcher, run_dir, evaluate)
+        return driver.train(cfg, launcher, run_dir, evaluate, resume=resume is not None)
     finally:
         if owns:
             launcher.shutdown()

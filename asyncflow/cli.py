@@ -25,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="run a training job (default: built-in GRPO example, async mode, local Ray)")
     t.add_argument("config", nargs="?", help="YAML config file (optional)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 mode=sync")
+    t.add_argument("--resume", metavar="RUN_DIR", default=None,
+                   help="continue RUN_DIR from its latest checkpoint (mode=sync; its config.yaml, overriding "
+                        "train.steps only)")
     t.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and exit (plan=auto: the plan too, profiling first if needed)")
     b = sub.add_parser("bench", help="compare sync, stream and async on the same resources")
@@ -89,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # per-worker load bars hide ours
     try:
         config, overrides = _split(args.config, args.overrides)
+        resume = getattr(args, "resume", None)
+        if resume is not None and config is None:  # the run's own config
+            config = os.path.join(resume, "config.yaml")
+            if not os.path.isfile(config):
+                raise ConfigError(f"--resume {resume}: {config} not found (not a run folder)")
         cfg = load_config(config, overrides)
         if args.command == "train":
             if cfg.plan == "auto":
@@ -102,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             from asyncflow.api import train  # lazy: torch, transformers, keeps --help fast
             from asyncflow.observe.report import format_summary  # lazy: tqdm, needed only after a run
 
-            print(format_summary(train(cfg)))
+            print(format_summary(train(cfg, resume=resume)))
             return 0
         if args.command == "bench":
             from asyncflow.bench.run import run_bench  # lazy: torch and the launchers; keeps --help fast

@@ -328,6 +328,11 @@ def format_summary(s: dict) -> str:
         o = s["overprovision"]
         acc += (f"over-provisioning  {o['extra_groups']} extra groups: {o['groups_carried']} stragglers carried "
                 f"over, {o['groups_restarted']} restarted ({o['answers_discarded']} answers thrown away)\n")
+    if s.get("checkpoint_pause_s") or s.get("resumed_from"):
+        p = sorted(s.get("checkpoint_pause_s") or [0.0])
+        acc += (f"checkpoints        {len(s.get('checkpoint_pause_s') or [])} resumable written (checkpoints/), "
+                f"median pause {p[len(p) // 2] * 1e3:.0f} ms"
+                + (f"; resumed after step {s['resumed_from']}" if s.get("resumed_from") else "") + "\n")
     on = f" on {s['device']}" if s.get("device", "cpu") != "cpu" else ""
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}){on} ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "

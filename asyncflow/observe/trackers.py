@@ -32,8 +32,8 @@ class Tracker(Protocol):
 class JsonlTracker:
     """``metrics.jsonl``: one JSON line per step, flushed at once (config and summary: the driver's files)."""
 
-    def __init__(self, run_dir: Path):
-        self.file = (Path(run_dir) / "metrics.jsonl").open("w")
+    def __init__(self, run_dir: Path, append: bool = False):
+        self.file = (Path(run_dir) / "metrics.jsonl").open("a" if append else "w")  # append: a resumed run
 
     def log_config(self, config: dict) -> None:
         pass  # config.yaml
@@ -73,12 +73,12 @@ class Trackers:
 
 
 def open_trackers(backends: Sequence[str], run_dir: Path, project: str = "asyncflow",
-                  mlflow_uri: str | None = None) -> Trackers:
-    """One tracker per backend name, writing under ``run_dir``."""
+                  mlflow_uri: str | None = None, append: bool = False) -> Trackers:
+    """One tracker per backend name, writing under ``run_dir`` (``append``: to ``metrics.jsonl``, a resumed run)."""
     out: list[Tracker] = []
     for name in backends:
         if name == "jsonl":
-            out.append(JsonlTracker(run_dir))
+            out.append(JsonlTracker(run_dir, append))
         elif name == "tensorboard":
             from asyncflow.observe.tensorboard_tracker import TensorBoardTracker  # optional extra
 

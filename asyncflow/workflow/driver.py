@@ -27,6 +27,7 @@ from asyncflow.tasks.base import Task
 from asyncflow.tasks.models import load_model, prepare_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import load_reward_fn
+from asyncflow.workflow.checkpoint import Checkpoints, Snapshot, latest, read
 from asyncflow.workflow.failure import describe, origin, root_cause, write_error_log
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
@@ -55,18 +56,24 @@ def write_run_trace(spans: dict, path: Path) -> None:
         pass
 
 
-def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evaluate: bool = True) -> dict:
+def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evaluate: bool = True,
+          resume: bool = False) -> dict:
     """Run one job on ``launcher``; return its summary (also written to ``<run_dir>/summary.json``).
-    ``plan: auto`` must be resolved first (:func:`asyncflow.api.train` does, and picks the launcher)."""
+    ``plan: auto`` must be resolved first (:func:`asyncflow.api.train` does, and picks the launcher).
+    ``resume``: continue ``run_dir`` from its latest checkpoint (checked by :func:`asyncflow.api.train`)."""
     if cfg.plan == "auto":
         raise ConfigError("plan=auto is resolved before the driver runs: call asyncflow.api.train, or resolve it "
                           "with asyncflow.planner.auto.resolve")
     task = build_task(cfg)  # a user's mistakes (a bad dataset row, a missing module) fail before any role starts
     check_reward_fn(cfg)
     metric, _ = heldout_metric(cfg, task)
-    run_dir = run_dir or make_run_dir(cfg)
+    if resume and run_dir is not None:
+        snap: Snapshot | None = read(latest(run_dir))
+        (run_dir / "config.yaml").write_text(dump_config(cfg, absolute=True))  # train.steps may have grown
+    else:
+        snap, run_dir = None, run_dir or make_run_dir(cfg)
     try:
-        return _run(cfg, launcher, run_dir, evaluate, task, metric)
+        return _run(cfg, launcher, run_dir, evaluate, task, metric, snap)
     except Exception as e:  # the whole story for the user's one line (asyncflow.cli)
         write_error_log(run_dir / "error.log", e)
         raise
@@ -86,40 +93,49 @@ def check_reward_fn(cfg: RunConfig) -> None:
                           f"(at {origin(root_cause(e))})") from e
 
 
-def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task: Task, metric: str) -> dict:
+def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task: Task, metric: str,
+         snap: Snapshot | None) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
     job, trackers = Job(cfg, launcher, model_dir), Trackers([])
+    ckpt = Checkpoints(cfg, job, run_dir)
     try:
-        trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri)
+        start, acc0 = ckpt.resume(snap, evaluate)
+        trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri,
+                                 append=snap is not None)
         trackers.log_config(cfg.model_dump(mode="json"))
         feeder = PromptFeeder(cfg, load_model(model_dir)[1], task, job.plane)
-        acc0 = job.evaluate() if evaluate else None
+        feeder.fed = start  # partition p's prompts depend only on (seed, p): a resumed run feeds the same
         progress.start(acc0)
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
-        _rl_steps(cfg, job, feeder, meter, lambda m: _log_step(m, metric, progress, trackers), evaluate)
+        meter.steps = start
+        _rl_steps(cfg, job, feeder, meter, lambda m: _log_step(m, metric, progress, trackers), evaluate, ckpt, start)
         totals = {**meter.finish(), "pinned": job.pinned(), "heldout_metric": metric if evaluate else None,
                   "skipped_rows": getattr(task, "skipped", 0),  # task.on_bad_row=skip
                   "skipped_first": next(iter(getattr(task, "bad_rows", [])), None)}
         write_run_trace(job.spans(), run_dir / "trace.json")
         acc1 = job.evaluate() if evaluate else None
-        ckpt = job.save(str(run_dir / "checkpoint"))
+        saved = job.save(str(run_dir / "checkpoint"))
         progress.close()
-        summary = summarize(cfg, init, acc0, acc1, totals, run_dir, ckpt)
+        ckpt.close()
+        summary = {**summarize(cfg, init, acc0, acc1, totals, run_dir, saved), "resumed_from": start or None,
+                   "checkpoint_pause_s": ckpt.pauses}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
         return summary
     finally:
+        ckpt.close(quiet=True)
         trackers.close()
         job.shutdown()
 
 
 def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, log: Callable[[dict], None],
-              evaluate: bool) -> None:
-    """The RL steps: feed prompts far enough ahead for the staleness bound, train, evaluate every
-    ``train.eval_every`` steps, ``log`` each step's metrics."""
+              evaluate: bool, ckpt: Checkpoints, start: int = 0) -> None:
+    """The RL steps from ``start``: feed prompts far enough ahead for the staleness bound, train,
+    evaluate every ``train.eval_every`` steps, ``log`` each step's metrics, snapshot a checkpoint
+    every ``train.save_every`` (the next step is not queued behind an evaluation or a snapshot)."""
     steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
     ahead = cfg.effective_staleness + 2 + -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)
 
@@ -128,17 +144,20 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
             feeder.fill(v + ahead)  # (over-provisioned groups reach further ahead)
         return job.submit(v) if v < steps else None
 
-    fut = submit(0)
-    for v in range(steps):
+    fut = submit(start)
+    for v in range(start, steps):
         eval_now = every and (v + 1) % every == 0 and v + 1 < steps
+        pause = eval_now or ckpt.due(v + 1)
         # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
-        nxt = submit(v + 1) if not eval_now else None
+        nxt = submit(v + 1) if not pause else None
         assert fut is not None  # v < steps: submitted
         m = meter.step(job.result(fut, v))
         if eval_now:
             m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
-        fut = submit(v + 1) if eval_now else nxt
-        log(m)
+        log(m)  # (before the checkpoint: a checkpoint of step n means n metrics lines)
+        if ckpt.due(v + 1):
+            ckpt.save(v + 1, feeder.fed)
+        fut = submit(v + 1) if pause else nxt
 
 
 def _log_step(m: dict, metric: str, progress: Progress, trackers: Trackers) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from asyncflow.config import RunConfig
+from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
@@ -118,6 +119,17 @@ class Job:
         self._gather()
         self.watch.waiting("saving")
         return self.watch.ask(self.trainer, "save", path)
+
+    def snapshot(self) -> Snapshot:
+        """The trainer's state in host memory (mode=sync: :mod:`asyncflow.workflow.checkpoint`): rank 0's
+        whole, the other ranks' RNGs and versions."""
+        self.watch.waiting("taking a checkpoint snapshot")
+        return merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
+
+    def restore(self, snap: Snapshot, step: int) -> None:
+        self.watch.waiting("restoring the checkpoint")
+        for i, n in enumerate(self.ranks):
+            self.watch.ask(n, "restore", rank_part(snap, i), step)
 
     def _gather(self) -> None:
         """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""

@@ -39,6 +39,7 @@ from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
+from asyncflow.workflow.checkpoint import Snapshot, restore_roles, snapshot_roles
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
 
@@ -236,6 +237,16 @@ class Worker:
             return path
 
         return self._on_compute(save)
+
+    def snapshot(self, full: bool = True) -> Snapshot:
+        """A host copy of the trainer's state at a step boundary (mode=sync; :mod:`asyncflow.workflow.checkpoint`;
+        not ``full``: a data-parallel rank's RNGs and versions only)."""
+        return self._on_compute(snapshot_roles, self.model, self.roles, full)
+
+    def restore(self, snap: Snapshot, step: int) -> None:
+        """Put a :meth:`snapshot` taken after ``step`` steps back; the next call is ``sync_step(step)``."""
+        self._on_compute(restore_roles, self.model, self.roles, snap, step)
+        self._expect = step
 
     def health(self) -> dict[str, dict]:
         """Raise the error of building this worker, or the first of a background role, if any

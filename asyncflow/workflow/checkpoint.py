@@ -1,0 +1,316 @@
+"""Resumable checkpoints of a ``mode=sync`` run, written in the background, atomically.
+
+At a step boundary (every ``train.save_every`` steps and after the last) the driver asks the
+trainer worker for a host snapshot (:func:`capture`, on its compute thread: the only pause
+the run sees, ``checkpoint_pause_s`` in the summary) and hands it to a
+:class:`CheckpointWriter`, whose thread writes ``RUN_DIR/checkpoints/.tmp-<step>`` and
+renames it to ``step-<step>`` once complete: a crash mid-write leaves the previous
+checkpoint whole (a ``.tmp-*`` folder is never read). Then checkpoints beyond
+``train.keep_checkpoints`` (the oldest) are deleted.
+
+A checkpoint is two files and no pickle: ``state.safetensors`` (the model's state_dict as
+``model/<name>``, AdamW's per-parameter tensors as ``optim/<index>/<key>``, the RNG states
+as ``rng/...``) and ``state.json`` (the optimizer's param groups, the LR schedule's
+position, the policy versions, numpy's and Python's RNG positions, the driver's state).
+
+Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
+(:func:`restore`), so a resumed ``sync`` run takes the same steps as an uninterrupted one:
+the prompts of step ``p`` depend only on ``(seed, p)`` and at a step boundary of ``sync``
+nothing is in flight. With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are
+saved once (every rank holds the same) with every rank's own RNGs (:func:`merge_ranks`,
+:func:`rank_part`). ``stream``/``async`` are refused (their answers in flight are not
+checkpointed), and so are fsdp, over-provisioning and dynamic sampling (their extra state
+is not captured yet). PPO: the critic (value model, AdamW, step) is saved under ``critic/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file, save_file
+
+from asyncflow.config import ConfigError, RunConfig, load_config
+
+CKPT_DIR = "checkpoints"
+_STEP = re.compile(r"^step-(\d+)$")
+Snapshot = tuple[dict[str, np.ndarray], dict[str, Any]]
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", copy=True).contiguous().numpy()
+
+
+def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, full: bool = True) -> Snapshot:
+    """The trainer's state in host memory: weights, AdamW, LR schedule, version, RNGs
+    (not ``full``: the RNGs and the version only, what differs between data-parallel ranks)."""
+    tensors: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {"version": engine.version}
+    if full:
+        tensors.update({f"model/{k}": _host(v) for k, v in model.state_dict().items()})
+        opt = engine.opt.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for idx, st in opt["state"].items():
+            for key, val in st.items():
+                if isinstance(val, torch.Tensor):
+                    tensors[f"optim/{idx}/{key}"] = _host(val)
+                else:
+                    scalars.setdefault(str(idx), {})[key] = val
+        sched = engine.sched.state_dict() if engine.sched is not None else None
+        meta.update(optim_groups=opt["param_groups"], optim_scalars=scalars,
+                    sched={k: v for k, v in sched.items() if k != "lr_lambdas"} if sched is not None else None)
+    tensors["rng/torch"] = _host(torch.get_rng_state())
+    if generator is not None:
+        tensors["rng/generator"] = _host(generator.get_state())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        tensors.update({f"rng/cuda/{i}": _host(st) for i, st in enumerate(torch.cuda.get_rng_state_all())})
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    tensors["rng/numpy"] = np.asarray(keys)
+    py = random.getstate()
+    meta.update(numpy_rng=[name, int(pos), int(has_gauss), float(cached)], python_rng=[py[0], list(py[1]), py[2]])
+    return tensors, meta
+
+
+def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = True) -> Snapshot:
+    """:func:`capture` of a colocated ``sync`` worker's roles: the actor's engine on ``model``, the
+    rollout's sampling generator and version, and PPO's critic (its own model, under ``critic/``)."""
+    rollout = roles["rollout"]
+    tensors, meta = capture(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), full)
+    meta["rollout_version"] = rollout.version
+    if full and "critic" in roles:
+        engine = roles["critic"].engine
+        ct, meta["critic"] = capture(engine.model, engine, None)
+        tensors.update({f"critic/{k}": v for k, v in ct.items() if not k.startswith("rng/")})
+    return tensors, meta
+
+
+def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
+    """Put a :func:`snapshot_roles` back, and set the roles' counters to ``step`` steps done."""
+    tensors, meta = snap
+    rollout = roles["rollout"]
+    if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
+        engine, critic = roles["critic"].engine, roles["critic"]
+        own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
+        restore(engine.model, engine, None, ({**own, **{k: v for k, v in tensors.items() if k.startswith("rng/")}},
+                                            meta["critic"]))
+        critic.step, critic.items = step, step * critic.batch_size
+    restore(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
+    rollout.set_version(meta["rollout_version"])
+    rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows
+    rollout.placer.started, rollout.placer.lowest = step * rollout.prompts_per_step, step
+    for name in ("reward", "reference"):  # their counters of rows done (see Worker._sync_step)
+        if name in roles:
+            roles[name].items = step * rollout.batch_rows
+
+
+def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
+    """One snapshot of the trainer's ranks: rank 0's whole, and each other rank's RNGs and
+    version (:func:`capture` not ``full``) under ``rank<r>/`` (tensors) and ``ranks`` (JSON)."""
+    tensors, meta = dict(snaps[0][0]), {**snaps[0][1], "ranks": [m for _, m in snaps[1:]]}
+    for r, (t, _) in enumerate(snaps[1:], 1):
+        tensors.update({f"rank{r}/{k}": v for k, v in t.items()})
+    return tensors, meta
+
+
+def rank_part(snap: Snapshot, r: int) -> Snapshot:
+    """What rank ``r`` restores from a :func:`merge_ranks` snapshot: rank 0's weights and AdamW
+    state (data-parallel ranks hold the same), its own RNGs and version."""
+    tensors = {k: v for k, v in snap[0].items() if not k.startswith("rank")}
+    meta = {k: v for k, v in snap[1].items() if k != "ranks"}
+    if r:
+        tensors.update({k.split("/", 1)[1]: v for k, v in snap[0].items() if k.startswith(f"rank{r}/")})
+        meta.update(snap[1]["ranks"][r - 1])
+    return tensors, meta
+
+
+def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, snap: Snapshot) -> None:
+    """Put a :func:`capture` back (into a trainer built from the same config)."""
+    tensors, meta = snap
+    model.load_state_dict({k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")})
+    state: dict[int, dict[str, Any]] = {int(i): dict(s) for i, s in meta["optim_scalars"].items()}
+    for k, v in tensors.items():
+        if k.startswith("optim/"):
+            _, idx, key = k.split("/", 2)
+            state.setdefault(int(idx), {})[key] = torch.from_numpy(v.copy())
+    groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["optim_groups"]]
+    engine.opt.load_state_dict({"state": state, "param_groups": groups})
+    if meta["sched"] is not None:
+        engine.sched.load_state_dict({**engine.sched.state_dict(), **meta["sched"]})
+    engine.version = meta["version"]
+    torch.set_rng_state(torch.from_numpy(tensors["rng/torch"].copy()))
+    if generator is not None:
+        generator.set_state(torch.from_numpy(tensors["rng/generator"].copy()))
+    cuda = sorted((int(k.split("/")[2]), v) for k, v in tensors.items() if k.startswith("rng/cuda/"))
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.from_numpy(v.copy()) for _, v in cuda])
+    name, pos, has_gauss, cached = meta["numpy_rng"]
+    np.random.set_state((name, tensors["rng/numpy"], pos, has_gauss, cached))
+    version, keys, gauss = meta["python_rng"]
+    random.setstate((version, tuple(keys), gauss))
+
+
+class CheckpointWriter:
+    """Writes snapshots in a background thread, one at a time, each atomically (module doc)."""
+
+    def __init__(self, folder: Path, keep: int):
+        self.folder, self.keep = Path(folder), keep
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
+        self._last: Future | None = None
+        self._lock = threading.Lock()
+
+    def write(self, step: int, snap: Snapshot) -> None:
+        """Queue ``snap`` as ``step-<step>`` (raises the previous write's error, if any)."""
+        with self._lock:
+            if self._last is not None and self._last.done():
+                self._last.result()
+            self._last = self._pool.submit(self._write, step, snap)
+
+    def _write(self, step: int, snap: Snapshot) -> None:
+        tmp, final = self.folder / f".tmp-{step}", self.folder / f"step-{step}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save_file(snap[0], str(tmp / "state.safetensors"))
+        (tmp / "state.json").write_text(json.dumps(snap[1]))
+        for f in tmp.iterdir():  # on disk before the rename makes it the latest
+            with f.open("rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fd = os.open(self.folder, os.O_RDONLY)  # the rename itself on disk
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        for old in complete(self.folder)[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def close(self) -> None:
+        """Wait for the writes queued; raise the last one's error."""
+        self._pool.shutdown(wait=True)
+        if self._last is not None:
+            self._last.result()
+
+
+def complete(folder: Path) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first (``.tmp-*`` ones are not)."""
+    if not folder.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest(run_dir: Path) -> Path:
+    """The newest complete checkpoint of ``run_dir``; a ``ConfigError`` if there is none."""
+    found = complete(Path(run_dir) / CKPT_DIR)
+    if not found:
+        raise ConfigError(f"--resume {run_dir}: no complete checkpoint in {Path(run_dir) / CKPT_DIR} "
+                          "(train.save_every steps must have passed)")
+    return found[-1]
+
+
+def read(path: Path) -> Snapshot:
+    return load_file(str(Path(path) / "state.safetensors")), json.loads((Path(path) / "state.json").read_text())
+
+
+def check_resume(cfg: RunConfig, run_dir: Path) -> None:
+    """One line (``ConfigError``) unless ``cfg`` may resume ``run_dir``: the same config as its
+    ``config.yaml`` but for ``train.steps``, and a set-up whose whole state a checkpoint holds."""
+    where = f"--resume {run_dir}"
+    if cfg.mode != "sync":
+        raise ConfigError(f"resume of mode={cfg.mode} is not supported yet (in-flight answers are not "
+                          "checkpointed); use mode=sync")
+    saved_file = Path(run_dir) / "config.yaml"
+    if not saved_file.is_file():
+        raise ConfigError(f"{where}: {saved_file} not found (not a run folder)")
+    saved, now = load_config(saved_file).model_dump(mode="json"), cfg.model_dump(mode="json")
+    now["train"]["steps"] = saved["train"]["steps"]  # extending a run is allowed
+    field = _first_difference(saved, now)
+    if field is not None:
+        raise ConfigError(f"{where}: {field} differs from {saved_file}; only train.steps may change on resume")
+    why = not_resumable(cfg)
+    if why:
+        raise ConfigError(f"{where}: resume with {why} is not supported yet (its state is not checkpointed)")
+
+
+def not_resumable(cfg: RunConfig) -> str | None:
+    """Why a ``sync`` run of ``cfg`` could not be resumed exactly (None: it can)."""
+    for bad, why in ((cfg.mode != "sync", f"mode={cfg.mode}"),
+                     (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
+                     (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
+                     (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):
+        if bad:
+            return why
+    return None
+
+
+class Checkpoints:
+    """The driver's side: when to snapshot (only a run it could resume), the pause each cost, the
+    writer; and, for a resumed run, putting the snapshot back."""
+
+    def __init__(self, cfg: RunConfig, job: Any, run_dir: Path):
+        self.cfg, self.job, self.run_dir = cfg, job, Path(run_dir)  # job: a workflow.job.Job
+        self.on = not_resumable(cfg) is None
+        self.writer = CheckpointWriter(self.run_dir / CKPT_DIR, cfg.train.keep_checkpoints) if self.on else None
+        self.pauses: list[float] = []  # seconds the driver waited for each snapshot
+        self.acc0: float | None = None
+
+    def due(self, done: int) -> bool:
+        """Whether to checkpoint once ``done`` steps are done."""
+        every = self.cfg.train.save_every
+        return self.on and (done == self.cfg.train.steps or (every > 0 and done % every == 0))
+
+    def save(self, done: int, fed: int) -> None:
+        assert self.writer is not None  # (due() is False without one)
+        t = time.perf_counter()
+        tensors, meta = self.job.snapshot()
+        self.pauses.append(time.perf_counter() - t)
+        meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0}
+        self.writer.write(done, (tensors, meta))
+
+    def resume(self, snap: Snapshot | None, evaluate: bool) -> tuple[int, float | None]:
+        """The first step to run and the held-out metric before training: a fresh run evaluates
+        it (when ``evaluate``); a resumed one restores ``snap`` and keeps its metrics lines."""
+        if snap is None:
+            self.acc0 = self.job.evaluate() if evaluate else None
+            return 0, self.acc0
+        d = snap[1]["driver"]
+        if d["step"] > self.cfg.train.steps:
+            raise ConfigError(f"--resume: the checkpoint is of step {d['step']}, beyond train.steps="
+                              f"{self.cfg.train.steps}")
+        self.job.restore(snap, d["step"])
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():  # the steps after the checkpoint run again
+            lines = metrics.read_text().splitlines(keepends=True)
+            metrics.write_text("".join(lines[: d["metrics_lines"]]))
+        self.acc0 = d["acc0"]
+        return d["step"], self.acc0
+
+    def close(self, quiet: bool = False) -> None:
+        """Wait for the checkpoints being written (``quiet``: ignore a failed write)."""
+        try:
+            if self.writer is not None:
+                self.writer.close()
+        except Exception:
+            if not quiet:
+                raise
+
+
+def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in list(a) + [k for k in b if k not in a]:
+            d = _first_difference(a.get(k), b.get(k), f"{prefix}{k}.")
+            if d is not None:
+                return d
+        return None
+    return None if a == b else prefix.rstrip(".")
