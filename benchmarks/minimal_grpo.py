@@ -118,6 +118,9 @@ def _rank_main(rank: int, world: int, address: str, overrides: list[str], model_
                queue: Any) -> None:
     import torch.distributed as dist
 
+    if world == 1:  # one process: no group, no all-reduce
+        queue.put(plain_run(overrides, model_dir, threads))
+        return
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world)
     try:
         ends = plain_run(overrides, model_dir, threads, rank, world)
@@ -128,15 +131,9 @@ def _rank_main(rank: int, world: int, address: str, overrides: list[str], model_
 
 
 def plain(overrides: list[str], model_dir: str, procs: int, threads: int) -> list[float]:
-    """Step end times of the plain loop: in this process, or ``procs`` processes (gloo)."""
-    if procs == 1:
-        import torch
-
-        before = torch.get_num_threads()
-        try:
-            return plain_run(overrides, model_dir, threads)
-        finally:
-            torch.set_num_threads(before)
+    """Step end times of the plain loop in ``procs`` fresh processes (gloo between them). Never in
+    this process, not even one: its OpenMP team would stay behind and spin beside the compute
+    thread of the asyncflow sides that run here next."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
