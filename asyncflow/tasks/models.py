@@ -26,8 +26,12 @@ def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     """(model, tokenizer) from a local Hugging Face folder; never downloads."""
     hf_logging.disable_progress_bar()  # "Loading weights" bars in every worker drown the run's own
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    return model, tokenizer
+    return model, load_tokenizer(path)
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer alone of a local Hugging Face folder (the driver needs no weights); never downloads."""
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def check_model_folder(path: str) -> str:

@@ -24,7 +24,7 @@ from asyncflow.observe.report import Progress, RunMeter, reward_error_line, rewa
 from asyncflow.observe.trace import PlotUnavailable, write_gantt, write_trace
 from asyncflow.observe.trackers import Trackers, open_trackers
 from asyncflow.tasks.base import Task
-from asyncflow.tasks.models import load_model, prepare_model
+from asyncflow.tasks.models import load_tokenizer, prepare_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import load_reward_fn
 from asyncflow.workflow.checkpoint import Checkpoints, Snapshot, latest, read
@@ -104,7 +104,7 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri,
                                  append=snap is not None)
         trackers.log_config(cfg.model_dump(mode="json"))
-        feeder = PromptFeeder(cfg, load_model(model_dir)[1], task, job.plane)
+        feeder = PromptFeeder(cfg, load_tokenizer(model_dir), task, job.plane)
         feeder.fed = start  # partition p's prompts depend only on (seed, p): a resumed run feeds the same
         progress.start(acc0)
         job.start()
