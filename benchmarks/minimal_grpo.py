@@ -13,8 +13,10 @@ runs both as two sides) each process generates and trains its share of the step'
 (rank r: prompts r, r+N, ...) on cores/N torch threads, gradients summed by
 ``torch.distributed`` (gloo) in ``optimizer_step``; the ratios are over the faster plain side.
 
-In each round it runs the plain loop, then ``asyncflow`` ``mode=sync launcher=local`` and
-``mode=sync launcher=local train.dp=2`` through :func:`asyncflow.api.train` on the same
+In each round it runs the plain loop, then ``asyncflow`` ``mode=sync launcher=local``,
+``mode=sync launcher=local train.dp=2`` (two ranks as threads of one process) and
+``mode=sync launcher=ray train.dp=2`` (``sync-dp2-ray``: one worker process per rank, as the
+2-process plain loop; one Ray instance for every round) through :func:`asyncflow.api.train` on the same
 config (the order rotates from round to round, so the machine's drift favours no side), and
 prints steady samples/s (after step 1) of each run, the median of the rounds, the ratio
 asyncflow / plain loop, and where each side's step time goes: asyncflow's rollout and actor
@@ -173,7 +175,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                     help="plain loop: process counts to run, each a side (gloo all-reduce between processes)")
     ap.add_argument("--threads", type=int, default=0, help="plain loop: torch threads per process "
                                                              "(0 = the cores divided among the processes)")
-    ap.add_argument("--sides", nargs="+", default=["plain", "sync", "sync-dp2"], choices=["plain", "sync", "sync-dp2"])
+    ap.add_argument("--sides", nargs="+", default=["plain", "sync", "sync-dp2", "sync-dp2-ray"],
+                    choices=["plain", "sync", "sync-dp2", "sync-dp2-ray"])
     ap.add_argument("--run-dir", default=None, help="asyncflow's run folders (default: a temporary folder)")
     ap.add_argument("--smoke", action="store_true", help="1 round of 2 steps of 8 prompts (proves it runs; no timing)")
     args = ap.parse_args(argv)
@@ -194,7 +197,13 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     cores = os.cpu_count() or 1
     threads = {p: args.threads or max(1, cores // p) for p in args.procs}
     sides: dict[str, list[str]] = {"sync": ["mode=sync", "launcher=local"],
-                                   "sync-dp2": ["mode=sync", "launcher=local", "train.dp=2"]}
+                                   "sync-dp2": ["mode=sync", "launcher=local", "train.dp=2"],
+                                   "sync-dp2-ray": ["mode=sync", "launcher=ray", "train.dp=2"]}
+    launcher = None
+    if "sync-dp2-ray" in args.sides:  # one Ray instance for every round (its start-up is not a step's cost)
+        from asyncflow.launch.registry import get_launcher
+
+        launcher = get_launcher("ray")
     order = [f"plain-{p}p" if s == "plain" else s for s in args.sides for p in (args.procs if s == "plain" else [0])]
     speeds: dict[str, list[float]] = {s: [] for s in order}
     busy: dict[str, list[dict]] = {s: [] for s in order}
@@ -210,7 +219,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                 procs = int(side[6:-1])
                 speed, b = steady(plain(base, model_dir, procs, threads[procs]), cfg.batch_size)
             else:
-                s = train(load_config(None, [*base, *sides[side]]), evaluate=False)
+                s = train(load_config(None, [*base, *sides[side]]), evaluate=False,
+                          launcher=launcher if side == "sync-dp2-ray" else None)
                 speed, b = s["steady_samples_per_s"], s["busy"]
             speeds[side].append(speed)
             busy[side].append(b)
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     best = max((s for s in med if s.startswith("plain")), key=lambda s: med[s], default=None)
     if best is not None and med[best] > 0:
         print(f"the plain loop at its best: {best} ({med[best]:.1f} samples/s)")
-        for s in ("sync", "sync-dp2"):
+        for s in ("sync", "sync-dp2", "sync-dp2-ray"):
             if s in med:
                 ratios = [a / p for a, p in zip(speeds[s], speeds[best]) if p > 0]
                 print(f"asyncflow {s} / plain loop: {med[s] / med[best]:.2f}x (medians; per round "
@@ -236,6 +246,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         print(f"{s}: a step's wall time (medians of rounds; rank 0): {step_s:.3f} s, rollout busy {r:.0%} "
               f"({r * step_s:.3f} s), actor busy {a:.0%} ({a * step_s:.3f} s), the rest {1 - r - a:.0%} "
               f"({(1 - r - a) * step_s:.3f} s: {what})")
+    if launcher is not None:
+        launcher.shutdown()
     if tmp is not None:
         tmp.cleanup()
     return speeds

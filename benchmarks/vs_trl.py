@@ -16,7 +16,10 @@ Sides, each at its best thread or process count on the machine's cores:
 * ``trl-1t`` and ``trl-2t``: TRL with 1 and 2 torch threads (each run in a fresh process);
   the report takes the better median (``trl``);
 * ``sync``: ``mode=sync launcher=local resources.sync_threads=<cores>``;
-* ``sync-dp2``: ``mode=sync launcher=local train.dp=2`` (one colocated worker per core);
+* ``sync-dp2``: ``mode=sync launcher=local train.dp=2`` (two colocated ranks as threads of one
+  process: they share its GIL);
+* ``sync-dp2-ray``: ``mode=sync launcher=ray train.dp=2`` (one colocated worker process per core,
+  gradients all-reduced over ``torch.distributed``);
 * ``async``: the default (``mode=async launcher=ray``; one Ray instance shared by the rounds).
 
 Samples/s: steady state, the answers of the steps after the first over their wall time (TRL:
@@ -42,7 +45,8 @@ from pathlib import Path
 from typing import Any
 
 PROMPTS, STEPS = 64, 8
-SIDES = ["trl-1t", "trl-2t", "sync", "sync-dp2", "async"]
+SIDES = ["trl-1t", "trl-2t", "sync", "sync-dp2", "sync-dp2-ray", "async"]
+RAY_SIDES = ("sync-dp2-ray", "async")  # share one Ray instance for every round
 
 
 def trl_run(model_dir: str, prompts: int, group: int, steps: int, max_new: int, lr: float, temperature: float,
@@ -140,9 +144,10 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     model_dir, _ = prepare_model(cfg, Path(args.run_dir))  # the cached warm-start
     r = cfg.rollout
     extra = {"sync": ["mode=sync", "launcher=local", f"resources.sync_threads={cores}"],
-             "sync-dp2": ["mode=sync", "launcher=local", "train.dp=2"], "async": []}
+             "sync-dp2": ["mode=sync", "launcher=local", "train.dp=2"],
+             "sync-dp2-ray": ["mode=sync", "launcher=ray", "train.dp=2"], "async": []}
     launcher = None
-    if "async" in args.sides:
+    if any(s in args.sides for s in RAY_SIDES):
         from asyncflow.launch.registry import get_launcher
 
         launcher = get_launcher(load_config(None, [*base, *extra["async"]]).launcher)  # one Ray for every round
@@ -163,7 +168,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                         out_dir=str(Path(args.run_dir) / "trl"))
                     speed = steady(ends, cfg.batch_size)
                 else:
-                    s = train(load_config(None, [*base, *extra[side]]), launcher=launcher if side == "async" else None,
+                    s = train(load_config(None, [*base, *extra[side]]), launcher=launcher if side in RAY_SIDES else None,
                               evaluate=False)
                     speed = s["steady_samples_per_s"]
                 speeds[side].append(speed)
@@ -176,7 +181,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     trl = max((s for s in med if s.startswith("trl")), key=lambda s: med[s], default=None)
     if trl is not None and med[trl] > 0:
         print(f"TRL at its best: {trl} ({med[trl]:.1f} samples/s)")
-        for s in ("sync", "sync-dp2", "async"):
+        for s in ("sync", "sync-dp2", "sync-dp2-ray", "async"):
             if s in med:
                 print(f"asyncflow {s} / TRL: {med[s] / med[trl]:.2f}x")
     if tmp is not None:
