@@ -86,7 +86,8 @@ def test_a_stalled_role_is_reported_within_the_step_timeout(tmp_path, capsys, mo
     monkeypatch.setattr(RolloutRole, "poll", poll)
     monkeypatch.setattr(Job, "start", timed_start)
     try:
-        rc, err, log = run_cli(tmp_path, capsys, "launcher=local", "mode=async", "train.step_timeout_s=3")
+        rc, err, log = run_cli(tmp_path, capsys, "launcher=local", "mode=async", "train.step_timeout_s=3",
+                                  "train.max_restarts=0")
         took = time.monotonic() - started[0]
     finally:
         release.set()
@@ -150,7 +151,8 @@ def test_a_killed_worker_process_ends_the_run_with_one_line_naming_it(tmp_path, 
         threading.Thread(target=kill, daemon=True).start()
 
     monkeypatch.setattr(Job, "start", start_then_kill)
-    rc, err, log = run_cli(tmp_path, capsys, "launcher=ray", "mode=async", "train.steps=1000")
+    rc, err, log = run_cli(tmp_path, capsys, "launcher=ray", "mode=async", "train.steps=1000",
+                           "train.max_restarts=0")
     took = time.monotonic() - killed[0]
     line = one_error_line(err)
     assert rc == 1
