@@ -17,10 +17,12 @@ import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from asyncflow.cli import main
 from asyncflow.config import load_config
@@ -29,6 +31,7 @@ from asyncflow.tasks.registry import build_task
 from asyncflow.workflow import checkpoint as C
 from asyncflow.workflow.failure import WorkerLost
 from asyncflow.workflow.feeder import PromptFeeder
+from asyncflow.workflow.job import Job
 from asyncflow.workflow.worker import Worker
 
 N, P, K = 10, 2, 2
@@ -159,3 +162,37 @@ def test_a_lost_worker_restarts_the_run_from_its_checkpoint_or_ends_it_with_the_
     run = next((tmp_path / "b").iterdir())
     assert len(err) == 1 and err[0].startswith("asyncflow: error: worker 'actor' was lost"), err
     assert err[0].endswith(f"to continue: asyncflow train --resume {run}") or err[0].endswith("run it again"), err
+
+
+@pytest.mark.ray
+def test_a_rollout_process_killed_under_ray_is_restarted_from_the_checkpoint(tmp_path, capsys, monkeypatch):
+    """``kill -9`` of the rollout worker's process once a checkpoint exists: the run restarts from
+    it (one line) and finishes, every step and every prompt group once."""
+    start, killed = Job.start, []
+
+    def start_then_kill(self):
+        pid = self.watch.ask("rollout", "stats")["rollout"]["pid"]
+        start(self)
+        if killed:  # (the restarted job is left alone)
+            return
+        killed.append(pid)
+        run = next((tmp_path / "runs").iterdir())
+
+        def kill():
+            t = time.time()
+            while not C.complete(run / C.CKPT_DIR) and time.time() - t < 120:
+                time.sleep(0.01)
+            time.sleep(random.uniform(0, 0.5))
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    monkeypatch.setattr(Job, "start", start_then_kill)
+    args = [a for a in TINY if a != "launcher=local"]
+    assert main(["train", *args, "launcher=ray", f"run_dir={tmp_path / 'runs'}"]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
+    assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
+    assert "worker 'rollout'" in err[0], err
+    run = next((tmp_path / "runs").iterdir())
+    check_every_group_once(run)
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 1

@@ -1,4 +1,4 @@
-"""Resumable checkpoints of a ``mode=sync`` run, written in the background, atomically.
+"""Resumable checkpoints, written in the background, atomically.
 
 At a step boundary (every ``train.save_every`` steps and after the last) the driver asks the
 trainer worker for a host snapshot (:func:`capture`, on its compute thread: the only pause
@@ -11,16 +11,23 @@ checkpoint whole (a ``.tmp-*`` folder is never read). Then checkpoints beyond
 A checkpoint is two files and no pickle: ``state.safetensors`` (the model's state_dict as
 ``model/<name>``, AdamW's per-parameter tensors as ``optim/<index>/<key>``, the RNG states
 as ``rng/...``) and ``state.json`` (the optimizer's param groups, the LR schedule's
-position, the policy versions, numpy's and Python's RNG positions, the driver's state).
+position, the policy versions, numpy's and Python's RNG positions, the driver's state: the
+step, the prompt ids trained so far (:func:`pack`) and the answers in flight).
 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
-(:func:`restore`), so a resumed ``sync`` run takes the same steps as an uninterrupted one:
-the prompts of step ``p`` depend only on ``(seed, p)`` and at a step boundary of ``sync``
-nothing is in flight. With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are
-saved once (every rank holds the same) with every rank's own RNGs (:func:`merge_ranks`,
-:func:`rank_part`). ``stream``/``async`` are refused (their answers in flight are not
-checkpointed), and so are fsdp, over-provisioning and dynamic sampling (their extra state
-is not captured yet). PPO: the critic (value model, AdamW, step) is saved under ``critic/``.
+(:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
+one (at its step boundary nothing is in flight, and the prompts not trained are exactly the
+next steps'). ``stream``/``async``: the trainer is restored and republishes its weights,
+rollout takes them before it starts (:meth:`RolloutRole.resume
+<asyncflow.workflow.roles.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
+checkpoint had not trained, once; answers in flight (or generated, not trained) restart from
+their prompts, so every answer trained after the resume was started by a restored version
+and the staleness bound holds across it. With ``train.dp = N`` (``ddp``) rank 0's weights and
+AdamW state are saved once (every rank holds the same) with every rank's own RNGs
+(:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
+over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
+outside ``sync`` (its critic worker is not checkpointed). PPO in ``sync``: the critic (value
+model, AdamW, step) is saved under ``critic/``.
 """
 
 from __future__ import annotations
