@@ -159,8 +159,7 @@ class ActorRole(Role):
             submit = self._fetcher_for(v)
             nxt = submit(min(micro, self.batch_size))
         lengths: list[int]
-        seen, metrics, rewards, lengths, pending = 0, [], [], [], []
-        groups: set[int] = set()  # the prompt groups trained (metrics' 'groups': a resume feeds the others)
+        seen, metrics, rewards, lengths, pending, groups = 0, [], [], [], [], set[int]()
         while seen < self.batch_size:
             t = time.perf_counter()
             meta, data = nxt.result()
@@ -181,7 +180,7 @@ class ActorRole(Role):
                 with self.work():
                     metrics.append(self._accumulate(v, data, self.algorithm.advantages(data)))
             rewards.extend(data["reward"].tolist())
-            groups.update(int(g) for g in data["group"])
+            groups.update(int(g) for g in data["group"])  # (metrics' 'groups': a resume feeds the others)
             lengths.extend(len(r) for r in data["response_ids"])
         with self.work():
             if pending:
