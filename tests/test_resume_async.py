@@ -165,13 +165,16 @@ def test_a_lost_worker_restarts_the_run_from_its_checkpoint_or_ends_it_with_the_
 
 
 @pytest.mark.ray
-def test_a_rollout_process_killed_under_ray_is_restarted_from_the_checkpoint(tmp_path, capsys, monkeypatch):
-    """``kill -9`` of the rollout worker's process once a checkpoint exists: the run restarts from
-    it (one line) and finishes, every step and every prompt group once."""
+@pytest.mark.parametrize("target", ["rollout", "storage unit"])
+def test_a_process_killed_under_ray_restarts_the_run_from_the_checkpoint(tmp_path, capsys, monkeypatch, target):
+    """``kill -9`` of the rollout worker's process, or of a data-plane storage unit, once a
+    checkpoint exists: the run restarts from it (one line) and finishes, every step and every
+    prompt group once."""
     start, killed = Job.start, []
 
     def start_then_kill(self):
-        pid = self.watch.ask("rollout", "stats")["rollout"]["pid"]
+        pid = (self.watch.ask("rollout", "stats")["rollout"]["pid"] if target == "rollout"
+               else self.launcher._deployments[-1].processes[0].pid)  # (storage unit 0: launched first)
         start(self)
         if killed:  # (the restarted job is left alone)
             return
@@ -189,10 +192,11 @@ def test_a_rollout_process_killed_under_ray_is_restarted_from_the_checkpoint(tmp
 
     monkeypatch.setattr(Job, "start", start_then_kill)
     args = [a for a in TINY if a != "launcher=local"]
-    assert main(["train", *args, "launcher=ray", f"run_dir={tmp_path / 'runs'}"]) == 0
+    assert main(["train", *args, "launcher=ray", "train.step_timeout_s=30", f"run_dir={tmp_path / 'runs'}"]) == 0
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
     assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
-    assert "worker 'rollout'" in err[0], err
+    assert ("worker 'rollout'" if target == "rollout" else "DataPlaneUnavailable") in err[0], err
+    print(err[0])
     run = next((tmp_path / "runs").iterdir())
     check_every_group_once(run)
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
