@@ -75,7 +75,7 @@ def test_the_feeder_of_a_resumed_run_feeds_every_untrained_prompt_once_in_id_ord
     fed = [int(q) for p in sorted(again.parts) for q in again.parts[p]["prompt_id"]]
     assert fed == [q for q in range(N * P) if q not in trained][: (N - 3) * P]
     by_id = {int(q): (whole.parts[p], i) for p in whole.parts for i, q in enumerate(whole.parts[p]["prompt_id"])}
-    for p, d in again.parts.items():  # each prompt is the same prompt it was in the uninterrupted run
+    for d in again.parts.values():  # each prompt is the same prompt it was in the uninterrupted run
         for i, q in enumerate(d["prompt_id"]):
             src, j = by_id[int(q)]
             assert np.array_equal(d["query_ids"][i], src["query_ids"][j])
@@ -165,16 +165,17 @@ def test_a_lost_worker_restarts_the_run_from_its_checkpoint_or_ends_it_with_the_
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("target", ["rollout", "storage unit"])
+@pytest.mark.parametrize("target", ["rollout", "storage unit"])  # ("controller" passes too: slower, left out)
 def test_a_process_killed_under_ray_restarts_the_run_from_the_checkpoint(tmp_path, capsys, monkeypatch, target):
-    """``kill -9`` of the rollout worker's process, or of a data-plane storage unit, once a
-    checkpoint exists: the run restarts from it (one line) and finishes, every step and every
-    prompt group once."""
+    """``kill -9`` of the rollout worker's process or of a data-plane storage unit (its
+    controller: ``procs[-1]``), once a checkpoint exists: the run restarts from it (one line)
+    and finishes, every step and every prompt group once."""
     start, killed = Job.start, []
 
     def start_then_kill(self):
+        procs = [] if target == "rollout" else self.launcher._deployments[-1].processes  # (units, then controller)
         pid = (self.watch.ask("rollout", "stats")["rollout"]["pid"] if target == "rollout"
-               else self.launcher._deployments[-1].processes[0].pid)  # (storage unit 0: launched first)
+               else procs[0 if target == "storage unit" else -1].pid)
         start(self)
         if killed:  # (the restarted job is left alone)
             return
@@ -196,7 +197,6 @@ def test_a_process_killed_under_ray_restarts_the_run_from_the_checkpoint(tmp_pat
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
     assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
     assert ("worker 'rollout'" if target == "rollout" else "DataPlaneUnavailable") in err[0], err
-    print(err[0])
     run = next((tmp_path / "runs").iterdir())
     check_every_group_once(run)
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
