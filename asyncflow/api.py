@@ -27,8 +27,9 @@ def train(cfg: RunConfig, launcher: Launcher | None = None, run_dir: Path | None
 
     ``launcher``: None starts the one ``cfg.launcher`` names and shuts it down at the end;
     a launcher passed in is left running (several jobs may share one). ``resume``: a run
-    folder to continue from its latest checkpoint (``mode=sync``; ``cfg`` must be its
-    ``config.yaml``, ``train.steps`` excepted: :mod:`asyncflow.workflow.checkpoint`).
+    folder to continue from its latest checkpoint (``cfg`` must be its ``config.yaml``,
+    ``train.steps`` excepted: :mod:`asyncflow.workflow.checkpoint`). A lost worker or a
+    stalled step restarts the job from its checkpoint (``train.max_restarts``: the driver).
     """
     if resume is not None:
         check_resume(cfg, Path(resume))

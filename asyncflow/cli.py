@@ -5,7 +5,8 @@ Heavy modules (torch, transformers, ray) are imported only inside the commands, 
 missing file) prints one line ``asyncflow: error: ...`` and exits 2, without a traceback.
 A crash (a role's error, a lost worker process, a stalled step) prints one line too, naming
 where it happened, the root cause and its ``file:line``, and exits 1; the tracebacks are in
-``<run_dir>/error.log`` (:mod:`asyncflow.workflow.failure`).
+``<run_dir>/error.log`` (:mod:`asyncflow.workflow.failure`). A lost process or a stalled step
+first restarts the run from its checkpoint (``train.max_restarts``, one line on stderr each).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("config", nargs="?", help="YAML config file (optional)")
     t.add_argument("overrides", nargs="*", help="key=value overrides, e.g. train.steps=20 mode=sync")
     t.add_argument("--resume", metavar="RUN_DIR", default=None,
-                   help="continue RUN_DIR from its latest checkpoint (mode=sync; its config.yaml, overriding "
-                        "train.steps only)")
+                   help="continue RUN_DIR from its latest checkpoint (its config.yaml, overriding train.steps only)")
     t.add_argument("--dry-run", action="store_true",
                    help="print the resolved config and exit (plan=auto: the plan too, profiling first if needed)")
     b = sub.add_parser("bench", help="compare sync, stream and async on the same resources")

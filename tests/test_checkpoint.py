@@ -1,5 +1,6 @@
-"""Resumable checkpoints (``mode=sync``): atomic background writes, ``keep_checkpoints``, and an
-exact ``--resume`` after the driver process is killed with ``kill -9``."""
+"""Resumable checkpoints: atomic background writes, ``keep_checkpoints``, an exact ``--resume`` of
+``mode=sync`` after the driver process is killed with ``kill -9`` (``stream``/``async``:
+tests/test_resume_async.py)."""
 
 from __future__ import annotations
 
@@ -56,14 +57,17 @@ def test_writes_are_atomic_and_only_the_newest_are_kept(tmp_path, monkeypatch):
     assert (C.read(last)[0]["model/w"] == 3).all()
 
 
-def test_resume_is_refused_in_one_line_for_async_and_for_a_changed_config(tmp_path, capsys):
+def test_resume_is_refused_in_one_line_for_async_ppo_and_for_a_changed_config(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
+    (run / "config.yaml").write_text("mode: async\nalgorithm:\n  name: ppo\n")
+    assert main(["train", "--resume", str(run)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"asyncflow: error: --resume {run}: resume with algorithm.name=ppo in mode=async is not "
+                   "supported yet (its state is not checkpointed)")
     (run / "config.yaml").write_text("mode: sync\n")
     assert main(["train", "--resume", str(run), "mode=async"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("asyncflow: error: resume of mode=async is not supported yet (in-flight answers are not "
-                   "checkpointed); use mode=sync")
+    assert "mode differs" in capsys.readouterr().err
     assert main(["train", "--resume", str(run), "train.lr=0.5"]) == 2
     err = capsys.readouterr().err.strip()
     assert "train.lr differs" in err and "\n" not in err

@@ -2,7 +2,7 @@
 
 ``asyncflow.cli.main`` is run in-process (local launcher; the Ray variants are marked
 ``ray``): a user mistake found before the roles start (``reward.fn`` that does not import)
-exits 2; a role's crash, a stalled step (``train.step_timeout_s``) and a killed worker
+exits 2; a role's crash, a stalled step (``train.step_timeout_s``) and a killed or stopped worker
 process exit 1. Each prints exactly one line to stderr and leaves the tracebacks (the
 worker's, and for a stall every worker's thread stacks) in ``<run_dir>/error.log``.
 """
@@ -86,7 +86,8 @@ def test_a_stalled_role_is_reported_within_the_step_timeout(tmp_path, capsys, mo
     monkeypatch.setattr(RolloutRole, "poll", poll)
     monkeypatch.setattr(Job, "start", timed_start)
     try:
-        rc, err, log = run_cli(tmp_path, capsys, "launcher=local", "mode=async", "train.step_timeout_s=3")
+        rc, err, log = run_cli(tmp_path, capsys, "launcher=local", "mode=async", "train.step_timeout_s=3",
+                               "train.max_restarts=0")
         took = time.monotonic() - started[0]
     finally:
         release.set()
@@ -134,27 +135,41 @@ def test_a_crashing_role_under_ray_is_one_line_with_the_workers_traceback_in_the
 
 
 @pytest.mark.ray
-def test_a_killed_worker_process_ends_the_run_with_one_line_naming_it(tmp_path, capsys, monkeypatch):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP])
+def test_a_killed_or_stopped_worker_process_ends_the_run_with_one_line_naming_it(tmp_path, capsys, monkeypatch,
+                                                                                  sig):
+    """kill -9: the launcher reports the dead process; SIGSTOP: the process no longer answers its
+    heartbeat (within train.step_timeout_s + 30 s, here well within). train.max_restarts=0: no restart."""
     killed: list[float] = []
+    pids: list[int] = []
     start = Job.start
 
     def start_then_kill(self):
-        pid = self.watch.ask("rollout", "stats")["rollout"]["pid"]
+        pids.append(self.watch.ask("rollout", "stats")["rollout"]["pid"])
         start(self)
 
         def kill():
             time.sleep(2)
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pids[0], sig)
             killed.append(time.monotonic())
 
         threading.Thread(target=kill, daemon=True).start()
 
     monkeypatch.setattr(Job, "start", start_then_kill)
-    rc, err, log = run_cli(tmp_path, capsys, "launcher=ray", "mode=async", "train.steps=1000")
+    try:
+        rc, err, log = run_cli(tmp_path, capsys, "launcher=ray", "mode=async", "train.steps=1000",
+                               "train.max_restarts=0", "train.step_timeout_s=20")
+    finally:
+        if sig == signal.SIGSTOP:
+            try:
+                os.kill(pids[0], signal.SIGKILL)  # (the test stopped it; Ray may have killed it already)
+            except ProcessLookupError:
+                pass
     took = time.monotonic() - killed[0]
     line = one_error_line(err)
     assert rc == 1
     only_ray_startup_besides(err, line)
     assert "worker 'rollout'" in line, line
-    assert took < 60, took
+    assert took < (60 if sig == signal.SIGKILL else 20 + 30), took
+    assert line.endswith("no checkpoint yet: run it again") or "to continue: asyncflow train --resume" in line, line
     assert log is not None

@@ -282,11 +282,16 @@ class TrainConfig(_Section):
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
                            "(FSDP2 sharding of parameters, gradients and AdamW states; needs launcher=ray).")
-    save_every: int = Field(10, ge=0, description="mode=sync: write a resumable checkpoint (RUN_DIR/checkpoints/"
-                                                  "step-N, atomic, in the background) every N steps and at the end "
-                                                  "(0 = only at the end); asyncflow train --resume RUN_DIR continues.")
+    save_every: int = Field(10, ge=0, description="Write a resumable checkpoint (RUN_DIR/checkpoints/step-N, atomic, "
+                                                  "in the background) every N steps and at the end (0 = only at the "
+                                                  "end); asyncflow train --resume RUN_DIR continues (stream/async: "
+                                                  "answers not trained yet restart from their prompts).")
     keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept (the newest); older ones are "
                                                        "deleted once a newer one is complete.")
+    max_restarts: int = Field(2, ge=0, description="When a worker or data-plane process is lost or a step stalls "
+                                                   "(not a user or config error), restart the run from its latest "
+                                                   "checkpoint up to this many times (0 = stop at once); past it, "
+                                                   "exit with the --resume command that continues.")
 
 
 class ResourcesConfig(_Section):

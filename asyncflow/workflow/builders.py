@@ -138,7 +138,7 @@ def build_rollout(ctx: RoleContext) -> Role:
     shard = ctx.rank if sync_ranks(cfg) > 1 else None
     return RolloutRole(engine, ctx.plane, sp, r.group_size, sync_share(cfg, ctx.rank), cfg.effective_staleness,
                        subscriber, r.recompute_on_swap, r.on_swap, overprovision=r.overprovision, shard=shard,
-                       **(_scoring(ctx) if rewards_in_rollout(cfg) else {}))
+                       by_prompt_id=True, **(_scoring(ctx) if rewards_in_rollout(cfg) else {}))
 
 
 def build_reward(ctx: RoleContext) -> Role:

@@ -1,4 +1,4 @@
-"""Resumable checkpoints of a ``mode=sync`` run, written in the background, atomically.
+"""Resumable checkpoints, written in the background, atomically.
 
 At a step boundary (every ``train.save_every`` steps and after the last) the driver asks the
 trainer worker for a host snapshot (:func:`capture`, on its compute thread: the only pause
@@ -11,16 +11,23 @@ checkpoint whole (a ``.tmp-*`` folder is never read). Then checkpoints beyond
 A checkpoint is two files and no pickle: ``state.safetensors`` (the model's state_dict as
 ``model/<name>``, AdamW's per-parameter tensors as ``optim/<index>/<key>``, the RNG states
 as ``rng/...``) and ``state.json`` (the optimizer's param groups, the LR schedule's
-position, the policy versions, numpy's and Python's RNG positions, the driver's state).
+position, the policy versions, numpy's and Python's RNG positions, the driver's state: the
+step, the prompt ids trained so far (:func:`pack`) and the answers in flight).
 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
-(:func:`restore`), so a resumed ``sync`` run takes the same steps as an uninterrupted one:
-the prompts of step ``p`` depend only on ``(seed, p)`` and at a step boundary of ``sync``
-nothing is in flight. With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are
-saved once (every rank holds the same) with every rank's own RNGs (:func:`merge_ranks`,
-:func:`rank_part`). ``stream``/``async`` are refused (their answers in flight are not
-checkpointed), and so are fsdp, over-provisioning and dynamic sampling (their extra state
-is not captured yet). PPO: the critic (value model, AdamW, step) is saved under ``critic/``.
+(:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
+one (at its step boundary nothing is in flight, and the prompts not trained are exactly the
+next steps'). ``stream``/``async``: the trainer is restored and republishes its weights,
+rollout takes them before it starts (:meth:`RolloutRole.resume
+<asyncflow.workflow.roles.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
+checkpoint had not trained, once; answers in flight (or generated, not trained) restart from
+their prompts, so every answer trained after the resume was started by a restored version
+and the staleness bound holds across it. With ``train.dp = N`` (``ddp``) rank 0's weights and
+AdamW state are saved once (every rank holds the same) with every rank's own RNGs
+(:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
+over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
+outside ``sync`` (its critic worker is not checkpointed). PPO in ``sync``: the critic (value
+model, AdamW, step) is saved under ``critic/``.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from asyncflow.config import ConfigError, RunConfig, load_config
+from asyncflow.weights.store import seal
 
 CKPT_DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -84,6 +92,8 @@ def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | No
 def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = True) -> Snapshot:
     """:func:`capture` of a colocated ``sync`` worker's roles: the actor's engine on ``model``, the
     rollout's sampling generator and version, and PPO's critic (its own model, under ``critic/``)."""
+    if "rollout" not in roles:  # stream/async: the trainer's worker (rollout restarts from the prompts)
+        return capture(model, roles["actor"].engine, None, full)
     rollout = roles["rollout"]
     tensors, meta = capture(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), full)
     meta["rollout_version"] = rollout.version
@@ -97,6 +107,12 @@ def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = T
 def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
     """Put a :func:`snapshot_roles` back, and set the roles' counters to ``step`` steps done."""
     tensors, meta = snap
+    if "rollout" not in roles:  # stream/async: the trainer; rollout takes the weights it republishes
+        actor = roles["actor"]
+        restore(model, actor.engine, None, snap)
+        if actor.publish is not None:
+            actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
+        return
     rollout = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
         engine, critic = roles["critic"].engine, roles["critic"]
@@ -227,9 +243,6 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
     """One line (``ConfigError``) unless ``cfg`` may resume ``run_dir``: the same config as its
     ``config.yaml`` but for ``train.steps``, and a set-up whose whole state a checkpoint holds."""
     where = f"--resume {run_dir}"
-    if cfg.mode != "sync":
-        raise ConfigError(f"resume of mode={cfg.mode} is not supported yet (in-flight answers are not "
-                          "checkpointed); use mode=sync")
     saved_file = Path(run_dir) / "config.yaml"
     if not saved_file.is_file():
         raise ConfigError(f"{where}: {saved_file} not found (not a run folder)")
@@ -244,8 +257,8 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 
 def not_resumable(cfg: RunConfig) -> str | None:
-    """Why a ``sync`` run of ``cfg`` could not be resumed exactly (None: it can)."""
-    for bad, why in ((cfg.mode != "sync", f"mode={cfg.mode}"),
+    """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
+    for bad, why in ((cfg.mode != "sync" and cfg.algorithm.name == "ppo", f"algorithm.name=ppo in mode={cfg.mode}"),
                      (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
                      (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
                      (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):
@@ -263,6 +276,8 @@ class Checkpoints:
         self.on = not_resumable(cfg) is None
         self.writer = CheckpointWriter(self.run_dir / CKPT_DIR, cfg.train.keep_checkpoints) if self.on else None
         self.pauses: list[float] = []  # seconds the driver waited for each snapshot
+        self.trained: set[int] = set()  # the prompt groups trained so far (the actor's 'groups' of each step)
+        self.restarted = 0  # answers in flight at the checkpoint resumed from: restarted from their prompts
         self.acc0: float | None = None
 
     def due(self, done: int) -> bool:
@@ -275,7 +290,8 @@ class Checkpoints:
         t = time.perf_counter()
         tensors, meta = self.job.snapshot()
         self.pauses.append(time.perf_counter() - t)
-        meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0}
+        meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0,
+                          "trained": pack(self.trained), "in_flight": self.job.in_flight(done)}
         self.writer.write(done, (tensors, meta))
 
     def resume(self, snap: Snapshot | None, evaluate: bool) -> tuple[int, float | None]:
@@ -289,6 +305,9 @@ class Checkpoints:
             raise ConfigError(f"--resume: the checkpoint is of step {d['step']}, beyond train.steps="
                               f"{self.cfg.train.steps}")
         self.job.restore(snap, d["step"])
+        self.trained = (unpack(d["trained"]) if "trained" in d  # (a checkpoint of sync before they were kept)
+                        else set(range(d["step"] * self.cfg.train.prompts_per_step)))
+        self.restarted = d.get("in_flight", 0)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():  # the steps after the checkpoint run again
             lines = metrics.read_text().splitlines(keepends=True)
@@ -304,6 +323,18 @@ class Checkpoints:
         except Exception:
             if not quiet:
                 raise
+
+
+def pack(ids: set[int]) -> dict[str, Any]:
+    """A set of prompt ids as JSON: every id below ``below``, and the ``more`` above it."""
+    below = 0
+    while below in ids:
+        below += 1
+    return {"below": below, "more": sorted(i for i in ids if i > below)}
+
+
+def unpack(d: dict[str, Any]) -> set[int]:
+    return set(range(int(d["below"]))) | {int(i) for i in d["more"]}
 
 
 def _first_difference(a: Any, b: Any, prefix: str = "") -> str | None:

@@ -9,6 +9,18 @@ trainer step for ``stream``/``async``).
 Mistakes found before any role starts (model folder, dataset rows, ``reward.fn``) are
 ``ConfigError`` errors; any failure writes ``<run_dir>/error.log`` (driver and worker
 tracebacks, the watchdog's stack dumps: :mod:`asyncflow.workflow.failure`) and re-raises.
+
+Survival: a failure of the machinery, not of the user's code (a lost worker, a dead data
+plane process, a stalled step: :func:`~asyncflow.workflow.failure.recoverable`) shuts the job
+down and runs it again from the run folder's latest complete checkpoint (from the start if
+there is none), at most ``train.max_restarts`` times, with one line on stderr per restart;
+past the limit the error's line ends with the ``--resume`` command that continues the run.
+A resume (automatic or ``--resume``) feeds every prompt the checkpoint had not trained,
+once (:mod:`asyncflow.workflow.feeder`): in ``stream``/``async`` the answers that were in
+flight or generated but not trained restart from their prompts with the restored version
+(counted: ``in_flight_answers`` in the summary; continuing the built-in engine's partial
+answers across a restart is not done), the versions continue and ``metrics.jsonl`` keeps
+each step once.
 """
 
 from __future__ import annotations
@@ -27,8 +39,16 @@ from asyncflow.tasks.base import Task
 from asyncflow.tasks.models import load_tokenizer, prepare_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import load_reward_fn
-from asyncflow.workflow.checkpoint import Checkpoints, Snapshot, latest, read
-from asyncflow.workflow.failure import describe, origin, root_cause, write_error_log
+from asyncflow.workflow.checkpoint import CKPT_DIR, Checkpoints, Snapshot, complete, latest, read
+from asyncflow.workflow.failure import (
+    describe,
+    mark_resumable,
+    one_line,
+    origin,
+    recoverable,
+    root_cause,
+    write_error_log,
+)
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
 from asyncflow.workflow.launcher import Launcher
@@ -68,15 +88,27 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
     check_reward_fn(cfg)
     metric, _ = heldout_metric(cfg, task)
     if resume and run_dir is not None:
-        snap: Snapshot | None = read(latest(run_dir))
         (run_dir / "config.yaml").write_text(dump_config(cfg, absolute=True))  # train.steps may have grown
     else:
-        snap, run_dir = None, run_dir or make_run_dir(cfg)
-    try:
-        return _run(cfg, launcher, run_dir, evaluate, task, metric, snap)
-    except Exception as e:  # the whole story for the user's one line (asyncflow.cli)
-        write_error_log(run_dir / "error.log", e)
-        raise
+        run_dir = run_dir or make_run_dir(cfg)
+    history = {"restarts": 0, "restarted": 0}  # automatic restarts, in-flight answers restarted by them
+    while True:
+        snap: Snapshot | None = read(latest(run_dir)) if resume else None
+        try:
+            return _run(cfg, launcher, run_dir, evaluate, task, metric, snap, history)
+        except Exception as e:  # the whole story for the user's one line (asyncflow.cli)
+            what = one_line(e)
+            write_error_log(run_dir / "error.log", e)
+            if not recoverable(e) or history["restarts"] >= cfg.train.max_restarts:
+                if recoverable(e):
+                    mark_resumable(e, run_dir)
+                raise
+            history["restarts"] += 1
+            found = complete(run_dir / CKPT_DIR)
+            resume = bool(found)
+            print(f"asyncflow: restart {history['restarts']}/{cfg.train.max_restarts} from "
+                  f"{f'checkpoint {found[-1].name}' if found else 'the start (no checkpoint yet)'} after: {what}",
+                  file=sys.stderr, flush=True)
 
 
 def check_reward_fn(cfg: RunConfig) -> None:
@@ -94,7 +126,7 @@ def check_reward_fn(cfg: RunConfig) -> None:
 
 
 def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task: Task, metric: str,
-         snap: Snapshot | None) -> dict:
+         snap: Snapshot | None, history: dict) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
     job, trackers = Job(cfg, launcher, model_dir), Trackers([])
@@ -105,7 +137,11 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
                                  append=snap is not None)
         trackers.log_config(cfg.model_dump(mode="json"))
         feeder = PromptFeeder(cfg, load_tokenizer(model_dir), task, job.plane)
-        feeder.fed = start  # partition p's prompts depend only on (seed, p): a resumed run feeds the same
+        feeder.resume(start, ckpt.trained)  # every prompt not trained yet, once (asyncflow.workflow.feeder)
+        if snap is not None:
+            history["restarted"] += ckpt.restarted
+            print(f"asyncflow: resumed at step {start}; in-flight answers: 0 continued, {ckpt.restarted} restarted",
+                  flush=True)
         progress.start(acc0)
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
@@ -120,7 +156,8 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         progress.close()
         ckpt.close()
         summary = {**summarize(cfg, init, acc0, acc1, totals, run_dir, saved), "resumed_from": start or None,
-                   "checkpoint_pause_s": ckpt.pauses}
+                   "checkpoint_pause_s": ckpt.pauses, "restarts": history["restarts"],
+                   "in_flight_answers": {"continued": 0, "restarted": history["restarted"]}}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
@@ -152,6 +189,7 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
         nxt = submit(v + 1) if not pause else None
         assert fut is not None  # v < steps: submitted
         m = meter.step(job.result(fut, v))
+        ckpt.trained.update(m.get("groups", ()))  # (the prompt groups step v trained)
         if eval_now:
             m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
         log(m)  # (before the checkpoint: a checkpoint of step n means n metrics lines)

@@ -9,7 +9,8 @@
   :func:`write_error_log` writes the driver's traceback, the worker's and any stack dumps.
 * :class:`WorkerLost` (a worker's process died or stopped answering) and
   :class:`StepStalled` (no step progress for ``train.step_timeout_s``) are raised by the
-  job's watchdog (:mod:`asyncflow.workflow.job`).
+  job's watchdog (:mod:`asyncflow.workflow.job`); they and a dead data-plane process are
+  :func:`recoverable` (the driver restarts the run from its checkpoint, ``train.max_restarts``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ _E = TypeVar("_E", bound=BaseException)
 WHERE, CAUSE, AT, TRACE = "asyncflow_where", "asyncflow_cause", "asyncflow_at", "asyncflow_trace"
 LOG = "asyncflow_log"  # the error.log the driver wrote (set on the exception it re-raises)
 STACKS = "asyncflow_stacks"  # worker name -> its threads' stacks (or why there are none)
+RESUME = "asyncflow_resume"  # how to continue the run (set when the automatic restarts ran out)
+MACHINERY = ("DataPlaneUnavailable", "QueueClosed")  # root causes that are a dead process, not user code
 
 
 class WorkerLost(RuntimeError):
@@ -76,6 +79,23 @@ def tag(exc: _E, where: str) -> _E:
     return exc
 
 
+def recoverable(exc: BaseException) -> bool:
+    """Whether a run that failed with ``exc`` may be restarted from its checkpoint: a lost
+    worker, a stalled step, a data-plane process that is gone (not a user's or a config error)."""
+    return isinstance(exc, (WorkerLost, StepStalled)) or type(root_cause(exc)).__name__ in MACHINERY
+
+
+def mark_resumable(exc: BaseException, run_dir: Path) -> None:
+    """Have :func:`one_line` end with the command that continues the run in ``run_dir``."""
+    has = any(p.name.startswith("step-") for p in (Path(run_dir) / "checkpoints").glob("step-*"))
+    hint = (f"to continue: asyncflow train --resume {run_dir}" if has
+            else "no checkpoint yet: run it again")
+    try:
+        setattr(exc, RESUME, hint)
+    except AttributeError:
+        pass
+
+
 def one_line(exc: BaseException) -> str:
     """What the CLI prints after ``asyncflow: error:``: where, the root cause, ``file:line``."""
     where, cause = getattr(exc, WHERE, None), getattr(exc, CAUSE, None) or describe(exc)
@@ -85,8 +105,9 @@ def one_line(exc: BaseException) -> str:
         text = _first_line(str(exc))
     elif at:
         text += f" (at {at})"
-    log = getattr(exc, LOG, None)
-    return f"{text}; details in {log}" if log else text
+    log, hint = getattr(exc, LOG, None), getattr(exc, RESUME, None)
+    text = f"{text}; details in {log}" if log else text
+    return f"{text}; {hint}" if hint else text
 
 
 def write_error_log(path: Path, exc: BaseException) -> Path:

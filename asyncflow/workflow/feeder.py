@@ -1,12 +1,24 @@
 """The prompt feeder: each step's prompts, put into the data plane as one partition.
 
-Partition ``p`` holds step ``p``'s prompts; which prompts depend only on ``(seed, p)``, so a
-run is reproducible whatever the timing, and a resumed run feeds the same prompts. In
-data-parallel ``sync`` (``train.dp = N``) prompt ``i`` of a step is tagged ``shard = i % N``:
-rank ``r`` generates the shard-``r`` prompts (:func:`~asyncflow.workflow.plan.sync_share`).
+Every prompt has a stable id, ``q = s * prompts_per_step + i`` (prompt ``i`` of *source*
+partition ``s``); which prompts source partition ``s`` holds depends only on ``(seed, s)``,
+so a run is reproducible whatever the timing. A fresh run puts source partition ``p`` as
+partition ``p`` (step ``p``'s prompts), each row carrying its ``prompt_id``.
+
+A resumed run (:meth:`PromptFeeder.resume`) knows which prompt ids the checkpoint had
+trained: it feeds the others, in id order, ``prompts_per_step`` to a partition, from the
+checkpoint's step on. In ``sync`` the trained ids are exactly the steps before the
+checkpoint, so the partitions are the uninterrupted run's; in ``stream``/``async`` a step may
+train prompts of later source partitions (completion order) and leave a straggler of an
+earlier one: each is fed again exactly once, and none twice (the invariant the resume test
+checks). In data-parallel ``sync`` (``train.dp = N``) prompt ``i`` of a partition is tagged
+``shard = i % N``: rank ``r`` generates the shard-``r`` prompts
+(:func:`~asyncflow.workflow.plan.sync_share`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -22,9 +34,8 @@ from asyncflow.workflow.plan import sync_ranks
 class PromptFeeder:
     """Puts each step's prompt rows into the data plane (partition = step index).
 
-    Partition ``p``'s prompts depend only on ``(seed, p)``. With dynamic sampling rollout
-    owns its feeder (``unlimited``: dropped groups consume prompts beyond the last step's
-    partition) and the driver feeds nothing.
+    With dynamic sampling rollout owns its feeder (``unlimited``: dropped groups consume
+    prompts beyond the last step's partition) and the driver feeds nothing.
     """
 
     def __init__(self, cfg: RunConfig, tokenizer: PreTrainedTokenizerBase, task: Task, plane: DataPlaneClient,
@@ -32,22 +43,51 @@ class PromptFeeder:
         self.cfg, self.tok, self.task, self.plane = cfg, tokenizer, task, plane
         self.fed = 0  # partitions put so far
         self.limit = None if unlimited else cfg.train.steps
+        self.skip: set[int] = set()  # prompt ids trained before a resume: never fed again
+        self._next = 0  # the next prompt id to consider
+        self._sources: dict[int, tuple[list, np.ndarray]] = {}  # source partition -> (problems, gen_len)
 
-    def fill(self, upto: int) -> None:
-        """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
-        r, shards = self.cfg.rollout, sync_ranks(self.cfg)
-        while self.fed < (upto if self.limit is None else min(upto, self.limit)):
-            rng = np.random.default_rng([self.cfg.seed, self.fed])
+    def resume(self, fed: int, trained: Iterable[int]) -> None:
+        """Continue from partition ``fed`` with every prompt id but ``trained`` (module doc)."""
+        self.fed, self.skip, self._next = fed, set(trained), 0
+        self._sources.clear()
+
+    def _source(self, s: int) -> tuple[list, np.ndarray]:
+        """Source partition ``s``: its problems and answer lengths, from ``(seed, s)`` only."""
+        if s not in self._sources:
+            r = self.cfg.rollout
+            rng = np.random.default_rng([self.cfg.seed, s])
             idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
             probs = [self.task.train[i] for i in idx]
-            ids = prompt_ids(self.tok, [p.prompt for p in probs], self.cfg.task.chat_template)
             if r.gen_len == "longtail":
                 long = rng.random(len(probs)) < r.longtail_frac
                 gen_len = np.where(long, r.longtail_long, r.longtail_short)
             else:
                 gen_len = np.zeros(len(probs))
-            self.plane.put({"query_ids": [np.asarray(x, dtype=np.int64) for x in ids],
-                         "answer": [encode_text(p.answer) for p in probs],
-                         "gen_len": gen_len.astype(np.int64)}, partition=self.fed,
+            self._sources = {k: v for k, v in self._sources.items() if k >= s - 1}  # (ids only grow)
+            self._sources[s] = (probs, gen_len.astype(np.int64))
+        return self._sources[s]
+
+    def _take(self, n: int) -> list[int]:
+        """The next ``n`` prompt ids not trained yet."""
+        out: list[int] = []
+        while len(out) < n:
+            if self._next not in self.skip:
+                out.append(self._next)
+            self._next += 1
+        return out
+
+    def fill(self, upto: int) -> None:
+        """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
+        P, shards = self.cfg.train.prompts_per_step, sync_ranks(self.cfg)
+        while self.fed < (upto if self.limit is None else min(upto, self.limit)):
+            ids = self._take(P)
+            rows = [(self._source(q // P), q % P) for q in ids]
+            probs = [src[0][i] for src, i in rows]
+            tokens = prompt_ids(self.tok, [p.prompt for p in probs], self.cfg.task.chat_template)
+            self.plane.put({"query_ids": [np.asarray(x, dtype=np.int64) for x in tokens],
+                            "answer": [encode_text(p.answer) for p in probs],
+                            "gen_len": np.asarray([src[1][i] for src, i in rows], dtype=np.int64),
+                            "prompt_id": np.asarray(ids, dtype=np.int64)}, partition=self.fed,
                            tags={"shard": [i % shards for i in range(len(probs))]} if shards > 1 else None)
             self.fed += 1

@@ -2,10 +2,13 @@
 
 Each training step owns one partition (its index). Two kinds of rows share the table:
 
-* prompt rows, put by the driver: ``query_ids``, ``answer``, ``gen_len``;
+* prompt rows, put by the driver: ``query_ids``, ``answer``, ``gen_len``, ``prompt_id`` (the
+  prompt's stable id, ``source partition * prompts_per_step + index``: the same across a
+  resume, when row ids are not);
 * sample rows, put by rollout (one per answer): ``prompt_ids``, ``response_ids``,
   ``logprobs`` (behaviour policy), ``token_versions`` (the policy version that sampled each
-  token), ``answer``, ``group`` (prompt row id), ``version``
+  token), ``answer``, ``group`` (the prompt's ``prompt_id``; the prompt row id
+  when rollout runs without one), ``version``
   (policy version that started the answer); then ``reward`` (reward role) and
   ``ref_logprobs`` (reference role) and, for PPO, ``advantages`` (critic role: per-token
   GAE advantages).
@@ -29,6 +32,7 @@ SCHEMA = Schema([
     Field("response_ids", "int64", ragged=True),
     Field("logprobs", "float32", ragged=True),
     Field("token_versions", "int64", ragged=True),
+    Field("prompt_id", "int64"),
     Field("group", "int64"),
     Field("version", "int64"),
     Field("reward", "float32"),

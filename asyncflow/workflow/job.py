@@ -29,6 +29,8 @@ from asyncflow.workflow.plan import plan_workers
 from asyncflow.workflow.watchdog import HEALTH_TIMEOUT_S, Watchdog
 from asyncflow.workflow.worker import Worker
 
+RESUME_TIMEOUT_S = 60.0  # rollout waits this long for the weights the restored trainer republished
+
 
 class Job:
     def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str):
@@ -127,9 +129,25 @@ class Job:
         return merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
 
     def restore(self, snap: Snapshot, step: int) -> None:
+        """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then
+        (not ``sync``) have rollout take them and go on from partition ``step``."""
         self.watch.waiting("restoring the checkpoint")
         for i, n in enumerate(self.ranks):
             self.watch.ask(n, "restore", rank_part(snap, i), step)
+        if self.cfg.mode != "sync":
+            for n in self._rollouts():
+                self.watch.ask(n, "resume_rollout", step, snap[1]["version"], RESUME_TIMEOUT_S)
+
+    def _rollouts(self) -> list[str]:
+        return [s.name for s in self.specs if "rollout" in s.roles]
+
+    def in_flight(self, done: int) -> int:
+        """Answers started beyond the groups of ``done`` steps (started, not trained: a resume from
+        a checkpoint taken now restarts them from their prompts); 0 in ``sync``."""
+        if self.cfg.mode == "sync":
+            return 0
+        started = sum(self.watch.ask(n, "groups_started") for n in self._rollouts())
+        return max(0, started - done * self.cfg.train.prompts_per_step) * self.cfg.rollout.group_size
 
     def _gather(self) -> None:
         """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""

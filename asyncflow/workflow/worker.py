@@ -248,6 +248,15 @@ class Worker:
         self._on_compute(restore_roles, self.model, self.roles, snap, step)
         self._expect = step
 
+    def resume_rollout(self, step: int, version: int, timeout: float) -> None:
+        """``stream``/``async`` resume: rollout takes the restored weights, then goes on from
+        partition ``step`` (:meth:`RolloutRole.resume <asyncflow.workflow.roles.rollout.RolloutRole.resume>`)."""
+        self.roles["rollout"].resume(step, version, timeout)
+
+    def groups_started(self) -> int:
+        """Prompt groups rollout has started so far (admitted; for the in-flight count of a checkpoint)."""
+        return self.roles["rollout"].placer.started
+
     def health(self) -> dict[str, dict]:
         """Raise the error of building this worker, or the first of a background role, if any
         (tagged with where it happened: :mod:`asyncflow.workflow.failure`). Else a heartbeat:

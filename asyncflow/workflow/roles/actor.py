@@ -159,7 +159,7 @@ class ActorRole(Role):
             submit = self._fetcher_for(v)
             nxt = submit(min(micro, self.batch_size))
         lengths: list[int]
-        seen, metrics, rewards, lengths, pending = 0, [], [], [], []
+        seen, metrics, rewards, lengths, pending, groups = 0, [], [], [], [], set[int]()
         while seen < self.batch_size:
             t = time.perf_counter()
             meta, data = nxt.result()
@@ -180,6 +180,7 @@ class ActorRole(Role):
                 with self.work():
                     metrics.append(self._accumulate(v, data, self.algorithm.advantages(data)))
             rewards.extend(data["reward"].tolist())
+            groups.update(int(g) for g in data["group"])  # (metrics' 'groups': a resume feeds the others)
             lengths.extend(len(r) for r in data["response_ids"])
         with self.work():
             if pending:
@@ -196,10 +197,11 @@ class ActorRole(Role):
             self._fetcher.submit(self._clear, v).result()
         self.items += seen
         metrics = [m for m in metrics if m]  # (a rank may get no rows of a micro-batch)
-        out = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
+        out: dict[str, Any] = {k: float(np.mean([m[k] for m in metrics])) for k in metrics[0]} if metrics else {}
         out.update(step, reward=float(np.mean(rewards)) if rewards else 0.0,
                    response_len=float(np.mean(lengths)) if lengths else 0.0,
-                   samples=len(rewards), tokens=int(sum(lengths)), max_staleness=self.max_staleness)
+                   samples=len(rewards), tokens=int(sum(lengths)), max_staleness=self.max_staleness,
+                   groups=sorted(groups))
         return out
 
     def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:

@@ -85,7 +85,7 @@ class RolloutRole(Role):
                  scorer: GroupScorer | None = None,
                  shape: Callable[[np.ndarray, list[int]], Sequence[float] | np.ndarray] | None = None,
                  feed: Callable[[int], None] | None = None, drop_flat: bool = False, overprovision: int = 0,
-                 shard: int | None = None):
+                 shard: int | None = None, by_prompt_id: bool = False):
         # engine: any engine of the protocol in asyncflow.engines.types (built-in, vLLM, SGLang, fake)
         if on_swap not in ("continue", "discard"):
             raise ValueError(f"on_swap = {on_swap!r}: expected 'continue' or 'discard'")
@@ -121,6 +121,8 @@ class RolloutRole(Role):
         self.rewards: dict[int, list[float]] = defaultdict(list)  # partition -> rewards of outbox rows
         self.groups_scored = self.groups_dropped = 0
         self.shard = shard  # data-parallel sync: only this shard's prompts (see the module docstring)
+        # a group's id: its prompt's stable prompt_id (the feeder's; the same across a resume), else its row id
+        self.prompt_fields = PROMPT_FIELDS + (["prompt_id"] if by_prompt_id else [])
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -131,6 +133,25 @@ class RolloutRole(Role):
         """Colocated (sync) mode: the model is shared with the trainer; only the tag moves."""
         self.engine.version = version
         self.batch.version = version
+
+    def resume(self, step: int, version: int, timeout: float) -> None:
+        """A resumed ``stream``/``async`` run: swap in the restored policy ``version`` (the
+        trainer republished it when it was restored) and go on as if the groups of ``step``
+        steps were started and placed: prompts from partition ``step`` (the feeder fed every
+        prompt not trained yet from there), admission counting ``step * prompts_per_step``
+        groups. Answers that were in flight at the checkpoint restart from their prompts
+        (continuing the built-in engine's partial answers across a restart is not done)."""
+        if self.weights is not None:
+            deadline = time.monotonic() + timeout
+            while self.weights.staged_version() < version:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rollout: the restored weights (version {version}) did not arrive "
+                                       f"within {timeout:.0f} s")
+                self.weights.wait_staged(0.5)
+            self.weights.swap_if_ready()
+            self.batch.version = self.version
+        self.partition, self.taken = step, 0
+        self.placer.started, self.placer.lowest = step * self.prompts_per_step, step
 
     @property
     def staleness(self) -> int:
@@ -225,12 +246,13 @@ class RolloutRole(Role):
         if self.feed is not None:
             self.feed(self.partition + 1)
         try:
-            meta, data = self.plane.get_batch("rollout", PROMPT_FIELDS, n=n, partition=self.partition, min_n=1,
+            meta, data = self.plane.get_batch("rollout", self.prompt_fields, n=n, partition=self.partition, min_n=1,
                                               sampler=None if self.shard is None else ShardSampler(self.shard),
                                               block=block, timeout=timeout)
         except QueueTimeout:
             return
         for i, row in enumerate(meta.rows):
+            row = int(data["prompt_id"][i]) if "prompt_id" in data else row
             query = data["query_ids"][i].tolist()
             L = int(data["gen_len"][i])
             self.waiting.append([Request(key=(row, data["answer"][i]), prompt_ids=query,
