@@ -70,7 +70,9 @@ class Handouts:
 
     def take_back(self, hid: object) -> Handout | None:
         """End a hand-out early (given back, or its client is gone); ``None`` if unknown."""
-        got = self._live.pop(hid, None) if isinstance(hid, int) else None
+        if not isinstance(hid, int):
+            return None
+        got = self._live.pop(hid, None)
         if got is not None:
             self._remember(hid)
         return got

@@ -344,10 +344,10 @@ class ControllerServer(ControllerPersistence, _Server):
         self.units.flush()
         self._poll_units(now)
         self._send_drops(self.leases.expire(now))
-        expired = self.handouts.expire(now)
-        for h in expired:
+        returned = self.handouts.expire(now)
+        for h in returned:
             self.index.unconsume(h.partition, h.task, h.rows)
-        if expired:
+        if returned:
             self._wake()
         if not self.parked:
             return

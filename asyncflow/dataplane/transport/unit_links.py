@@ -132,7 +132,8 @@ class UnitLinks:
                     reply = unpack_header(frames[0])
                 except ProtocolError:
                     continue
-                unit = None if pending is None else pending.waiting.pop(reply.get("id"), None)
+                rid = reply.get("id")
+                unit = pending.waiting.pop(rid, None) if pending is not None and isinstance(rid, int) else None
                 if pending is not None and unit is not None and not reply.get("ok"):
                     err = reply.get("err") or {}
                     pending.error = pending.error or f"storage unit {unit} {pending.op} failed: {err.get('msg')}"
