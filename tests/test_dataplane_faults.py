@@ -56,15 +56,17 @@ import sys, time, msgpack
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 plane = ZmqDataPlane.__new__(ZmqDataPlane)
 plane.__setstate__(msgpack.unpackb(sys.stdin.buffer.read()))
-meta = plane.get_meta("train", ["x"], n=4, partition="p", timeout=10)
+print(plane.stats()["live_rows"], flush=True)
+meta = plane.get_meta("train", ["x"], n=4, partition="p", timeout=None if sys.argv[1] == "wait" else 10)
 print(" ".join(map(str, meta.rows)), flush=True)
 time.sleep(60)  # killed here, before get_data
 """
 
 
-def _consumer(plane):
-    """A consumer process that takes 4 rows with get_meta and waits to be killed."""
-    proc = subprocess.Popen([sys.executable, "-c", _CONSUMER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def _consumer(plane, how="take"):
+    """A consumer process that takes 4 rows with get_meta (``how="wait"``: waits for them
+    without a timeout) and then waits to be killed; it prints the live rows when connected."""
+    proc = subprocess.Popen([sys.executable, "-c", _CONSUMER, how], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     proc.stdin.write(msgpack.packb(plane.__getstate__()))
     proc.stdin.close()
@@ -79,6 +81,7 @@ def test_rows_of_a_killed_consumer_go_to_the_next_one():
     try:
         rows = _put(plane, 8)
         proc = _consumer(plane)
+        assert int(proc.stdout.readline()) == 8
         taken = [int(r) for r in proc.stdout.readline().split()]
         assert taken == rows[:4]
         assert plane.stats()["in_flight"] == {"train": 4}
@@ -105,6 +108,29 @@ def test_rows_of_a_killed_consumer_go_to_the_next_one():
         dep.shutdown()
 
 
+def test_a_consumer_killed_while_waiting_in_get_meta_takes_no_rows():
+    dep = launch(SCHEMA, n_storage=2, handout_ttl=3.0)  # rows answered to the dead waiter come back by then
+    plane = dep.client(deadline=10)
+    proc = _consumer(plane, "wait")
+    try:
+        assert int(proc.stdout.readline()) == 0
+        deadline = time.monotonic() + 10
+        while plane.stats()["waiting"] < 1:  # parked on the controller
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        _kill(proc.pid)
+        proc.wait(10)
+        rows = _put(plane, 4)  # at once: the parked request may still be answered (its reply bounces)
+        meta = plane.get_meta("train", ["x"], n=4, partition="p", timeout=10)
+        assert meta.rows == rows and plane.get_data(meta)["x"].tolist() == [0, 1, 2, 3]
+    finally:
+        if proc.poll() is None:
+            _kill(proc.pid)
+        plane.disconnect()
+        dep.shutdown()
+
+
+@pytest.mark.slow
 def test_a_killed_storage_unit_fails_every_call_that_needs_it_and_nothing_else():
     dep = launch(SCHEMA, n_storage=2, unit_deadline=DEADLINE)
     plane = dep.client(deadline=DEADLINE)
@@ -151,6 +177,7 @@ def test_a_killed_storage_unit_fails_every_call_that_needs_it_and_nothing_else()
         dep.shutdown()
 
 
+@pytest.mark.slow
 def test_a_killed_controller_fails_every_client_within_the_deadline():
     dep = launch(SCHEMA, n_storage=2)
     plane, other = dep.client(deadline=DEADLINE), dep.client(deadline=DEADLINE)

@@ -144,11 +144,8 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     (``tcp://<host>:<port>``; a non-loopback one needs ``secure``, a wildcard is refused);
     ``storage`` adds units started elsewhere (another host's ``deploy storage --bind``,
     or a launcher's) by endpoint, after the local ones, all holding ``credentials`` (the
-    job's keys, instead of fresh ones).
-
-    ``handout_ttl``: seconds before rows handed out by ``get_meta`` and not acknowledged go
-    back to their task (:mod:`asyncflow.dataplane.core.handouts`); ``unit_deadline``: how
-    long the controller waits for a unit's answer to ``save``/``load``.
+    job's keys, instead of fresh ones). ``handout_ttl``: seconds before unacknowledged rows
+    go back to their task; ``unit_deadline``: the controller's wait for a unit's save/load.
     """
     creds = credentials if credentials is not None else Credentials.generate() if secure else None
     _check_launch(transport, n_storage + len(storage), host, creds)
@@ -170,18 +167,13 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         procs.append(p)
         return parent
 
-    def endpoint_of(parent: Any, what: str) -> str:
-        if not parent.poll(60):
-            raise RuntimeError(f"data plane {what} did not start")
-        return parent.recv()
-
     try:
         pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes)  # all at once
                  for k in range(n_storage)]
-        endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
-        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
-                                     max_msg_bytes, {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline}),
-                               "controller")
+        endpoints = [_endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
+        limits = {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline}
+        endpoint = _endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
+                                     max_msg_bytes, limits), "controller")
     except BaseException:
         for p in procs:  # none is left behind by a launch that failed
             p.terminate()
@@ -190,6 +182,12 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return Deployment(endpoint, token, procs, creds, folder, state)
+
+
+def _endpoint_of(parent: Any, what: str) -> str:
+    if not parent.poll(60):
+        raise RuntimeError(f"data plane {what} did not start")
+    return parent.recv()
 
 
 def _check_launch(transport: str, units: int, host: str, creds: Credentials | None) -> None:
