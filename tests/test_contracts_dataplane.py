@@ -322,6 +322,8 @@ def test_rows_not_acknowledged_go_back_once(kind):
     assert plane.get_meta("ack", ["r"], n=1, partition="ack", block=False).rows == []  # in flight: not ready
     assert plane.stats()["in_flight"].get("ack") == 2
     plane.nack(second)
+    with pytest.raises(HandoutExpired):
+        plane.get_data(second)  # given back: not this consumer's any more
     again = plane.get_meta("ack", ["r"], n=2, partition="ack", timeout=5)
     assert again.rows == rows[2:]  # given back: handed out again, in row order
     plane.ack(again)

@@ -46,13 +46,13 @@ class Consumption:
             self._ack_locked(meta)
 
     def nack(self, meta: BatchMeta) -> None:
-        """Give ``meta``'s unacknowledged rows back to its task now (they are ready again)."""
+        """Give ``meta``'s unacknowledged rows back to its task now (they are ready again;
+        a later ``get_data``/``ack`` of ``meta`` raises :class:`HandoutExpired`)."""
         with self._cond:
             got = self._handouts.take_back(meta.handout)
             if got is not None:
                 self._index.unconsume(got.partition, got.task, got.rows)
                 self._cond.notify_all()
-            meta.handout = None
 
     def reset_consumption(self, task: str) -> None:
         """Forget what ``task`` consumed: every live row can be handed to it again.
@@ -105,13 +105,16 @@ class Consumption:
 
     # -- internals (called with the lock held) ----------------------------------------
     def _ack_locked(self, meta: BatchMeta) -> None:
+        if meta.handout is None:
+            return
+        self._expire_locked()  # past its TTL is expired, whether or not a waiter noticed yet
         try:
             self._handouts.ack(meta.handout)
         except KeyError:
             raise HandoutExpired(
-                f"rows {meta.rows[:8]} of partition {meta.partition!r} were not acknowledged within "
-                f"handout_ttl={self._handouts.ttl:g}s and went back to the task; call get_data sooner "
-                f"or raise handout_ttl") from None
+                f"rows {meta.rows[:8]} of partition {meta.partition!r} went back to the task (given "
+                f"back, or not acknowledged within handout_ttl={self._handouts.ttl:g}s); call get_data "
+                f"sooner or raise handout_ttl") from None
         meta.handout = None
 
     def _expire_locked(self) -> None:

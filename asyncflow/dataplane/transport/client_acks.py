@@ -36,10 +36,10 @@ class ClientAcks:
         await self._acknowledge(meta)
 
     async def nack(self, meta: BatchMeta) -> None:
-        """Give ``meta``'s unacknowledged rows back to its task now."""
+        """Give ``meta``'s unacknowledged rows back to its task now (a later ``get_data`` or
+        ``ack`` of ``meta`` raises ``HandoutExpired``)."""
         if meta.handout is not None:
-            handout, meta.handout = meta.handout, None
-            await self._ctrl_call("nack", handout=handout, lease=None)
+            await self._ctrl_call("nack", handout=meta.handout, lease=None)
 
     async def _acknowledge(self, meta: BatchMeta) -> None:
         if meta.handout is not None:

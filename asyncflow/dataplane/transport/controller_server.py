@@ -257,9 +257,9 @@ class ControllerServer(ControllerPersistence, _Server):
         try:
             self.handouts.ack(handout)
         except KeyError:
-            raise HandoutExpired(f"hand-out {handout} was not acknowledged within handout_ttl="
-                                 f"{self.handouts.ttl:g}s; its rows went back to the task (read sooner, or "
-                                 "launch with a longer handout_ttl)") from None
+            raise HandoutExpired(f"hand-out {handout} went back to the task (given back, or not acknowledged "
+                                 f"within handout_ttl={self.handouts.ttl:g}s); read sooner, or launch with a "
+                                 "longer handout_ttl") from None
 
     def nack(self, header: dict, frames: list) -> None:
         """Give a hand-out's rows back to its task now (and release its lease, if any)."""
