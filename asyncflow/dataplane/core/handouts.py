@@ -19,7 +19,9 @@ no-op. Rows dropped by a sampler are consumed at once (they are never delivered)
 ``save`` writes in-flight rows as *not consumed*: the state of a restart is the one in
 which their consumer never got them.
 
-Pure bookkeeping, no I/O, not thread-safe (the owner serialises calls).
+Pure bookkeeping, no I/O, not thread-safe (the owner serialises calls). Hand-outs are
+kept in the order given, which is their expiry order (one TTL, a monotonic clock), so
+checking for expired ones costs O(expired), not O(live).
 """
 
 from __future__ import annotations
@@ -79,16 +81,19 @@ class Handouts:
 
     def expire(self, now: float) -> list[Handout]:
         """End every hand-out past its expiry; return them (their rows go back)."""
-        if not self._live:
-            return []
+        due = []
+        for hid, x in self._live.items():  # in expiry order (same TTL, given in time order)
+            if x.expiry > now:
+                break
+            due.append(hid)
         out = []
-        for hid in [h for h, x in self._live.items() if x.expiry <= now]:
+        for hid in due:
             out.append(self._live.pop(hid))
             self._remember(hid)
         return out
 
     def next_expiry(self) -> float | None:
-        return min((x.expiry for x in self._live.values()), default=None)
+        return next(iter(self._live.values())).expiry if self._live else None
 
     def forget_task(self, task: str) -> None:
         """``reset_consumption(task)``: its hand-outs end without returning anything."""
