@@ -11,7 +11,9 @@ timeout plus a margin when it has one). A socket monitor, read by the same loop,
 every waiting call at once with :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable`
 when the server refuses this client's credentials (``HANDSHAKE_FAILED_AUTH``) or an
 established connection is lost (its replies can no longer arrive); ZMTP heartbeats
-notice a peer that went away silently. With ``creds`` the socket is a CURVE client
+notice a peer that went away silently. While the connection is lost, a request that
+would wait with no deadline gets the default one (a dead server is never reconnected, so
+no later event would fail it). With ``creds`` the socket is a CURVE client
 (:mod:`asyncflow.dataplane.transport.auth`).
 """
 
