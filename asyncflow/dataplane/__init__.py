@@ -41,7 +41,7 @@ numpy, msgpack and pyzmq only: no torch, no ray in this package.
 """
 
 from asyncflow.dataplane.core.controller import BatchMeta, DataPlane, QueueClosed, QueueTimeout
-from asyncflow.dataplane.core.rules import DataPlaneUnavailable
+from asyncflow.dataplane.core.rules import DataPlaneUnavailable, HandoutExpired
 from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
@@ -59,6 +59,7 @@ __all__ = [
     "DataPlaneUnavailable",
     "Field",
     "GroupSampler",
+    "HandoutExpired",
     "QueueClosed",
     "QueueTimeout",
     "Sampler",
