@@ -19,8 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.dataplane import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
-from asyncflow.dataplane.core.rules import HandoutExpired
+from asyncflow.dataplane import (
+    BatchMeta,
+    DataPlane,
+    Field,
+    HandoutExpired,
+    QueueClosed,
+    QueueTimeout,
+    Schema,
+    SchemaError,
+)
 from asyncflow.dataplane.api import DataPlaneClient
 
 torch.set_num_threads(1)
