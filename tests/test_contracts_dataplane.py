@@ -19,7 +19,16 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.dataplane import BatchMeta, DataPlane, Field, QueueClosed, QueueTimeout, Schema, SchemaError
+from asyncflow.dataplane import (
+    BatchMeta,
+    DataPlane,
+    Field,
+    HandoutExpired,
+    QueueClosed,
+    QueueTimeout,
+    Schema,
+    SchemaError,
+)
 from asyncflow.dataplane.api import DataPlaneClient
 
 torch.set_num_threads(1)
@@ -57,14 +66,14 @@ class Kind:
             cleanup()
 
 
-def _local():
-    return DataPlane(SCHEMA), lambda: None, None
+def _local(**kw):
+    return DataPlane(SCHEMA, **kw), lambda: None, None
 
 
-def _zmq():
+def _zmq(**kw):
     from asyncflow.dataplane.transport.deploy import launch
 
-    dep = launch(SCHEMA, n_storage=2, token="contract")
+    dep = launch(SCHEMA, n_storage=2, token="contract", **kw)
     client = dep.client()
 
     def cleanup():
@@ -77,7 +86,17 @@ def _zmq():
 _ray = {}
 
 
-def _ray_plane():
+def _fresh_with_ttl(kind: Kind, ttl: float) -> DataPlaneClient:
+    """A fresh deployment whose hand-outs expire after ``ttl`` seconds."""
+    plane, cleanup, state = kind._new(handout_ttl=ttl)
+    kind._cleanups.append(cleanup)
+    kind._state[id(plane)] = state
+    return plane
+
+
+def _ray_plane(**kw):
+    if kw:
+        pytest.skip("the Ray launcher's data plane takes no handout_ttl")
     if "launcher" not in _ray:
         from asyncflow.launch.ray_launcher import RayLauncher
 
@@ -275,7 +294,8 @@ def test_stats(plane):
 def test_save_then_load_into_a_fresh_deployment(kind, tmp_path):
     src = kind.shared
     rows = src.put({"ids": [[1, 2], [3]], "r": [1.0, 2.0]}, partition="sv", tags={"group": [4, 5]})
-    src.get_meta("sv-task", ["r"], n=1, partition="sv")
+    src.ack(src.get_meta("sv-task", ["r"], n=1, partition="sv"))  # acknowledged: saved as consumed
+    src.get_meta("sv-late", ["r"], n=2, partition="sv")  # in flight: saved as not consumed
     src.seal("sv")
     src_dir = kind.state_folder(src, tmp_path)
     src.save(src_dir / "state")
@@ -287,11 +307,51 @@ def test_save_then_load_into_a_fresh_deployment(kind, tmp_path):
     assert dst.tags(rows) == {"group": [4, 5]}
     meta, data = dst.get_batch("sv-task", ["ids", "r"], n=2, partition="sv", timeout=5)  # consumption kept...
     assert meta.rows == rows[1:] and [x.tolist() for x in data["ids"]] == [[3]]  # ...and the seal (short batch)
+    assert dst.get_meta("sv-late", ["r"], n=2, partition="sv", timeout=5).rows == rows
     meta, data = dst.get_batch("sv-new", ["ids", "r"], n=2, partition="sv")
     assert [x.tolist() for x in data["ids"]] == [[1, 2], [3]] and data["r"].tolist() == [1.0, 2.0]
     with pytest.raises(ValueError, match="seal"):
         dst.put({"r": [1.0]}, partition="sv")
     assert max(dst.put({"r": [1.0]}, partition="sv2")) > max(rows)  # row ids are never reused
+
+
+def test_rows_not_acknowledged_go_back_once(kind):
+    """Ack-based consumption: a hand-out acknowledged by get_data is consumed; one given
+    back (nack) or left past the TTL returns to the task, once; the late consumer's get_data
+    is refused (HandoutExpired), so no row reaches two successful consumers."""
+    plane = kind.shared
+    rows = _put(plane, "ack", n=4)
+    first = plane.get_meta("ack", ["r"], n=2, partition="ack")
+    assert first.rows == rows[:2] and first.handout is not None
+    assert plane.get_data(first)["r"].tolist() == [0.0, 1.0]  # acknowledged
+    assert plane.get_data(first)["r"].tolist() == [0.0, 1.0]  # re-reading stays allowed
+    second = plane.get_meta("ack", ["r"], n=2, partition="ack")
+    assert second.rows == rows[2:]
+    assert plane.get_meta("ack", ["r"], n=1, partition="ack", block=False).rows == []  # in flight: not ready
+    assert plane.stats()["in_flight"].get("ack") == 2
+    plane.nack(second)
+    with pytest.raises(HandoutExpired):
+        plane.get_data(second)  # given back: not this consumer's any more
+    again = plane.get_meta("ack", ["r"], n=2, partition="ack", timeout=5)
+    assert again.rows == rows[2:]  # given back: handed out again, in row order
+    plane.ack(again)
+    assert plane.get_meta("ack", ["r"], n=1, partition="ack", block=False).rows == []
+    assert plane.stats()["consumed"]["ack"] == 4 and plane.stats()["in_flight"].get("ack", 0) == 0
+
+
+def test_an_expired_handout_goes_to_the_next_consumer(kind):
+    plane = _fresh_with_ttl(kind, 0.5)
+    rows = _put(plane, "ttl", n=2)
+    late = plane.get_meta("ttl", ["r"], n=2, partition="ttl")
+    start = time.monotonic()
+    nxt = plane.get_meta("ttl", ["r"], n=2, partition="ttl", timeout=10)  # waits for the expiry
+    assert nxt.rows == rows and 0.3 < time.monotonic() - start < 5
+    with pytest.raises(HandoutExpired):
+        plane.get_data(late)  # the rows are nxt's now
+    with pytest.raises(HandoutExpired):
+        plane.ack(late)
+    assert plane.get_data(nxt)["r"].tolist() == [0.0, 1.0]
+    assert plane.stats()["consumed"]["ttl"] == 2
 
 
 def test_close_wakes_waiters_and_refuses_calls(kind):

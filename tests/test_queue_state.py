@@ -42,7 +42,7 @@ def test_clear_rows_frees_storage_and_capacity():
 def test_save_load_round_trip(tmp_path):
     plane = filled()
     plane.seal(7)
-    plane.get_meta("t", ["ids"], n=2, partition="p")
+    plane.ack(plane.get_meta("t", ["ids"], n=2, partition="p"))  # acknowledged: saved as consumed
     plane.save(tmp_path / "s")
     other = DataPlane(SCHEMA)
     other.load(tmp_path / "s")

@@ -22,13 +22,18 @@ Modules, one role each:
 * :mod:`~asyncflow.dataplane.transport.storage_server` its storage-unit server (N of them, rows sharded)
 * :mod:`~asyncflow.dataplane.transport.deploy` starts it (child processes, or a command line)
 * :mod:`~asyncflow.dataplane.core.leases`     pins that keep a ``get_batch``'s rows until read
+* :mod:`~asyncflow.dataplane.core.handouts`   ack-based consumption: unacknowledged rows go back after a TTL
+* :mod:`~asyncflow.dataplane.core.consumption` ack/nack, resets and save/load of the in-process plane
+* :mod:`~asyncflow.dataplane.transport.unit_links` the controller's never-blocking links to its units
+* :mod:`~asyncflow.dataplane.transport.controller_persist` consistent save/load of the distributed plane
+* :mod:`~asyncflow.dataplane.transport.client_acks` the client's ack/nack
 * :mod:`~asyncflow.dataplane.transport.shm`        same-host shared memory for big buffers (segments, lifetimes)
 * :mod:`~asyncflow.dataplane.transport.shm_recycle` reuse of cleared segments, never under a reader
 * :mod:`~asyncflow.dataplane.transport.client_async`  its client: one asyncio core with every ``DataPlane`` method
 * :mod:`~asyncflow.dataplane.transport.client` the synchronous client the roles use: a thin wrapper
   that runs the async core on a private event-loop thread (both picklable)
 
-Invariants: each row is consumed at most once per task; a row is never handed out before
+Invariants: each row is consumed at most once per task (when acknowledged); a row is never handed out before
 all its required fields are produced; a put is all-or-nothing; back-pressure never drops.
 Everything crossing the API is plain data, so the distributed deployment keeps the same
 signatures (partition names there: int, str or None; samplers: the built-in ones).
@@ -36,7 +41,7 @@ numpy, msgpack and pyzmq only: no torch, no ray in this package.
 """
 
 from asyncflow.dataplane.core.controller import BatchMeta, DataPlane, QueueClosed, QueueTimeout
-from asyncflow.dataplane.core.rules import DataPlaneUnavailable
+from asyncflow.dataplane.core.rules import DataPlaneUnavailable, HandoutExpired
 from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
@@ -54,6 +59,7 @@ __all__ = [
     "DataPlaneUnavailable",
     "Field",
     "GroupSampler",
+    "HandoutExpired",
     "QueueClosed",
     "QueueTimeout",
     "Sampler",

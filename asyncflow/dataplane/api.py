@@ -7,8 +7,11 @@ Three deployments implement it with the same semantics (one contract test,
 ``asyncflow.launch.ray_services.RayDataPlane``.
 
 Invariants every implementation keeps: a put is all-or-nothing and fields are write-once;
-a row is handed to a task at most once (until ``reset_consumption``) and never before all
-the fields asked for are produced; ``put`` applies back-pressure and never drops; a
+a row is delivered to a task at most once (until ``reset_consumption``) and never before
+all the fields asked for are produced; rows handed out by ``get_meta`` are consumed when
+acknowledged (``get_data``/``ack``; ``get_batch`` at once) and go back to the task after
+the deployment's hand-out TTL or a ``nack`` (:mod:`asyncflow.dataplane.core.handouts`);
+``put`` applies back-pressure and never drops; a
 blocking call returns by its ``timeout`` (``QueueTimeout``) or when the plane closes
 (``QueueClosed``); an error from a ``put_nowait`` is raised by a later call of the same
 client or by ``flush``.
@@ -39,10 +42,17 @@ class DataPlaneClient(Protocol):
     def get_meta(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
                  sampler: Any = None, min_n: int | None = None, block: bool = True,
                  timeout: float | None = None) -> BatchMeta:
-        """Choose up to ``n`` ready rows for ``task`` and mark them consumed."""
+        """Choose up to ``n`` ready rows for ``task`` and hand them out (consumed once acknowledged)."""
 
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
-        """The columns of ``meta``'s rows, in ``meta``'s order."""
+        """The columns of ``meta``'s rows, in ``meta``'s order; acknowledges ``meta``'s hand-out
+        (``HandoutExpired`` and no data if it expired)."""
+
+    def ack(self, meta: BatchMeta) -> None:
+        """Acknowledge ``meta``'s rows without reading them (they become consumed)."""
+
+    def nack(self, meta: BatchMeta) -> None:
+        """Give ``meta``'s unacknowledged rows back to its task now."""
 
     def get_batch(self, task: str, fields: Sequence[str], n: int, **kwargs: Any) -> tuple[BatchMeta, Data]:
         """``get_meta`` then ``get_data`` in one call."""

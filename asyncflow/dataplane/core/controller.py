@@ -22,7 +22,10 @@ distributed deployment keeps these method signatures, hence plain picklable data
 
 Invariants (tested, including under random thread interleavings):
 
-* a row is consumed at most once per task (consumed = chosen + dropped);
+* a row is consumed at most once per task (consumed = acknowledged + dropped): rows
+  handed out by ``get_meta`` are consumed when ``get_data`` (or ``ack``) acknowledges
+  them; unacknowledged after ``handout_ttl`` seconds (or ``nack``) they go back to the
+  task (:mod:`~asyncflow.dataplane.core.handouts`); ``get_batch`` acknowledges at once;
 * a row is never handed out before every required field is produced;
 * a put is all-or-nothing: the whole write is validated (schema, tags, target rows,
   write-once fields) before anything is stored;
@@ -37,17 +40,22 @@ hold up others. Every change notifies all waiters; no fairness between blocked p
 from __future__ import annotations
 
 import operator
-import os
 import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
+from asyncflow.dataplane.core.consumption import Consumption
+from asyncflow.dataplane.core.handouts import HANDOUT_TTL_S, Handouts
 from asyncflow.dataplane.core.index import RowIndex
-from asyncflow.dataplane.core.persist import data_files, load_state, save_arrays, save_state
-from asyncflow.dataplane.core.rules import BatchMeta, Data, QueueClosed, QueueTimeout, check_request, try_sample
+from asyncflow.dataplane.core.rules import (
+    BatchMeta,
+    Data,
+    QueueClosed,
+    QueueTimeout,
+    check_request,
+    try_sample,
+)
 from asyncflow.dataplane.core.samplers import Sampler, SequentialSampler
 from asyncflow.dataplane.core.schema import Schema, prepare_write
 from asyncflow.dataplane.core.storage import Storage, assemble
@@ -55,7 +63,7 @@ from asyncflow.dataplane.core.storage import Storage, assemble
 __all__ = ["BatchMeta", "DataPlane", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
 
 
-class DataPlane:
+class DataPlane(Consumption):
     """Thread-safe in-process data plane (controller + one storage unit).
 
     Args:
@@ -63,15 +71,18 @@ class DataPlane:
         capacity: maximum live rows over all partitions (``None``: unbounded). New rows
             wait for room; only :meth:`clear` frees it (consumption does not, since other
             tasks may still need the row).
+        handout_ttl: seconds a ``get_meta`` hand-out may stay unacknowledged before its
+            rows go back to the task (:mod:`~asyncflow.dataplane.core.handouts`).
     """
 
-    def __init__(self, schema: Schema, capacity: int | None = None) -> None:
+    def __init__(self, schema: Schema, capacity: int | None = None, handout_ttl: float = HANDOUT_TTL_S) -> None:
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
         self.schema = schema
         self.capacity = capacity
         self._index = RowIndex()
         self._storage = Storage(schema)
+        self._handouts = Handouts(handout_ttl)
         self._cond = threading.Condition()
         self._closed = False
         self._puts = 0
@@ -202,7 +213,7 @@ class DataPlane:
         block: bool = True,
         timeout: float | None = None,
     ) -> BatchMeta:
-        """Choose up to ``n`` rows for ``task`` and mark them consumed.
+        """Choose up to ``n`` rows for ``task`` and hand them out (consumed once acknowledged).
 
         Ready rows are those of ``partition`` with all ``fields`` produced and not yet
         consumed by ``task``; ``sampler`` (default :class:`SequentialSampler`) picks among
@@ -236,21 +247,24 @@ class DataPlane:
         BatchMeta(partition=0, rows=[2], fields=['x'], dropped=[])
         """
         with self._cond:
-            return self._get_meta_locked(task, fields, n, partition, sampler, min_n, block, timeout)
+            return self._get_meta_locked(task, fields, n, partition, sampler, min_n, block, timeout, True)
 
     def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
         """Fetch columns of ``meta.rows`` (default ``meta.fields``), in ``meta.rows`` order.
 
         Fixed fields come as one array ``[len(meta), *shape]``; ragged fields as a list of
-        1-D read-only arrays (views of the store; copy before modifying).
+        1-D read-only arrays (views of the store; copy before modifying). The first
+        successful call acknowledges ``meta``'s hand-out (its rows become consumed).
 
         Raises:
             SchemaError: unknown field. ValueError: a row no longer exists (partition
-            cleared) or a field is not produced for some row.
+            cleared) or a field is not produced for some row. HandoutExpired: the
+            hand-out was not acknowledged in time (its rows went back to the task).
         """
         names = self.schema.check_names(meta.fields if fields is None else fields)
         with self._cond:
             gathered = self._gather_locked(meta.rows, names)
+            self._ack_locked(meta)
         return assemble(self.schema, gathered)
 
     def get_batch(
@@ -261,7 +275,7 @@ class DataPlane:
         Takes the keyword arguments of :meth:`get_meta`. Atomic with respect to ``clear``.
         """
         with self._cond:
-            meta = self._get_meta_locked(task, fields, n, **kwargs)
+            meta = self._get_meta_locked(task, fields, n, **kwargs)  # acknowledged at once
             gathered = self._gather_locked(meta.rows, meta.fields)
         return meta, assemble(self.schema, gathered)
 
@@ -276,10 +290,13 @@ class DataPlane:
         Keys: ``live_rows``; ``partitions`` (live partition -> row count); ``consumed``
         (task -> rows handed out, all time); ``dropped`` (task -> rows dropped by the
         sampler, all time); ``puts`` (successful put calls); ``gets`` (get_meta/get_batch
-        answers, empty ones included); ``rows_allocated`` (new rows, all time).
+        answers, empty ones included); ``rows_allocated`` (new rows, all time); ``in_flight``
+        (task -> rows handed out, not acknowledged; counted in ``consumed`` meanwhile).
         """
         with self._cond:
+            self._expire_locked()
             return {
+                "in_flight": self._handouts.in_flight(),
                 "live_rows": self._index.live_rows,
                 "partitions": self._index.row_counts(),
                 "consumed": dict(self._index.consumed_total),
@@ -289,56 +306,10 @@ class DataPlane:
                 "rows_allocated": self._index.rows_allocated,
             }
 
-    def reset_consumption(self, task: str) -> None:
-        """Forget what ``task`` consumed: every live row can be handed to it again.
-
-        For re-reading data (another epoch, a restarted consumer). Wakes waiters.
-        """
-        with self._cond:
-            self._index.reset_consumption(task)
-            self._cond.notify_all()
-
-    def clear_rows(self, rows: Sequence[int]) -> None:
-        """Drop single rows (every field, tag and consumption mark) and free their capacity.
-
-        Raises ``ValueError`` naming the first row that does not exist; then nothing is
-        dropped. Their partitions stay (possibly empty). Wakes putters blocked on capacity.
-        """
-        rows = [operator.index(r) for r in rows]
-        with self._cond:
-            self._storage.drop(self._index.drop_rows(rows))
-            self._cond.notify_all()
-
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the whole state to directory ``path``: ``index.msgpack`` + ``data.npz``.
-
-        Unconsumed rows, consumption marks, tags, seals and counters are all kept; no
-        pickle is used (msgpack + ``np.savez``). Readers and writers wait while it runs.
-        """
-        with self._cond:
-            state, arrays = self._index.state(), self._storage.to_arrays()
-            save_state(path, self.schema, state)
-            save_arrays(os.path.join(path, "data.npz"), arrays)
-
-    def load(self, path: str | os.PathLike) -> None:
-        """Replace the whole state by what :meth:`save` (or a distributed save) wrote.
-
-        The saved schema must equal this one. Wakes every waiter.
-        """
-        state = load_state(path, self.schema)
-        storage = Storage(self.schema)
-        for name in data_files(path):
-            with np.load(name, allow_pickle=False) as arrays:
-                storage.load_arrays(arrays)
-        with self._cond:
-            self._index, self._storage = RowIndex.from_state(state), storage
-            self._cond.notify_all()
-
-    # -- internals (called with the lock held) ----------------------------------------
     def _get_meta_locked(  # the arguments of get_meta
         self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
         sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
-        timeout: float | None = None,
+        timeout: float | None = None, hand_out: bool = False,
     ) -> BatchMeta:
         fields, min_n = check_request(self.schema, task, fields, n, min_n)
         sampler = SequentialSampler() if sampler is None else sampler
@@ -349,11 +320,14 @@ class DataPlane:
         )
         while True:
             self._check_open(what)
+            self._expire_locked()
             meta = try_sample(self._index, task, fields, n, partition, sampler, min_n)
             if meta is None and not block:
                 meta = BatchMeta(partition, [], fields)
             if meta is not None:
                 self._gets += 1
+                if hand_out and meta.rows:
+                    meta.handout = self._handouts.give(meta.partition, task, meta.rows, time.monotonic())
                 return meta
             if not self._wait(deadline):
                 raise QueueTimeout(f"get_meta timed out after {timeout}s: {what}")
@@ -365,18 +339,6 @@ class DataPlane:
     def _check_open(self, what: str) -> None:
         if self._closed:
             raise QueueClosed(f"data plane closed ({what})")
-
-    def _wait(self, deadline: float | None) -> bool:
-        """Wait for a notification; ``False`` if the deadline has already passed."""
-        if deadline is None:
-            self._cond.wait()
-            return True
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            return False
-        self._cond.wait(remaining)
-        return True
-
 
 def _deadline(timeout: float | None) -> float | None:
     if timeout is None:

@@ -187,6 +187,18 @@ class RowIndex:
         if n_dropped:
             self.dropped_total[task] += n_dropped
 
+    def unconsume(self, partition: Hashable, task: str, rows: Iterable[int]) -> None:
+        """Give ``task`` back rows it was handed and did not acknowledge (those still live
+        become pending again, in row order; ``consumed_total`` counts them no more)."""
+        p = self._partitions.get(partition)
+        pending = None if p is None else p.pending.get(task)
+        if p is None or pending is None:
+            return
+        back = [r for r in rows if r in p.rows and r not in pending]
+        if back:
+            p.pending[task] = dict.fromkeys(sorted([*pending, *back]))
+            self.consumed_total[task] -= len(back)
+
     def reset_consumption(self, task: str) -> None:
         """Forget what ``task`` consumed: every live row is pending for it again."""
         for p in self._partitions.values():
@@ -212,27 +224,40 @@ class RowIndex:
         return rows
 
     # -- persistence -------------------------------------------------------------------
-    def state(self) -> dict:
+    def state(self, in_flight: Iterable[tuple[Hashable, str, Sequence[int]]] = ()) -> dict:
         """The whole index as msgpack/JSON-able plain data (see :meth:`from_state`).
+
+        ``in_flight``: ``(partition, task, rows)`` handed out and not acknowledged; they are
+        written as not consumed (the state in which their consumer never got them).
 
         Partition names must be ``int``, ``str`` or ``None``: anything else cannot
         round-trip through msgpack/JSON, so it raises ``ValueError`` here.
         """
+        back: dict[tuple[Hashable, str], list[int]] = {}
+        for partition, task, rows in in_flight:
+            back.setdefault((partition, task), []).extend(rows)
+        consumed = Counter(self.consumed_total)
         parts = []
         for name, p in self._partitions.items():
             check_partition_name(name)
+            pending = {t: list(rows) for t, rows in p.pending.items()}
+            for t in pending:
+                extra = [r for r in back.get((name, t), ()) if r in p.rows and r not in p.pending[t]]
+                if extra:
+                    pending[t] = sorted([*pending[t], *extra])
+                    consumed[t] -= len(extra)
             parts.append({
                 "name": name,
                 "rows": list(p.rows),
                 "produced": {f: sorted(done) for f, done in p.produced.items()},
-                "pending": {t: list(pending) for t, pending in p.pending.items()},
+                "pending": pending,
                 "tags": {t: [list(v.keys()), list(v.values())] for t, v in p.tags.items()},
                 "sealed": p.sealed,
             })
         return {
             "next_row": self._next_row,
             "rows_allocated": self.rows_allocated,
-            "consumed_total": dict(self.consumed_total),
+            "consumed_total": dict(consumed),
             "dropped_total": dict(self.dropped_total),
             "partitions": parts,
         }

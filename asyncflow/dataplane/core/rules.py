@@ -18,7 +18,8 @@ from asyncflow.dataplane.core.index import RowIndex
 from asyncflow.dataplane.core.samplers import Sampler, check_sample
 from asyncflow.dataplane.core.schema import Schema
 
-__all__ = ["BatchMeta", "Data", "DataPlaneUnavailable", "QueueClosed", "QueueTimeout", "check_request", "try_sample"]
+__all__ = ["BatchMeta", "Data", "DataPlaneUnavailable", "HandoutExpired", "QueueClosed", "QueueTimeout",
+           "check_request", "try_sample"]
 
 
 class QueueClosed(RuntimeError):
@@ -34,6 +35,12 @@ class DataPlaneUnavailable(ConnectionError):
     client's credentials); the message names the endpoint and the request."""
 
 
+class HandoutExpired(RuntimeError):
+    """The rows of a ``get_meta`` were not acknowledged within the hand-out TTL (or were
+    given back): they went back to the task and may be another consumer's now, so this
+    consumer must not use them (see :mod:`asyncflow.dataplane.core.handouts`)."""
+
+
 @dataclass
 class BatchMeta:
     """What ``get_meta`` hands a consumer: row ids to fetch, not data.
@@ -44,12 +51,15 @@ class BatchMeta:
         rows: row ids, in the order the sampler chose (e.g. token-balanced order).
         fields: the fields that were required (and are produced for every row).
         dropped: rows consumed for the task without being handed out (e.g. too stale).
+        handout: id of the hand-out of ``rows`` (``None``: nothing to acknowledge); the
+            first successful ``get_data`` (or ``ack``) acknowledges it and sets it to ``None``.
     """
 
     partition: Hashable
     rows: list[int]
     fields: list[str]
     dropped: list[int] = field(default_factory=list)
+    handout: int | None = field(default=None, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.rows)

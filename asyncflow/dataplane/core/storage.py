@@ -53,17 +53,22 @@ class Storage:
             for row in rows:
                 column.pop(row, None)
 
-    def to_arrays(self, keep: Callable[[int], bool] | None = None) -> dict[str, np.ndarray]:
+    def to_arrays(self, keep: Callable[[int], bool] | None = None,
+                  keep_fields: Mapping[str, Iterable[int]] | None = None) -> dict[str, np.ndarray]:
         """Every stored value as a few flat arrays (for ``np.savez``; no pickle).
 
         Keys per field: ``"<field>::rows"`` (row ids), ``"<field>::data"`` (fixed: stacked
         ``[n, *shape]``; ragged: the concatenated rows) and, for ragged fields,
-        ``"<field>::lengths"``. ``keep(row)`` selects rows (default: all).
+        ``"<field>::lengths"``. ``keep(row)`` selects rows (default: all); ``keep_fields``
+        (field -> rows) selects ``(row, field)`` pairs instead (a field it lacks: none).
         """
         out: dict[str, np.ndarray] = {}
         for name, column in self._columns.items():
             f = self.schema[name]
-            rows = [r for r in column if keep is None or keep(r)]
+            if keep_fields is not None:
+                rows = sorted(r for r in set(keep_fields.get(name, ())) if r in column)
+            else:
+                rows = [r for r in column if keep is None or keep(r)]
             values = [column[r] for r in rows]
             out[f"{name}::rows"] = np.asarray(rows, dtype=np.int64)
             if f.ragged:

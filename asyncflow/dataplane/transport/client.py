@@ -131,6 +131,8 @@ class ZmqDataPlane:
                      sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
                      timeout: float | None = None) -> BatchMeta: ...
         def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data: ...
+        def ack(self, meta: BatchMeta) -> None: ...
+        def nack(self, meta: BatchMeta) -> None: ...
         def get_batch(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
                       sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
                       timeout: float | None = None) -> tuple[BatchMeta, Data]: ...
@@ -152,7 +154,7 @@ def _sync(name: str) -> Any:
 
 
 for _name in ("put", "put_nowait", "flush", "seal", "clear", "clear_rows", "reset_consumption", "close",
-              "save", "load", "get_meta", "get_data", "get_batch", "tags", "stats", "storage_endpoints",
+              "save", "load", "get_meta", "get_data", "ack", "nack", "get_batch", "tags", "stats", "storage_endpoints",
               "transports",
               "shutdown_servers"):
     setattr(ZmqDataPlane, _name, _sync(_name))

@@ -30,9 +30,8 @@ Invariants:
 * ``put_nowait`` validates and copies the data, starts the put and returns without any
   round trip; the first error among sent puts is raised by the client's next call
   (``flush`` waits for all and raises it too). Closing the core flushes first.
-* ``get_batch`` pins the rows it is handed until their data is read (``get_meta`` with
-  ``pin``, then ``unpin``): a racing ``clear`` forgets them at once but the controller
-  frees their bytes only after the read, so a get returns complete data.
+* ``get_batch`` pins its rows until read (a racing ``clear`` frees their bytes only
+  after); rows are consumed on acknowledgement (:mod:`~.client_acks`).
 * Every request has a deadline (``deadline``, default 30 s; a waiting ``get_meta`` or a
   ``put`` waiting for room gets its own ``timeout`` plus that margin, and none when it has
   no timeout: the connection monitor still fails it if its server goes away). A server
@@ -42,8 +41,8 @@ Invariants:
   :class:`~asyncflow.dataplane.transport.auth.Credentials`) make every socket a CURVE client.
 * ``save``/``load`` paths are names inside the servers' state folder (fixed at launch).
 * A core belongs to the event loop that first uses it (a clear error otherwise).
-  Cancelling a waiting ``get_meta`` does not withdraw it from the server: rows it is then
-  handed count as consumed; pass ``timeout`` to bound a wait instead.
+  A cancelled waiting ``get_meta`` stays on the server: rows it is then handed go back
+  when their hand-out expires; pass ``timeout`` to bound a wait instead.
 """
 
 from __future__ import annotations
@@ -61,6 +60,7 @@ from asyncflow.dataplane.core.samplers import Sampler
 from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_msg
 from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.auth import Credentials
+from asyncflow.dataplane.transport.client_acks import ClientAcks
 from asyncflow.dataplane.transport.link import DEADLINE_S, gather_all
 from asyncflow.dataplane.transport.link import Link as _Link
 from asyncflow.dataplane.transport.protocol import (
@@ -74,7 +74,7 @@ from asyncflow.dataplane.transport.protocol import (
 
 __all__ = ["AsyncZmqDataPlane"]
 
-class AsyncZmqDataPlane:
+class AsyncZmqDataPlane(ClientAcks):
     """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
 
     def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
@@ -318,10 +318,10 @@ class AsyncZmqDataPlane:
                                     sampler=sampler_to_msg(sampler), min_n=min_n, block=block,
                                     timeout=timeout, pin=pin,
                                     deadline=self._wait_limit(timeout) if block else True)
-        return meta_from_msg(msg), (msg[4] if len(msg) > 4 else None)
+        return meta_from_msg(msg), (msg[4] if len(msg) > 4 else None)  # meta.handout: acked by get_data
 
     async def get_data(self, meta: BatchMeta, fields: Sequence[str] | None = None) -> Data:
-        """Fetch columns of ``meta.rows`` from the storage units, in ``meta.rows`` order."""
+        """Fetch ``meta.rows`` from the units (in order), then acknowledge ``meta`` (client_acks)."""
         await self._enter()
         assert self._schema is not None  # connected by _enter
         names = self._schema.check_names(meta.fields if fields is None else fields)
@@ -350,16 +350,20 @@ class AsyncZmqDataPlane:
                 for i, j in spans:  # this unit's rows, in request order, back into place
                     out[name][i:j] = values[k:k + j - i]
                     k += j - i
+        await self._acknowledge(meta)
         return out
 
     async def get_batch(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
                         sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
                         timeout: float | None = None) -> tuple[BatchMeta, Data]:
         """``get_meta`` then ``get_data``, atomic with respect to ``clear``: the rows stay
-        pinned (their bytes kept) until read, then ``unpin`` is sent without waiting."""
+        pinned (their bytes kept) until read (``get_data`` acknowledges, then ``unpin``)."""
         meta, lease = await self._get_meta(task, fields, n, partition, sampler, min_n, block, timeout, True)
         try:
             return meta, await self.get_data(meta, meta.fields)
+        except BaseException:
+            self._give_back(meta)  # the caller never sees this meta: its rows go back now
+            raise
         finally:
             if lease is not None:
                 assert self._ctrl is not None  # connected by _get_meta

@@ -4,7 +4,8 @@ Wiring (each box its own process; clients in any process)::
 
     client --DEALER--> controller (ROUTER)   row ids, fields, tags: alloc/commit/get_meta/...
     client --DEALER--> storage unit i (ROUTER)   raw column buffers of its rows (shard_of(row) == i)
-    controller --DEALER--> storage units     drops of cleared rows, save/load
+    controller --DEALER--> storage units     drops of cleared rows, save/load (never blocking:
+                                             :mod:`asyncflow.dataplane.transport.unit_links`)
 
 * The controller owns the control plane (a :class:`~asyncflow.dataplane.core.index.RowIndex`) and
   never sees sample data; it hands out rows with the same
@@ -37,6 +38,15 @@ request (garbage bytes, unknown op or field, bad dtype, wrong byte count) gets a
 reply and changes nothing; the server goes on. No pickle on any socket. Shared-memory refs
 (same host) name only files under the storage unit's own prefix (:mod:`asyncflow.dataplane.transport.shm`).
 
+Ack-based consumption (:mod:`asyncflow.dataplane.core.handouts`): a non-empty ``get_meta``
+answer carries a hand-out id; the rows are consumed when the client acknowledges it
+(``ack``, sent by its ``get_data`` after the units answered, or by ``get_batch``), and go
+back to the task when it expires (``handout_ttl``, checked every idle turn), is given back
+(``nack``) or its parked answer bounces off a client that is gone.
+
+``save``/``load``: a consistent snapshot, the units awaited without blocking the loop
+(:mod:`asyncflow.dataplane.transport.controller_persist`).
+
 Atomic ``get_batch`` across processes: the client's ``get_batch`` is ``get_meta`` then
 fetches from the units, so a ``clear`` in between would free bytes it is about to read.
 It therefore asks with ``pin``: the answer carries a lease, and until the client sends
@@ -59,33 +69,28 @@ from typing import Any
 
 import zmq
 
+from asyncflow.dataplane.core.handouts import HANDOUT_TTL_S, Handouts
 from asyncflow.dataplane.core.index import RowIndex, check_partition_name
 from asyncflow.dataplane.core.leases import Leases
-from asyncflow.dataplane.core.persist import contained_path, load_state, save_state
 from asyncflow.dataplane.core.rules import (
     BatchMeta,
-    DataPlaneUnavailable,
+    HandoutExpired,
     QueueClosed,
     QueueTimeout,
     check_request,
     try_sample,
 )
 from asyncflow.dataplane.core.schema import Schema, schema_to_msg, validate_tags
-from asyncflow.dataplane.transport.auth import Credentials, secure_client
-from asyncflow.dataplane.transport.protocol import (
-    meta_to_msg,
-    pack_header,
-    sampler_from_msg,
-    shard_of,
-    unpack_header,
-)
+from asyncflow.dataplane.transport.auth import Credentials
+from asyncflow.dataplane.transport.controller_persist import LEASE_TTL_S, ControllerPersistence
+from asyncflow.dataplane.transport.protocol import meta_to_msg, sampler_from_msg
 from asyncflow.dataplane.transport.server_base import _PARKED, MAX_MSG_BYTES, _args, _Server
+from asyncflow.dataplane.transport.unit_links import AdminOp, UnitLinks
 
 __all__ = ["MAX_ROWS", "ControllerServer"]  # StorageServer: asyncflow.dataplane.transport.storage_server
 
-LEASE_TTL_S = 600.0  # a get_batch lease not released by then is dropped (its client died)
 MAX_ROWS = 1 << 16  # rows per put (alloc / check_write): a bigger request is refused at once
-UNIT_DEADLINE_S = 120.0  # a storage unit that does not answer save/load by then fails it
+UNIT_DEADLINE_S = 120.0  # a storage unit that does not answer save/load by then fails it (DataPlaneUnavailable)
 _PING_S = 1.0  # how often the clients of parked requests are checked for being gone
 
 
@@ -98,13 +103,14 @@ class _Parked:
     timeout_msg: str = field(default="")
 
 
-class ControllerServer(_Server):
+class ControllerServer(ControllerPersistence, _Server):
     """The control plane: row ids, produced/consumed state, parked waiters."""
 
     def __init__(self, schema: Schema, storage: Sequence[str], bind: str = "tcp://127.0.0.1:0",
                  token: str | None = None, capacity: int | None = None, creds: Credentials | None = None,
                  state_dir: str | None = None, max_rows: int = MAX_ROWS,
-                 max_msg_bytes: int = MAX_MSG_BYTES) -> None:
+                 max_msg_bytes: int = MAX_MSG_BYTES, handout_ttl: float = HANDOUT_TTL_S,
+                 unit_deadline: float = UNIT_DEADLINE_S) -> None:
         super().__init__(bind, token, creds, max_msg_bytes)
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
@@ -115,23 +121,20 @@ class ControllerServer(_Server):
         self.puts = self.gets = 0
         self.reserved: set[tuple[int, str]] = set()
         self.parked: list[_Parked] = []
-        self.units = []
-        for ep in self.storage_endpoints:
-            s = self.ctx.socket(zmq.DEALER)
-            s.setsockopt(zmq.LINGER, 0)
-            if creds is not None:
-                secure_client(s, creds)
-            s.connect(ep)
-            self.units.append(s)
-        self._unit_rid = 0
+        self.units = UnitLinks(self.ctx, self.storage_endpoints, creds, self._tok())
+        for s in self.units.socks:
+            self.poller.register(s, zmq.POLLIN)  # a unit's reply wakes the loop
+        self.admin: AdminOp | None = None  # the save/load waiting for the units
+        self.unit_deadline = unit_deadline
         self.leases = Leases(LEASE_TTL_S)
-        self.parking_ops = frozenset({"alloc", "get_meta"})
+        self.handouts = Handouts(handout_ttl)
+        self.parking_ops = frozenset({"alloc", "get_meta", "save", "load"})
         self.ops.update(
             hello=lambda h, f: {"schema": schema_to_msg(self.schema), "storage": self.storage_endpoints},
             alloc=self.alloc, check_write=self.check_write, commit=self.commit, get_meta=self.get_meta,
             seal=self.seal, clear=self.clear, clear_rows=self.clear_rows, close=self.close,
             reset_consumption=self.reset_consumption, tags=self.tags, stats=self.stats,
-            save=self.save, load=self.load, unpin=self.unpin,
+            save=self.save, load=self.load, unpin=self.unpin, ack=self.ack, nack=self.nack,
         )
 
     # -- writes ------------------------------------------------------------------------
@@ -207,6 +210,7 @@ class ControllerServer(_Server):
     def reset_consumption(self, header: dict, frames: list) -> None:
         (task,) = _args(header, "task")
         self.index.reset_consumption(str(task))
+        self.handouts.forget_task(str(task))
         self._wake()
 
     def close(self, header: dict, frames: list) -> None:
@@ -230,9 +234,11 @@ class ControllerServer(_Server):
             if meta is None:
                 return None
             self.gets += 1
-            if pin and meta.rows:
-                return [*meta_to_msg(meta), self.leases.pin(meta.rows, time.monotonic())]
-            return meta_to_msg(meta)
+            if not meta.rows:
+                return meta_to_msg(meta)
+            now = time.monotonic()
+            lease = self.leases.pin(meta.rows, now) if pin else None
+            return [*meta_to_msg(meta), lease, self.handouts.give(meta.partition, task, meta.rows, now)]
 
         return self._answer_or_park(ident, header, retry, timeout, f"get_meta timed out after {timeout}s: {what}")
 
@@ -242,6 +248,32 @@ class ControllerServer(_Server):
         (lease,) = _args(header, "lease")
         self._send_drops(self.leases.release(lease))
 
+    def ack(self, header: dict, frames: list) -> None:
+        """Acknowledge a hand-out (its rows become consumed) and release its lease, if any.
+        A hand-out that expired is refused (:class:`HandoutExpired`): its rows went back."""
+        handout, lease = _args(header, "handout", "lease")
+        if lease is not None:
+            self._send_drops(self.leases.release(lease))
+        try:
+            self.handouts.ack(handout)
+        except KeyError:
+            raise HandoutExpired(f"hand-out {handout} went back to the task (given back, or not acknowledged "
+                                 f"within handout_ttl={self.handouts.ttl:g}s); read sooner, or launch with a "
+                                 "longer handout_ttl") from None
+
+    def nack(self, header: dict, frames: list) -> None:
+        """Give a hand-out's rows back to its task now (and release its lease, if any)."""
+        handout, lease = _args(header, "handout", "lease")
+        if lease is not None:
+            self._send_drops(self.leases.release(lease))
+        self._take_back(handout)
+
+    def _take_back(self, handout: Any) -> None:
+        got = self.handouts.take_back(handout)
+        if got is not None:
+            self.index.unconsume(got.partition, got.task, got.rows)
+            self._wake()
+
     def tags(self, header: dict, frames: list) -> dict:
         return self.index.row_tags([int(r) for r in _args(header, "rows")[0]])
 
@@ -250,52 +282,9 @@ class ControllerServer(_Server):
             "live_rows": self.index.live_rows, "partitions": self.index.row_counts(),
             "consumed": dict(self.index.consumed_total), "dropped": dict(self.index.dropped_total),
             "puts": self.puts, "gets": self.gets, "rows_allocated": self.index.rows_allocated,
-            "storage_units": len(self.units), "waiting": len(self.parked),
+            "storage_units": len(self.units), "waiting": len(self.parked), "in_flight": self.handouts.in_flight(),
             "pinned": self.leases.pinned, "deferred_drops": self.leases.deferred, "refused": self.refused,
         }
-
-    # -- persistence (waits for the units: an admin operation) ------------------------
-    def save(self, header: dict, frames: list) -> None:
-        """Index + each unit's *live* rows: rows cleared while leased still have bytes on
-        the units (until ``unpin``) but are no longer part of the state."""
-        path = self._path(header)
-        save_state(path, self.schema, self.index.state())
-        n = len(self.units)
-        live: list[list[int]] = [[] for _ in range(n)]
-        for row in self.index.live():
-            live[shard_of(row, n)].append(row)
-        self._on_units("save", path, live)
-
-    def load(self, header: dict, frames: list) -> None:
-        path = self._path(header)
-        state = load_state(path, self.schema)
-        self._on_units("load", path)
-        self.index, self.reserved = RowIndex.from_state(state), set()
-        self.leases = Leases(LEASE_TTL_S)  # the units' bytes were replaced
-        self._wake()
-
-    def _path(self, header: dict) -> str:
-        if self.state_dir is None:
-            raise PermissionError("save/load refused: this controller was started without a state folder "
-                                  "(launch(state_dir=...) or --state-dir)")
-        return contained_path(self.state_dir, _args(header, "path")[0])
-
-    def _on_units(self, op: str, path: str, live: list[list[int]] | None = None) -> None:
-        for unit, sock in enumerate(self.units):
-            self._unit_rid += 1
-            a = {"path": path, "unit": unit, "n_units": len(self.units)}
-            if live is not None:
-                a["live"] = live[unit]
-            sock.send_multipart([pack_header({"op": op, "id": self._unit_rid, "a": a, "tok": self._tok()})])
-            while True:
-                if not sock.poll(int(UNIT_DEADLINE_S * 1000)):
-                    raise DataPlaneUnavailable(f"storage unit {unit} ({self.storage_endpoints[unit]}) did not "
-                                               f"answer {op!r} within {UNIT_DEADLINE_S:g}s")
-                reply = unpack_header(sock.recv_multipart()[0])
-                if reply.get("id") == self._unit_rid:
-                    break
-            if not reply["ok"]:
-                raise RuntimeError(f"storage unit {unit} {op} failed: {reply['err']['msg']}")
 
     # -- internals ---------------------------------------------------------------------
     def _tok(self) -> str:
@@ -306,14 +295,8 @@ class ControllerServer(_Server):
         self._send_drops(self.leases.forget(rows))
 
     def _send_drops(self, rows: Sequence[int]) -> None:
-        if not rows or not self.units:
-            return
-        n = len(self.units)
-        for unit, sock in enumerate(self.units):
-            mine = [r for r in rows if shard_of(r, n) == unit]
-            if mine:
-                sock.send_multipart([pack_header({"op": "drop", "noreply": True, "a": {"rows": mine},
-                                                  "tok": self._tok()})])
+        if rows and len(self.units):
+            self.units.drop(rows)
 
     def _check_open(self, what: str) -> None:
         if self.closed:
@@ -341,8 +324,8 @@ class ControllerServer(_Server):
                 continue
             if answer is None:
                 still.append(p)
-            else:
-                self.reply(p.ident, p.header.get("id"), answer)
+            elif not self.reply(p.ident, p.header.get("id"), answer) and isinstance(answer, list) and len(answer) > 5:
+                self._take_back(answer[5])  # its client is gone: the rows go back at once
         self.parked = still
 
     def gone(self, ident: bytes) -> None:
@@ -358,7 +341,14 @@ class ControllerServer(_Server):
 
     def on_idle(self) -> None:
         now = time.monotonic()
+        self.units.flush()
+        self._poll_units(now)
         self._send_drops(self.leases.expire(now))
+        returned = self.handouts.expire(now)
+        for h in returned:
+            self.index.unconsume(h.partition, h.task, h.rows)
+        if returned:
+            self._wake()
         if not self.parked:
             return
         if now - self._pinged >= _PING_S:

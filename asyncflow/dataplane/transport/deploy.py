@@ -47,10 +47,11 @@ from typing import Any
 
 import zmq
 
+from asyncflow.dataplane.core.handouts import HANDOUT_TTL_S
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client import ZmqDataPlane
-from asyncflow.dataplane.transport.controller_server import ControllerServer
+from asyncflow.dataplane.transport.controller_server import UNIT_DEADLINE_S, ControllerServer
 from asyncflow.dataplane.transport.link import DEADLINE_S
 from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server, check_bind, tcp_bind
 from asyncflow.dataplane.transport.shm import sweep_pids
@@ -71,10 +72,10 @@ def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | No
 
 def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
                     capacity: int | None, keys: list | None, state_dir: str, max_msg_bytes: int,
-                    conn: Any) -> None:
+                    limits: dict, conn: Any) -> None:
     creds = None if keys is None else Credentials.from_msg(keys)
     server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity, creds=creds,
-                              state_dir=state_dir, max_msg_bytes=max_msg_bytes)
+                              state_dir=state_dir, max_msg_bytes=max_msg_bytes, **limits)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
@@ -128,7 +129,8 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
            host: str = "127.0.0.1", start_method: str = "spawn", transport: str = "tcp",
            secure: bool = True, state_dir: str | os.PathLike | None = None,
            max_msg_bytes: int = MAX_MSG_BYTES, credentials: Credentials | None = None,
-           storage: Sequence[str] = ()) -> Deployment:
+           storage: Sequence[str] = (), handout_ttl: float = HANDOUT_TTL_S,
+           unit_deadline: float = UNIT_DEADLINE_S) -> Deployment:
     """Start ``n_storage`` storage units and a controller as processes; return their handle.
 
     Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
@@ -142,7 +144,8 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     (``tcp://<host>:<port>``; a non-loopback one needs ``secure``, a wildcard is refused);
     ``storage`` adds units started elsewhere (another host's ``deploy storage --bind``,
     or a launcher's) by endpoint, after the local ones, all holding ``credentials`` (the
-    job's keys, instead of fresh ones).
+    job's keys, instead of fresh ones). ``handout_ttl``: seconds before unacknowledged rows
+    go back to their task; ``unit_deadline``: the controller's wait for a unit's save/load.
     """
     creds = credentials if credentials is not None else Credentials.generate() if secure else None
     _check_launch(transport, n_storage + len(storage), host, creds)
@@ -164,17 +167,13 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         procs.append(p)
         return parent
 
-    def endpoint_of(parent: Any, what: str) -> str:
-        if not parent.poll(60):
-            raise RuntimeError(f"data plane {what} did not start")
-        return parent.recv()
-
     try:
         pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes)  # all at once
                  for k in range(n_storage)]
-        endpoints = [endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
-        endpoint = endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
-                                     max_msg_bytes), "controller")
+        endpoints = [_endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
+        limits = {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline}
+        endpoint = _endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
+                                     max_msg_bytes, limits), "controller")
     except BaseException:
         for p in procs:  # none is left behind by a launch that failed
             p.terminate()
@@ -183,6 +182,12 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         shutil.rmtree(folder, ignore_errors=True)
         raise
     return Deployment(endpoint, token, procs, creds, folder, state)
+
+
+def _endpoint_of(parent: Any, what: str) -> str:
+    if not parent.poll(60):
+        raise RuntimeError(f"data plane {what} did not start")
+    return parent.recv()
 
 
 def _check_launch(transport: str, units: int, host: str, creds: Credentials | None) -> None:
@@ -250,6 +255,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                     "on the job's network; a non-loopback one needs --keys), or a full tcp://HOST:PORT endpoint")
     ap.add_argument("--storage", nargs="*", default=[], help="controller: storage unit endpoints, in order")
     ap.add_argument("--capacity", type=int, default=None)
+    ap.add_argument("--handout-ttl", type=float, default=HANDOUT_TTL_S, help="controller: seconds before rows "
+                    "handed out by get_meta and not acknowledged go back to their task")
     args = ap.parse_args(argv)
     if args.role == "keys":
         if not args.file:
@@ -269,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                                             state_dir=args.state_dir)
         else:
             server = ControllerServer(schema, args.storage, tcp_bind(args.bind), token, args.capacity, creds=creds,
-                                      state_dir=args.state_dir)
+                                      state_dir=args.state_dir, handout_ttl=args.handout_ttl)
     except (ValueError, zmq.ZMQError) as exc:  # one line, no traceback (e.g. an address not on this host)
         sys.exit(f"deploy {args.role}: {exc} (--bind {args.bind})")
     print(server.endpoint, flush=True)

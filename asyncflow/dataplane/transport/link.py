@@ -11,7 +11,9 @@ timeout plus a margin when it has one). A socket monitor, read by the same loop,
 every waiting call at once with :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable`
 when the server refuses this client's credentials (``HANDSHAKE_FAILED_AUTH``) or an
 established connection is lost (its replies can no longer arrive); ZMTP heartbeats
-notice a peer that went away silently. With ``creds`` the socket is a CURVE client
+notice a peer that went away silently. While the connection is lost, a request that
+would wait with no deadline gets the default one (a dead server is never reconnected, so
+no later event would fail it). With ``creds`` the socket is a CURVE client
 (:mod:`asyncflow.dataplane.transport.auth`).
 """
 
@@ -60,7 +62,7 @@ class Link:
             secure_client(self.sock, creds)
         self.monitor: zmq.Socket = self.sock.get_monitor_socket(_EVENTS)
         self.sock.connect(endpoint)
-        self.endpoint, self.deadline, self.trouble = endpoint, deadline, ""
+        self.endpoint, self.deadline, self.trouble, self.lost = endpoint, deadline, "", False
         self.token, self.ids, self.loop = token, itertools.count(1), loop
         self.waiting: dict[int, tuple[str, asyncio.Future]] = {}
         self.fd = cast(int, self.sock.getsockopt(zmq.FD))  # an int option (pyzmq types every option int | bytes)
@@ -87,7 +89,9 @@ class Link:
         """Send a request and wait for its reply: ``(result, data frames)``, or its error
         raised. ``deadline``: seconds, ``None`` (wait as long as the connection lives) or
         ``True`` (this link's default); past it, :class:`DataPlaneUnavailable`."""
-        limit = self.deadline if deadline is True else deadline
+        # A wait with no deadline gets the default one while the connection is lost (a dead
+        # server: nothing would ever fail it, since no new connection is made to be lost).
+        limit = self.deadline if deadline is True or (deadline is None and self.lost) else deadline
         if self.trouble:  # the last handshake failed and none succeeded since: fail fast
             raise DataPlaneUnavailable(f"data plane server {self.endpoint}{self.trouble}; request {op!r} not sent")
         fut = self.loop.create_future()
@@ -118,8 +122,9 @@ class Link:
             except zmq.Again:
                 return
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.trouble = ""
+                self.trouble, self.lost = "", False
                 continue
+            self.lost = self.lost or event == zmq.EVENT_DISCONNECTED
             if event == zmq.EVENT_DISCONNECTED and not self.trouble:
                 self._fail(f"connection to data plane server {self.endpoint} lost")
                 continue

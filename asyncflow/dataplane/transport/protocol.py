@@ -28,7 +28,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncflow.dataplane.core.rules import BatchMeta, DataPlaneUnavailable, QueueClosed, QueueTimeout
+from asyncflow.dataplane.core.rules import BatchMeta, DataPlaneUnavailable, HandoutExpired, QueueClosed, QueueTimeout
 from asyncflow.dataplane.core.samplers import (
     GroupSampler,
     Sampler,
@@ -63,8 +63,8 @@ class ProtocolError(ValueError):
 
 ERRORS: dict[str, type[Exception]] = {
     c.__name__: c
-    for c in (QueueTimeout, QueueClosed, DataPlaneUnavailable, SchemaError, ProtocolError, ValueError, TypeError,
-              KeyError, PermissionError, FileNotFoundError)
+    for c in (QueueTimeout, QueueClosed, DataPlaneUnavailable, HandoutExpired, SchemaError, ProtocolError, ValueError,
+              TypeError, KeyError, PermissionError, FileNotFoundError)
 }
 
 
@@ -252,7 +252,7 @@ def meta_to_msg(meta: BatchMeta) -> list:
 
 
 def meta_from_msg(msg: Sequence[Any]) -> BatchMeta:
-    return BatchMeta(msg[0], list(msg[1]), list(msg[2]), list(msg[3]))
+    return BatchMeta(msg[0], list(msg[1]), list(msg[2]), list(msg[3]), handout=msg[5] if len(msg) > 5 else None)
 
 
 def error_to_msg(exc: BaseException) -> dict[str, str]:

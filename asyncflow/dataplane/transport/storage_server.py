@@ -22,8 +22,9 @@ hands a recycled one to a client's next big put). A ``gather`` from a client tha
 client's pid, sent with the request, is remembered so that the segment is not recycled
 while that process maps it), and writes any other rows into one export segment when they
 are at least the client's threshold (sent with the request), else frames. ``save`` writes
-only the rows the controller names as live (rows cleared while leased keep their bytes
-until ``unpin``, but are not part of the state).
+only the ``(row, field)`` pairs the controller's snapshot names as produced (``keep``;
+rows cleared while leased keep their bytes until ``unpin`` but are not part of the state,
+and a field written after the snapshot is not in it either).
 """
 
 from __future__ import annotations
@@ -181,9 +182,11 @@ class StorageServer(_Server):
     def save(self, header: dict, frames: list) -> None:
         path, unit, n_units = _args(header, "path", "unit", "n_units")
         path = self._path(path)
-        live = header["a"].get("live")
+        live, fields = header["a"].get("live"), header["a"].get("keep")  # keep: field -> rows (the snapshot's)
         keep = None if live is None else set(live).__contains__
-        save_arrays(os.path.join(path, f"data-{unit}-of-{n_units}.npz"), self.storage.to_arrays(keep))
+        if fields is not None and not (isinstance(fields, dict) and all(isinstance(v, list) for v in fields.values())):
+            raise ProtocolError("save: keep must map field names to lists of rows")
+        save_arrays(os.path.join(path, f"data-{unit}-of-{n_units}.npz"), self.storage.to_arrays(keep, fields))
 
     def load(self, header: dict, frames: list) -> None:
         path, unit, n_units = _args(header, "path", "unit", "n_units")
