@@ -9,12 +9,14 @@ process that uses the copy, and again after a fork). There are no module-level c
 Wire: the core talks to a :class:`~asyncflow.dataplane.transport.controller_server.ControllerServer` (row ids)
 and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)`` (blocks
 of 64 consecutive ids, round-robin), so a put sends each unit its rows (its contiguous
-slices, views of the validated arrays: no copy) and a get asks each unit for its rows in
-one request, all units at once, then places each slice in ``meta.rows`` order. One DEALER
-socket per server per core, shared by every coroutine: each request carries an id and the
-loop's reader callback on the socket hands each reply to the coroutine waiting for that
-id, so any number of calls (e.g. several ``get_meta`` parked on the server) wait at once
-without holding each other up. Blocking happens server-side, so timeouts and ``close``
+slices, views of the validated arrays: no copy) and a get asks every unit at once: one
+request per big slice (answered with a view of the block the put wrote, no copy on the
+unit) plus one for a unit's small slices (one per unit with shared memory; see
+:mod:`asyncflow.dataplane.transport.fetch`), each answer placed in ``meta.rows`` order as
+it arrives. One DEALER socket per server per core, shared by every coroutine: each
+request carries an id and the loop's reader callback on the socket hands each reply to
+the coroutine waiting for that id, so any number of calls (e.g. several ``get_meta``
+parked on the server) wait at once without holding each other up. Blocking happens server-side, so timeouts and ``close``
 behave exactly as in process. On one host, a unit's part of a put of at least
 ``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
 cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
