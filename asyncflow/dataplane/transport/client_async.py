@@ -16,8 +16,8 @@ unit) plus one for a unit's small slices (one per unit with shared memory; see
 it arrives. One DEALER socket per server per core, shared by every coroutine: each
 request carries an id and the loop's reader callback on the socket hands each reply to
 the coroutine waiting for that id, so any number of calls (e.g. several ``get_meta``
-parked on the server) wait at once without holding each other up. Blocking happens server-side, so timeouts and ``close``
-behave exactly as in process. On one host, a unit's part of a put of at least
+parked on the server) wait at once without holding each other up. Blocking happens
+server-side, so timeouts and ``close`` behave exactly as in process. On one host, a unit's part of a put of at least
 ``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
 cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
 answer with segment refs (:mod:`asyncflow.dataplane.transport.shm`; probed per unit at connect;
