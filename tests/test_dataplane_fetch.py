@@ -2,12 +2,15 @@
 
 A hand-computed plan, a property test (every row covered once, in order, per unit; a
 split read reassembles exactly), and a live frames-only deployment whose get is split
-into per-span requests and must return the put's values in ``meta.rows`` order.
+into per-span requests and must return the put's values in ``meta.rows`` order. Also:
+a storage unit's heap keeps freed frames (``transport/heap.py``), so the next put's
+frames fault no fresh pages (counted in a child process; off: every page faults).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,3 +63,35 @@ def test_frames_get_split_per_span_returns_rows_in_order():
         plane.disconnect()
     finally:
         dep.shutdown()
+
+
+_FAULTS = """
+import resource, sys
+import numpy as np
+import pytest
+from asyncflow.dataplane.transport.heap import keep_freed_pages
+kept = keep_freed_pages()
+for k in range(3):  # a put's frames, stored, then cleared: the second and third reuse the pages
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    frames = [np.ones(2 << 20, np.uint8) for _ in range(8)]  # 16 MiB in 2 MiB frames, written
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    del frames
+print(kept, faults)
+"""
+
+
+def test_storage_unit_heap_keeps_freed_frames_for_the_next_put():
+    import os
+    import subprocess
+    import sys
+
+    def run(env: dict) -> tuple[str, int]:
+        out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, timeout=60,
+                             env={**os.environ, **env}, check=True).stdout.split()
+        return out[0], int(out[1])
+
+    kept, faults = run({})
+    if kept != "True":
+        pytest.skip("not glibc: keep_freed_pages is a no-op")
+    assert faults < 200  # 16 MiB is 4096 pages: fresh pages would fault each one
+    assert run({"ASYNCFLOW_PLANE_KEEP_HEAP": "0"})[0] == "False"
