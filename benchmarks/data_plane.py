@@ -24,7 +24,9 @@ prints what the client's handshake chose per storage unit):
 * ``tcp+shm`` / ``ipc+shm``: the default, same-host shared memory for messages of at least
   ``--shm-min`` bytes (``asyncflow.dataplane.transport.shm``), frames below;
 * ``tcp`` / ``ipc``: shared memory off (``use_shm=False``): every byte in ZeroMQ frames,
-  what a client on another host gets.
+  what a client on another host gets (CURVE-encrypted, as every deployment);
+* ``tcp-plain``: ``tcp`` with CURVE off (``launch(secure=False)``, loopback only): the
+  frames path without the cipher, to separate the cost of encryption from the transport's.
 First, ``get_meta`` latency of a client in this process against the controller process
 (non-blocking, 1 row, 2000 calls): p50/p99, measured before any throughput run, while no
 Ray is running (TransferQueue's Ray start-up, measured, doubles it for ~20 s).
@@ -122,8 +124,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="only the small shape")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-tq", action="store_true", help="skip TransferQueue")
-    ap.add_argument("--systems", default="tcp+shm,ipc+shm,tcp,ipc",
-                    help="distributed systems to run, comma-separated (default: all four)")
+    ap.add_argument("--systems", default="tcp+shm,ipc+shm,tcp,ipc,tcp-plain",
+                    help="distributed systems to run, comma-separated (default: all five)")
     ap.add_argument("--shm-min", type=int, default=None, help="shared-memory threshold in bytes per message")
     args = ap.parse_args()
     systems = [x for x in args.systems.split(",") if x]
@@ -142,7 +144,8 @@ def main() -> None:
         results = {"in-process": bench_ours(DataPlane(schema), data, args.iters)}
         via = {"in-process": "-"}
         for system in systems:
-            dep = launch(schema, n_storage=2, transport=system.split("+")[0])
+            dep = launch(schema, n_storage=2, transport=system.split("+")[0].removesuffix("-plain"),
+                         secure=not system.endswith("-plain"))
             try:
                 client = dep.client(use_shm=system.endswith("+shm"))
                 if args.shm_min is not None:

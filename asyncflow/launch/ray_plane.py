@@ -27,6 +27,7 @@ from asyncflow.dataplane import Schema
 from asyncflow.dataplane.core.schema import schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.deploy import Deployment, launch
+from asyncflow.dataplane.transport.heap import keep_freed_pages
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
 __all__ = ["StorageUnitActor", "cluster_plane", "node_ips", "stop_units"]
@@ -37,6 +38,7 @@ class StorageUnitActor:
 
     def __init__(self, schema_msg: list, keys: list, host: str) -> None:
         self.state_dir = tempfile.mkdtemp(prefix="asyncflow-unit-")  # 0700, on this node
+        keep_freed_pages()  # a put's frames reuse the pages a clear freed (transport/heap.py)
         self.server = StorageServer(schema_from_msg(schema_msg), f"tcp://{host}:0", None,
                                     creds=Credentials.from_msg(keys), state_dir=self.state_dir)
         self.thread = threading.Thread(target=self.server.serve_forever, name="storage-unit", daemon=True)

@@ -9,13 +9,15 @@ process that uses the copy, and again after a fork). There are no module-level c
 Wire: the core talks to a :class:`~asyncflow.dataplane.transport.controller_server.ControllerServer` (row ids)
 and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)`` (blocks
 of 64 consecutive ids, round-robin), so a put sends each unit its rows (its contiguous
-slices, views of the validated arrays: no copy) and a get asks each unit for its rows in
-one request, all units at once, then places each slice in ``meta.rows`` order. One DEALER
-socket per server per core, shared by every coroutine: each request carries an id and the
-loop's reader callback on the socket hands each reply to the coroutine waiting for that
-id, so any number of calls (e.g. several ``get_meta`` parked on the server) wait at once
-without holding each other up. Blocking happens server-side, so timeouts and ``close``
-behave exactly as in process. On one host, a unit's part of a put of at least
+slices, views of the validated arrays: no copy) and a get asks every unit at once: one
+request per big slice (answered with a view of the block the put wrote, no copy on the
+unit) plus one for a unit's small slices (one per unit with shared memory; see
+:mod:`asyncflow.dataplane.transport.fetch`), each answer placed in ``meta.rows`` order as
+it arrives. One DEALER socket per server per core, shared by every coroutine: each
+request carries an id and the loop's reader callback on the socket hands each reply to
+the coroutine waiting for that id, so any number of calls (e.g. several ``get_meta``
+parked on the server) wait at once without holding each other up. Blocking happens
+server-side, so timeouts and ``close`` behave exactly as in process. On one host, a unit's part of a put of at least
 ``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
 cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
 answer with segment refs (:mod:`asyncflow.dataplane.transport.shm`; probed per unit at connect;
@@ -48,6 +50,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -61,6 +64,7 @@ from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_m
 from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client_acks import ClientAcks
+from asyncflow.dataplane.transport.fetch import place, plan_requests
 from asyncflow.dataplane.transport.link import DEADLINE_S, gather_all
 from asyncflow.dataplane.transport.link import Link as _Link
 from asyncflow.dataplane.transport.protocol import (
@@ -330,26 +334,20 @@ class AsyncZmqDataPlane(ClientAcks):
         for name in names:
             f = self._schema[name]
             out[name] = [None] * len(rows) if f.ragged else np.empty((len(rows), *f.shape), f.dtype)
-        by_unit: dict[int, list[tuple[int, int]]] = {}
-        for u, i, j in runs(rows, len(self._units)) if rows else []:
-            by_unit.setdefault(u, []).append((i, j))
-        replies = await gather_all([self._units[u].call("gather", {"rows": [r for i, j in spans for r in rows[i:j]],
-                                                              "fields": names, "pid": os.getpid(),
-                                                              "shm": None if self._shm_prefix[u] is None
-                                                              else self.shm_min_bytes})
-                              for u, spans in by_unit.items()])
-        whole = len(by_unit) == 1 and len(next(iter(by_unit.values()))) == 1
-        for (u, spans), (spec, frames) in zip(by_unit.items(), replies):
+        fixed = sum(np.dtype(self._schema[n].dtype).itemsize * math.prod(self._schema[n].shape)
+                    for n in names if not self._schema[n].ragged)
+        plan = plan_requests(rows, [fixed if p is None else 0 for p in self._shm_prefix])
+        whole = len(plan) == 1 and len(plan[0][1]) == 1
+
+        async def fetch(u: int, spans: list[tuple[int, int]]) -> None:  # placed as it arrives: copy k, receive k+1
+            spec, frames = await self._units[u].call("gather", {
+                "rows": [r for i, j in spans for r in rows[i:j]], "fields": names, "pid": os.getpid(),
+                "shm": None if self._shm_prefix[u] is None else self.shm_min_bytes})
             if isinstance(spec, dict):  # shared-memory refs (and frames for the small rest)
                 spec, frames = spec["cols"], shm.map_refs(spec["shm"], frames, self._shm_prefix[u] or "?")
-            for name, values in decode_columns(spec, frames).items():
-                if whole and not isinstance(out[name], list):
-                    out[name] = values  # the whole answer: no copy
-                    continue
-                k = 0
-                for i, j in spans:  # this unit's rows, in request order, back into place
-                    out[name][i:j] = values[k:k + j - i]
-                    k += j - i
+            place(out, spans, decode_columns(spec, frames), whole)
+
+        await gather_all([fetch(u, spans) for u, spans in plan])
         await self._acknowledge(meta)
         return out
 

@@ -52,6 +52,7 @@ from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_m
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.controller_server import UNIT_DEADLINE_S, ControllerServer
+from asyncflow.dataplane.transport.heap import keep_freed_pages
 from asyncflow.dataplane.transport.link import DEADLINE_S
 from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server, check_bind, tcp_bind
 from asyncflow.dataplane.transport.shm import sweep_pids
@@ -62,6 +63,7 @@ __all__ = ["Deployment", "launch", "main", "read_keys", "write_keys"]
 
 def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | None, state_dir: str,
                  max_msg_bytes: int, conn: Any) -> None:
+    keep_freed_pages()  # before the ZeroMQ context's I/O thread allocates anything
     creds = None if keys is None else Credentials.from_msg(keys)
     server = StorageServer(schema_from_msg(schema_msg), bind, token, creds=creds, state_dir=state_dir,
                            max_msg_bytes=max_msg_bytes)
@@ -272,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     try:
         check_bind(tcp_bind(args.bind), creds)
         if args.role == "storage":
+            keep_freed_pages()  # before the ZeroMQ context's I/O thread allocates anything
             server: _Server = StorageServer(schema, tcp_bind(args.bind), token, creds=creds,
                                             state_dir=args.state_dir)
         else:
