@@ -25,6 +25,7 @@ WHERE, CAUSE, AT, TRACE = "asyncflow_where", "asyncflow_cause", "asyncflow_at", 
 LOG = "asyncflow_log"  # the error.log the driver wrote (set on the exception it re-raises)
 STACKS = "asyncflow_stacks"  # worker name -> its threads' stacks (or why there are none)
 RESUME = "asyncflow_resume"  # how to continue the run (set when the automatic restarts ran out)
+ROOT = "asyncflow_root"  # the root cause's type name, recorded by tag()
 MACHINERY = ("DataPlaneUnavailable", "QueueClosed")  # root causes that are a dead process, not user code
 
 
@@ -73,6 +74,7 @@ def tag(exc: _E, where: str) -> _E:
             setattr(exc, WHERE, where)
             setattr(exc, CAUSE, describe(exc))
             setattr(exc, AT, origin(root_cause(exc)))
+            setattr(exc, ROOT, type(root_cause(exc)).__name__)  # (an exception's __cause__ does not cross Ray)
             setattr(exc, TRACE, "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
         except AttributeError:  # an exception type without a __dict__ (rare): told as it is
             pass
@@ -82,7 +84,8 @@ def tag(exc: _E, where: str) -> _E:
 def recoverable(exc: BaseException) -> bool:
     """Whether a run that failed with ``exc`` may be restarted from its checkpoint: a lost
     worker, a stalled step, a data-plane process that is gone (not a user's or a config error)."""
-    return isinstance(exc, (WorkerLost, StepStalled)) or type(root_cause(exc)).__name__ in MACHINERY
+    root = getattr(exc, ROOT, None) or type(root_cause(exc)).__name__  # (tagged where it was raised)
+    return isinstance(exc, (WorkerLost, StepStalled)) or root in MACHINERY
 
 
 def mark_resumable(exc: BaseException, run_dir: Path) -> None:
