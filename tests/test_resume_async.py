@@ -35,6 +35,7 @@ from asyncflow.workflow.job import Job
 from asyncflow.workflow.worker import Worker
 
 N, P, K = 10, 2, 2
+LONG = 40  # steps of the Ray kill test: the kill after the first checkpoint must find the run going
 TINY = ["mode=async", "launcher=local", "warmstart.enabled=false", "progress=false", f"train.steps={N}",
         f"train.prompts_per_step={P}", "rollout.group_size=2", "train.micro_prompts=1", "task.eval_n=2",
         "train.eval_every=0", "rollout.max_new_tokens=24", "rollout.gen_len=longtail", "rollout.longtail_short=2",
@@ -186,17 +187,18 @@ def test_a_process_killed_under_ray_restarts_the_run_from_the_checkpoint(tmp_pat
             t = time.time()
             while not C.complete(run / C.CKPT_DIR) and time.time() - t < 120:
                 time.sleep(0.01)
-            time.sleep(random.uniform(0, 0.5))
+            time.sleep(random.uniform(0, 0.2))  # (a long run after it: the kill lands mid-run)
             os.kill(pid, signal.SIGKILL)
 
         threading.Thread(target=kill, daemon=True).start()
 
     monkeypatch.setattr(Job, "start", start_then_kill)
     args = [a for a in TINY if a != "launcher=local"]
-    assert main(["train", *args, "launcher=ray", "train.step_timeout_s=30", f"run_dir={tmp_path / 'runs'}"]) == 0
+    assert main(["train", *args, "launcher=ray", "train.step_timeout_s=30", f"run_dir={tmp_path / 'runs'}",
+                 f"train.steps={LONG}"]) == 0
     err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
     assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
     assert ("worker 'rollout'" if target == "rollout" else "DataPlaneUnavailable") in err[0], err
     run = next((tmp_path / "runs").iterdir())
-    check_every_group_once(run)
+    check_every_group_once(run, LONG)
     assert json.loads((run / "summary.json").read_text())["restarts"] == 1
