@@ -116,3 +116,16 @@ def test_dataset_task_trains_on_the_tiny_model_by_config(tmp_path):
     assert build_task(cfg).train[0].prompt.startswith("rev ")
     summary = train(cfg)
     assert summary["samples"] == 4 and summary["init"] == {"source": "random"}
+
+
+def test_the_addition_recipe_keeps_its_fields_so_its_cache_entry_stays_valid():
+    from asyncflow.engines.tiny import CHARSET
+    from asyncflow.tasks.addition import AdditionTask
+
+    sft_keys = {"target_acc": 0.65, "seed": 0, "lr": 3e-3, "batch_size": 256, "eval_every": 50, "eval_n": 500,
+                "max_steps": 5000}
+    recipe = warmstart._recipe(AdditionTask(digits=2), {}, sft_keys, warmstart.EvalSpec(), None)
+    assert recipe == {
+        "format": 2, "charset": CHARSET, "task": {"digits": 2, "holdout_frac": 0.2, "seed": 0}, "sft": sft_keys,
+        "model_dims": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                       "intermediate_size": 512, "max_position_embeddings": 128}}
