@@ -1,7 +1,9 @@
 """The built-in tiny tokenizer covers any text: every string encodes and decodes to itself.
 
 Property tests over arbitrary Unicode (hypothesis), on the tokenizer as built and as a
-checkpoint reloads it (save_pretrained + AutoTokenizer), which is what the workers use.
+checkpoint reloads it (a qwen2 model folder + tokenizer, loaded by ``load_tokenizer`` as the
+workers, the driver and the warm-start cache do; ``AutoTokenizer`` would rebuild it as
+Qwen2's tokenizer, whose decoder prints byte tokens as ``<0x41>``).
 """
 
 from __future__ import annotations
@@ -9,18 +11,19 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer
-
-from asyncflow.engines.tiny import CHARSET, build_char_tokenizer
+from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model
+from asyncflow.tasks.models import load_model
 
 TOK = build_char_tokenizer()
 
 
 @pytest.fixture(scope="module")
 def reloaded(tmp_path_factory: pytest.TempPathFactory):
-    d = tmp_path_factory.mktemp("tok")
+    d = tmp_path_factory.mktemp("ckpt")
+    build_tiny_model(TOK, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64
+                     ).save_pretrained(d)
     TOK.save_pretrained(d)
-    return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    return load_model(d)[1]
 
 
 @settings(max_examples=300, deadline=None)

@@ -17,6 +17,8 @@ prompt's last token).
 Invariants
 ----------
 * ``evaluate`` runs under ``torch.no_grad`` and restores ``model.training``.
+* :func:`load_tokenizer` is the single place a folder's tokenizer is loaded (workers,
+  driver, warm-start cache): its ``tokenizer.json`` as saved, never a class's rebuild of it.
 * :func:`prompt_ids` is the single place prompts become ids: rollout, evaluation and SFT
   all call it, so they see exactly the same prompt tokens.
 """
@@ -24,12 +26,25 @@ Invariants
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import cast
 
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from asyncflow.tasks.base import ProblemLike
+
+
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer alone of a local Hugging Face folder (the driver needs no weights); never downloads.
+
+    A folder with a ``tokenizer.json`` gets exactly that tokenizer (with the folder's special
+    tokens, chat template and padding side), not the one ``AutoTokenizer`` would rebuild for
+    the model type; a folder without one (e.g. sentencepiece only) goes through ``AutoTokenizer``.
+    """
+    if (Path(path) / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def bos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -4,6 +4,12 @@ model and recipe). A model folder is warm-started the same way with
 ``warmstart.model_folder=true``. A task without reference answers (a dataset whose
 answers are all empty) skips the warm-start with one line on stderr.
 
+A folder's tokenizer is loaded from its own ``tokenizer.json`` exactly as saved
+(:func:`asyncflow.tasks.layout.load_tokenizer`): ``AutoTokenizer`` picks the class registered for the model type
+(Qwen2's for a qwen2 folder) and that class rebuilds the pre-tokenizer and decoder, which
+silently changed the built-in byte-fallback tokenizer of every checkpoint ('ABC' decoded
+as '<0x41><0x42><0x43>'; before byte fallback, unknown characters were dropped).
+
 This module imports torch and transformers: only the driver and the workers import it
 (the CLI imports the driver lazily, so ``--help`` stays instant).
 """
@@ -16,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.utils import logging as hf_logging
 
@@ -24,6 +30,7 @@ from asyncflow.config import ConfigError, RunConfig
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.tasks import warmstart  # called through the module: tests replace load_or_warm_start
 from asyncflow.tasks.base import Task
+from asyncflow.tasks.layout import load_tokenizer  # re-exported: the driver loads the tokenizer from here
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 
@@ -33,11 +40,6 @@ def load_model(path: str | Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBa
     hf_logging.disable_progress_bar()  # "Loading weights" bars in every worker drown the run's own
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     return model, load_tokenizer(path)
-
-
-def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer alone of a local Hugging Face folder (the driver needs no weights); never downloads."""
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def check_model_folder(path: str) -> str:
@@ -65,7 +67,7 @@ def check_model_folder(path: str) -> str:
         raise ConfigError(f"{what}: no tokenizer there (expected tokenizer.json or tokenizer_config.json; "
                           "save one with tokenizer.save_pretrained(path))")
     try:
-        AutoTokenizer.from_pretrained(p, local_files_only=True)
+        load_tokenizer(p)
     except Exception as e:
         raise ConfigError(f"{what}: the tokenizer cannot be loaded ({str(e).splitlines()[0]})") from None
     return str(p)

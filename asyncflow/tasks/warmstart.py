@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model
 from asyncflow.tasks.base import Task
@@ -46,6 +46,7 @@ from asyncflow.tasks.layout import (
     encode_prompts,
     evaluate,
     greedy_responses,
+    load_tokenizer,
     prompt_ids,
     sft_tensors,
 )
@@ -278,6 +279,6 @@ def _initial(model_dir: str | None, seed: int,
     """The model SFT starts from: the folder's (in float32), or a fresh built-in tiny model."""
     if model_dir is not None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
-        return model, AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        return model, load_tokenizer(model_dir)
     tokenizer = build_char_tokenizer()
     return build_tiny_model(tokenizer, seed=seed, **dims), tokenizer

@@ -18,9 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncflow.engines.tiny import tiny_config
+from asyncflow.tasks.layout import load_tokenizer
 
 HASH_WHOLE = 256 << 20  # files up to this size are hashed whole; bigger ones by name, size and mtime
 
@@ -78,6 +79,6 @@ def save_entry(
 
 def load_entry(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
     info = json.loads((folder / "info.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    tokenizer = load_tokenizer(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
     return model.eval(), tokenizer, {**info, "path": str(folder), "cached": True}

@@ -1,7 +1,7 @@
 """Write train.jsonl and heldout.jsonl for the reverse-the-word-order task (deterministic).
 
-Each row is {"words": "cat sun tree", "answer": "tree sun cat"}: 3 or 4 words from
-WORDS, no sentence in both files. Run: python make_data.py  (a second or less)
+Each row is {"words": "cat sun tree", "answer": "tree sun cat"}: 3 different words
+from WORDS, no sentence in both files. Run: python make_data.py  (a second or less)
 """
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 WORDS = ("cat dog sun moon tree leaf rock sand fish bird lamp door road rain snow wind fire ice "
-         "milk bread salt rice corn bean king queen ship boat star cloud hill lake bell drum coin ring").split()
+         "milk bread salt rice corn bean").split()
 
 
 def main(n_train: int = 4000, n_heldout: int = 500, seed: int = 0) -> None:
@@ -18,7 +18,7 @@ def main(n_train: int = 4000, n_heldout: int = 500, seed: int = 0) -> None:
     rows: list[list[str]] = []
     seen: set[tuple[str, ...]] = set()
     while len(rows) < n_train + n_heldout:
-        words = rng.sample(WORDS, rng.randint(3, 4))
+        words = rng.sample(WORDS, 3)
         if tuple(words) not in seen:
             seen.add(tuple(words))
             rows.append(words)
