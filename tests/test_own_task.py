@@ -129,3 +129,17 @@ def test_the_addition_recipe_keeps_its_fields_so_its_cache_entry_stays_valid():
         "format": 2, "charset": CHARSET, "task": {"digits": 2, "holdout_frac": 0.2, "seed": 0}, "sft": sft_keys,
         "model_dims": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
                        "intermediate_size": 512, "max_position_embeddings": 128}}
+
+
+def test_a_metric_file_keys_the_cache_by_its_contents_not_its_folder(tmp_path):
+    from asyncflow.tasks.models import eval_spec
+
+    keys = []
+    for d in ("a", "b", "c"):
+        (tmp_path / d).mkdir()
+        body = "def exact(p, r, a):\n    return float(r == a)\n" + ("# edited\n" if d == "c" else "")
+        (tmp_path / d / "m.py").write_text(body)
+        data = write_jsonl(tmp_path / d / "d.jsonl", words())
+        cfg = cfg_for(tmp_path, data, f"eval.metric={tmp_path / d / 'm.py'}:exact")
+        keys.append(eval_spec(cfg, build_task(cfg)).key)
+    assert keys[0] == keys[1] != keys[2] and keys[0].startswith("exact:") and keys[0].endswith(":exact")

@@ -16,6 +16,7 @@ This module imports torch and transformers: only the driver and the workers impo
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -129,4 +130,13 @@ def eval_spec(cfg: RunConfig, task: Task) -> warmstart.EvalSpec:
         return warmstart.EvalSpec(chat=chat)
     name, score = heldout_metric(cfg, task, reward)
     return warmstart.EvalSpec(score=score, max_new_tokens=task.greedy_eval_tokens, chat=chat,
-                              key=f"{name}:{cfg.eval.metric or r.fn or cfg.task.name}")
+                              key=f"{name}:{_callable_key(cfg.eval.metric or r.fn or cfg.task.name)}")
+
+
+def _callable_key(spec: str) -> str:
+    """``module:fn`` as it is; ``path/file.py:fn`` as a digest of the file's contents and ``fn``, so
+    the cache key follows what the function does, not where its folder was copied."""
+    path, _, fn = spec.rpartition(":")
+    if path.endswith(".py") and Path(path).is_file():
+        return f"{hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]}:{fn}"
+    return spec
