@@ -5,13 +5,13 @@ Each example folder is copied to a temporary folder, its generators run there
 ``asyncflow train <its yaml>`` runs with nothing but ``run_dir`` and ``progress`` added.
 The tiny-model example has no model folder of its own.
 
-Issue 23 asks for +10 points of held-out metric within 5 minutes of wall time. Not reached
-yet (measured 2026-11-24 on the shared 2-core machine, loaded: each role on a core ~5% of
-its busy time): uppercase, warm-started to 58.6%, then 60 GRPO steps: 58.6% -> 59.6% in
-198 s at train.lr=2e-4 (the shipped config), 58.6% -> 58.0% at 5e-4, 58.6% -> 35.6% at
-1e-3. So what is asserted is what holds: the example runs end to end from its files, the
-warm-start reaches its target, the RL part stays within :data:`MAX_RL_S`, and the held-out
-metric does not fall by more than the noise of a 500-row evaluation (:data:`NOISE`).
+Issue 23 asks for +10 points of held-out metric within 5 minutes of wall time. Measured
+2026-11-24 on 2 CPU cores: uppercase, warm-started to 58.6% (300 SFT steps), then its 600
+GRPO steps: 58.6% -> 70.0% (+11.4) in 107 s of RL, and in this test 58.6% -> 66.8% (+8.2) in
+149 s. So +10 is reached in one run of two and is not asserted: :data:`MIN_GAIN` is what
+held in every run measured (150 steps gave +5.0). Held-out noise: one standard error of a
+paired difference on 500 rows is ~3 points. While 4 sessions shared the machine a step
+took ~18x longer (60 steps: 198 s), so under such load :data:`MAX_RL_S` fails.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from asyncflow.cli import main
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NOISE = 0.03  # held-out points a 500-row evaluation moves by chance (1 SE of a paired difference)
+MIN_GAIN = 0.05  # held-out metric points gained by RL (issue 23's target, 0.10, is not reliably met yet)
 MAX_RL_S = 300.0  # wall seconds of the RL part on a 2-core CPU
 
 
@@ -61,5 +61,5 @@ def test_example_trains_by_configuration_only(tmp_path, capsys, name, yaml, scri
           f"(run {total:.0f} s; init {s['init']})", file=sys.stderr)
     assert s["heldout_metric"] == "exact" and "exact" in out
     assert s["init"]["source"] == "warmstart" and s["init"]["accuracy"] >= 0.4  # both targets: 0.5 and 0.4
-    assert after >= before - NOISE, (before, after)
+    assert after - before >= MIN_GAIN, (before, after)
     assert rl_s <= MAX_RL_S, rl_s
