@@ -1,15 +1,12 @@
 """Reward and held-out metric of the reverse-the-word-order task.
 
-score(prompt, response, sample): 1 for the exact answer, else half the share of words in
-the right place. exact(prompt, response, answer): the held-out metric, exact match.
+score(prompt, response, sample): 1 for the exact answer (words compared), else 0.
+exact(prompt, response, answer): the held-out metric, exact match of the words.
 """
 
 
 def score(prompt: str, response: str, sample: dict) -> float:
-    answer, got = sample["answer"].split(), response.split()
-    if got == answer:
-        return 1.0
-    return 0.5 * sum(a == b for a, b in zip(got, answer)) / max(len(answer), len(got), 1)
+    return float(response.split() == sample["answer"].split())
 
 
 def exact(prompt: str, response: str, answer: str) -> float:
