@@ -63,11 +63,14 @@ def test_tokenizer_one_id_per_char_and_specials(tok):
     ids = tok("12+34=").input_ids
     # Hand-computed: specials take 0..3, then CHARSET order: '0'->4 ... '9'->13, '+'->14, '='->18.
     assert ids == [5, 6, 14, 7, 8, 18]
-    assert len(tok) == 4 + len(CHARSET) == 52
+    assert len(tok) == 4 + len(CHARSET) + 256 == 308
     # No special tokens are ever added.
     assert tok("12", add_special_tokens=True).input_ids == [5, 6]
-    # Unknown characters map to <unk>, not dropped.
-    assert tok("1A2").input_ids == [5, UNK, 6]
+    # Other characters fall back to their UTF-8 bytes (<0xXX> has id 52 + byte), never <unk>:
+    # 'A' = 0x41 -> 117; 'é' = 0xC3 0xA9 -> 247, 221.
+    assert tok("1A2").input_ids == [5, 117, 6]
+    assert tok("é").input_ids == [247, 221]
+    assert UNK not in tok("ABC <eos> ☃ \x00").input_ids
 
 
 def test_tokenizer_decode_round_trip(tok):

@@ -72,6 +72,9 @@ class TaskConfig(_Section):
     fields: dict[str, str] = Field(default_factory=dict,
                                    description="dataset: our field -> the file's, e.g. "
                                                "{prompt: question, answer: answer}.")
+    prompt_template: str | None = Field(None, description="dataset: the prompt as a Python format string over the "
+                                                          "row's fields, e.g. 'reverse {word}=' (None = the "
+                                                          "prompt field).")
     on_bad_row: Literal["raise", "skip"] = Field("raise", description="dataset: stop at a bad "
                                                                       "row, or skip and count it.")
     chat_template: bool = Field(False, description="Wrap each prompt as a user message "
@@ -93,8 +96,13 @@ class TaskConfig(_Section):
                          "'package.module:factory' or 'path/to/file.py:factory'")
 
 class WarmStartConfig(_Section):
-    enabled: bool = Field(True, description="Run a short SFT warm-start before RL (built-in model only).")
-    target_acc: float = Field(0.65, gt=0, le=1, description="Stop SFT at this held-out greedy accuracy.")
+    enabled: bool = Field(True, description="Run a short SFT warm-start of the built-in model before RL, on the "
+                                            "task's reference answers (a dataset task without answers skips it).")
+    model_folder: bool = Field(False, description="Warm-start a model.path folder too (off: RL starts from the folder "
+                                                  "as it is). Cached by data, folder contents and recipe.")
+    target_acc: float = Field(0.65, gt=0, le=1, description="Stop SFT when the held-out metric (the one RL reports: "
+                                                            "exact match, accuracy, mean reward or eval.metric) "
+                                                            "reaches this.")
     cache_dir: str = Field("~/.cache/asyncflow/warmstart", description="Warm-started models are cached here.")
     warmup_steps: int = Field(0, ge=0, description="SFT learning-rate warmup steps (0 = none). 200 makes the "
                                                    "warm-start's length steadier across seeds; see docs/benchmarks.md.")
@@ -349,9 +357,6 @@ class RunConfig(_Section):
         if self.task.name == "dataset" and not self.task.path:
             raise ValueError("task.name=dataset needs task.path (a local .jsonl "
                              "or .parquet file, or a save_to_disk folder)")
-        if self.task.name == "dataset" and not self.model.path:
-            raise ValueError("task.name=dataset needs model.path (a Hugging Face model folder): the built-in "
-                             "tiny model only knows the characters of the addition task")
         if self.rollout.max_batch < self.rollout.group_size:
             raise ValueError(f"rollout.max_batch ({self.rollout.max_batch}) must be >= rollout.group_size "
                              f"({self.rollout.group_size}): a prompt's whole group decodes together")

@@ -1,6 +1,14 @@
-"""``task.name=dataset``: prompts and answers from a local file (JSONL, Parquet, save_to_disk)."""
+"""``task.name=dataset``: prompts and answers from a local file (JSONL, Parquet, save_to_disk).
+
+Its warm-start cache key (:meth:`DatasetTask.cache_key`) hashes the rows themselves (the
+train and held-out prompts and answers, in order), so editing the data starts a new entry
+and moving the file does not.
+"""
 
 from __future__ import annotations
+
+import hashlib
+import json
 
 import numpy as np
 
@@ -22,9 +30,10 @@ class DatasetTask:
         t = cfg.task
         assert t.path is not None  # RunConfig requires task.path for task.name=dataset
         try:
-            train = load_dataset(t.path, t.fields, t.on_bad_row, t.split, skip_hint=SKIP_HINT)
-            held = load_dataset(t.heldout_path, t.fields, t.on_bad_row, t.heldout_split,
-                                skip_hint=SKIP_HINT) if t.heldout_path else None
+            train = load_dataset(t.path, t.fields, t.on_bad_row, t.split, skip_hint=SKIP_HINT,
+                                 template=t.prompt_template)
+            held = load_dataset(t.heldout_path, t.fields, t.on_bad_row, t.heldout_split, skip_hint=SKIP_HINT,
+                                template=t.prompt_template) if t.heldout_path else None
         except DatasetError as e:
             raise ConfigError(str(e)) from None
         self.skipped = train.skipped + (held.skipped if held else 0)  # bad rows skipped (task.on_bad_row=skip)
@@ -42,3 +51,8 @@ class DatasetTask:
 
     def reward(self, prompt: str, response: str, answer: str) -> float:
         return 1.0 if response.strip() == answer.strip() else 0.0
+
+    def cache_key(self) -> dict[str, str]:
+        """The data part of the warm-start cache key: a digest of the train and held-out rows."""
+        rows = [[[p.prompt, p.answer] for p in self.train], [[p.prompt, p.answer] for p in self.heldout]]
+        return {"dataset": hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16]}

@@ -15,6 +15,8 @@ A dataset is a sequence of rows; ``fields`` maps our names to the file's, e.g.
 ``"answer": "reward_model.ground_truth"``). Every mapped field is required; ``prompt`` must
 be a non-empty string; ``answer`` a string or a number (kept as its text). The whole
 source row travels along as :attr:`Sample.row`, so a reward function sees it as ``sample``.
+With a ``template`` (``task.prompt_template``), the prompt is ``template.format_map(row)``
+(e.g. ``"reverse {word}="``) instead of a field: a field it names that a row lacks is a bad row.
 
 A bad row (invalid JSON, not an object, a missing or ill-typed field) either raises
 :class:`DatasetError` naming the file, line (Parquet, Arrow: row) and field (``on_error="raise"``,
@@ -62,12 +64,15 @@ class Dataset:
 
 def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
                  on_error: Literal["raise", "skip"] = "raise", split: str = "train",
-                 skip_hint: str = "load with on_error='skip'") -> Dataset:
+                 skip_hint: str = "load with on_error='skip'", template: str | None = None) -> Dataset:
     """Read a ``.jsonl`` / ``.json`` (one object per line) or ``.parquet`` file, or a
     ``save_to_disk`` folder (``split`` picks a ``DatasetDict``'s split; see module doc).
-    ``skip_hint``: how the caller's user skips bad rows, named in a bad row's error."""
+    ``skip_hint``: how the caller's user skips bad rows, named in a bad row's error.
+    ``template``: the prompt is ``template.format_map(row)`` rather than a field."""
     p = Path(path).expanduser()
     fields = {**{k: k for k in REQUIRED}, **(fields or {})}
+    if template is not None:
+        fields.pop("prompt", None)
     if on_error not in ("raise", "skip"):
         raise DatasetError(f"on_error = {on_error!r}: use 'raise' or 'skip'")
     if not p.exists():
@@ -87,7 +92,7 @@ def load_dataset(path: str | Path, fields: dict[str, str] | None = None,
     ds = Dataset(str(p), [])
     for n, row in rows:
         try:
-            ds.samples.append(_sample(row, fields))
+            ds.samples.append(_sample(row, fields, template))
         except _BadRow as e:
             msg = f"{p}:{n}: {e}" if where == "line" else f"{p}: row {n}: {e}"
             if on_error == "raise":
@@ -180,7 +185,17 @@ def _get(row: dict, dotted: str) -> Any:
     return cur
 
 
-def _sample(row: Any, fields: dict[str, str]) -> Sample:
+def _prompt(row: dict, template: str) -> str:
+    try:
+        return template.format_map(row)
+    except KeyError as e:
+        known = ", ".join(list(row)[:8])
+        raise _BadRow(f"field {e} named by task.prompt_template is missing; the row has: {known}") from None
+    except (ValueError, IndexError, AttributeError) as e:
+        raise _BadRow(f"task.prompt_template = {template!r} cannot be filled in ({e})") from None
+
+
+def _sample(row: Any, fields: dict[str, str], template: str | None = None) -> Sample:
     if isinstance(row, _BadRow):
         raise row
     if not isinstance(row, dict):
@@ -192,9 +207,10 @@ def _sample(row: Any, fields: dict[str, str]) -> Sample:
         except KeyError:
             known = ", ".join(list(row)[:8])
             raise _BadRow(f"field '{theirs}' (mapped to {ours}) is missing; the row has: {known}") from None
-    prompt, answer = vals["prompt"], vals["answer"]
+    prompt, answer = _prompt(row, template) if template is not None else vals["prompt"], vals["answer"]
     if not isinstance(prompt, str) or not prompt.strip():
-        raise _BadRow(f"field '{fields['prompt']}' (prompt) must be a non-empty string, got {prompt!r:.40}")
+        raise _BadRow(f"field '{fields.get('prompt', 'prompt_template')}' (prompt) must be a non-empty string, "
+                      f"got {prompt!r:.40}")
     if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
         raise _BadRow(f"field '{fields['answer']}' (answer) must be a string or a number, got {type(answer).__name__}")
     return Sample(prompt, str(answer), row)

@@ -1,20 +1,17 @@
-"""SFT warm-start for the tiny model, greedy evaluation, and an on-disk cache of both.
+"""SFT warm-start: the built-in tiny model or a model folder, on any task with reference
+answers, stopped at a target held-out metric and cached on disk.
 
-RL from a random init never sees a reward on addition, and RL from a perfect model has
-nothing to learn, so the pipeline starts from a model that is *partly* trained: SFT
-stops as soon as greedy held-out accuracy reaches ``target_acc`` (~0.65 by default),
-leaving room for RL to improve. The result is cached under a key that hashes every
-input that changes it, so repeated runs (tests, examples) pay for SFT once.
-
-Token layout, shared with RL
-----------------------------
-* prompt ids   = ``[bos] + chars(prompt)``           (left-padded for generation)
-* SFT sequence = ``[bos] + chars(prompt) + chars(answer) + [eos]`` (right-padded)
-* response     = generated ids up to (excluding) the first ``eos``, decoded.
+RL from a random init never sees a reward, and RL from a perfect model has nothing to
+learn, so the pipeline starts from a model that is *partly* trained: SFT on the task's
+training split stops as soon as the greedy held-out metric reaches ``target_acc`` (~0.65
+by default), leaving room for RL to improve. The metric is the one RL's held-out
+evaluation reports (:class:`EvalSpec`: exact match, the task's own score, the reward or
+``eval.metric``). The result is cached under a key that hashes every input that changes
+it (data, model, recipe: :mod:`asyncflow.tasks.warmstart_cache`), so repeated runs pay
+for SFT once. The token layout is the one RL uses (:mod:`asyncflow.tasks.layout`).
 
 Invariants
 ----------
-* ``evaluate`` runs under ``torch.no_grad`` and restores ``model.training``.
 * ``sft`` is deterministic given ``seed`` (and a fixed torch thread count): batches
   come from a seeded numpy Generator and the tiny model has no dropout.
 * SFT loss covers answer tokens and ``eos`` only; prompt and padding are ``-100``.
@@ -23,32 +20,44 @@ Invariants
 * A cache entry is complete if its folder exists: it is written to a temp folder and
   moved into place with ``os.replace``. Both paths of ``load_or_warm_start`` return
   the model in eval mode.
+* The built-in addition task's cache key only has the fields it always had: options added
+  later enter the key only when set, so older cache entries stay valid.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-import json
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model, tiny_config
-from asyncflow.tasks.base import ProblemLike, Task
+from asyncflow.engines.tiny import CHARSET, build_char_tokenizer, build_tiny_model
+from asyncflow.tasks.base import Task
+
+# re-exported: the workers and benchmarks import these from here
+from asyncflow.tasks.layout import (
+    bos_ids,
+    decode_responses,
+    encode_prompts,
+    evaluate,
+    greedy_responses,
+    load_tokenizer,
+    prompt_ids,
+    sft_tensors,
+)
+from asyncflow.tasks.warmstart_cache import cache_key, folder_digest, load_entry, resolved_dims, save_entry
+
+__all__ = ["bos_ids", "decode_responses", "encode_prompts", "evaluate", "greedy_responses", "prompt_ids",
+           "sft_tensors", "EvalSpec", "SFTResult", "sft", "has_answers", "load_or_warm_start", "eval_due", "warmup_lr"]
 
 # Bump when the token layout, the SFT recipe or the saved files change: old cache
 # entries then stop matching instead of being loaded with the wrong meaning.
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2  # 2: the tiny tokenizer got byte fallback (vocab 52 -> 308)
 
 # The SFT recipe. Its length depends on the seed (550-3,950 steps over seeds 0-4 here); a
 # warmup and finer evaluations near the target make it steadier but land models RL improves
@@ -69,129 +78,28 @@ class SFTResult:
     seconds: float
 
 
-# --------------------------------------------------------------------------- evaluation
+@dataclass(frozen=True)
+class EvalSpec:
+    """What SFT's held-out evaluation measures: the same as RL's (``heldout_metric``).
 
-
-def bos_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """``[bos]`` for tokenizers that have one, ``[]`` for those that do not (e.g. Qwen's)."""
-    return [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-
-
-def prompt_ids(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat: bool = False) -> list[list[int]]:
-    """Token ids of each prompt: ``[bos] + tokens(prompt)``, or with ``chat`` the tokenizer's
-    chat template around one user message (generation prompt added). Shared by rollout and
-    evaluation, so both see exactly the same prompt tokens."""
-    if chat:
-        if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("task.chat_template is on but the tokenizer has no chat template")
-        out = []
-        for p in prompts:
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                tokenize=True)
-            out.append(list(ids["input_ids"] if isinstance(ids, Mapping) else ids))
-        return out
-    return [[*bos_ids(tokenizer), *chars] for chars in _chars_to_ids(tokenizer, prompts)]
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str], chat: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left-padded :func:`prompt_ids` and their attention mask, shape (B, T)."""
-    rows = prompt_ids(tokenizer, prompts, chat)
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row)
-        mask[i, width - len(row) :] = 1
-    return ids, mask
-
-
-def decode_responses(tokenizer: PreTrainedTokenizerBase, generated: torch.Tensor) -> list[str]:
-    """Decode each row of new tokens up to (excluding) its first ``eos``."""
-    eos = tokenizer.eos_token_id
-    out = []
-    for row in generated.tolist():
-        cut = row.index(eos) if eos in row else len(row)
-        out.append(cast(str, tokenizer.decode(row[:cut], skip_special_tokens=True)))  # one row: one str
-    return out
-
-
-def greedy_responses(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[str],
-    max_new_tokens: int,
-    chat: bool = False,
-) -> list[str]:
-    """Greedy completions of ``prompts`` in one batch (caller handles no_grad/eval)."""
-    ids, mask = encode_prompts(tokenizer, prompts, chat)
-    # generate comes from GenerationMixin; transformers' types resolve it through nn.Module.__getattr__
-    out = model.generate(  # type: ignore[operator]
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        do_sample=False,
-        max_new_tokens=max_new_tokens,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return decode_responses(tokenizer, out[:, ids.shape[1] :].cpu())
-
-
-def evaluate(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    problems: Sequence[ProblemLike],
-    batch_size: int = 512,
-    max_new_tokens: int | None = None,
-    score: Callable[[str, str, str], float] | None = None,
-    chat: bool = False,
-) -> float:
-    """Mean greedy score of ``model`` on ``problems`` (0.0 for an empty list).
-
-    ``score(prompt, response, answer)`` defaults to exact match of the stripped response
-    (accuracy). ``max_new_tokens`` defaults to the longest answer plus one for ``eos``.
-    ``chat`` wraps each prompt with the tokenizer's chat template.
+    ``score(prompt, response, answer)``: None = the task's ``eval_score`` if it has one,
+    else exact match. ``max_new_tokens``: None = the longest answer + 1. ``chat``: wrap
+    prompts with the tokenizer's chat template. ``key``: names the metric in the cache key
+    (None for the default).
     """
-    if not problems:
-        return 0.0
-    if max_new_tokens is None:
-        max_new_tokens = max(len(p.answer) for p in problems) + 1
-    was_training = model.training
-    model.eval()
-    correct: float = 0
-    try:
-        with torch.no_grad():
-            for start in range(0, len(problems), batch_size):
-                batch = problems[start : start + batch_size]
-                responses = greedy_responses(model, tokenizer, [p.prompt for p in batch], max_new_tokens, chat)
-                if score is None:
-                    correct += sum(r.strip() == p.answer for r, p in zip(responses, batch))
-                else:
-                    correct += sum(float(score(p.prompt, r, p.answer)) for r, p in zip(responses, batch))
-    finally:
-        model.train(was_training)
-    return correct / len(problems)
+
+    score: Callable[[str, str, str], float] | None = None
+    max_new_tokens: int | None = None
+    chat: bool = False
+    key: str | None = None
+
+    def recipe(self) -> dict[str, Any]:
+        """The fields that differ from the default (the cache key of a default spec is unchanged)."""
+        return {k: v for k, v in (("metric", self.key), ("max_new_tokens", self.max_new_tokens),
+                                  ("chat", self.chat)) if v}
 
 
 # --------------------------------------------------------------------------- SFT
-
-
-def sft_tensors(
-    tokenizer: PreTrainedTokenizerBase, problems: Sequence[ProblemLike]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ``[bos]+prompt+answer+[eos]`` ids and labels (answer + eos only)."""
-    prompt_chars = _chars_to_ids(tokenizer, [p.prompt for p in problems])
-    answer_chars = _chars_to_ids(tokenizer, [p.answer for p in problems])
-    prompts = [[*bos_ids(tokenizer), *chars] for chars in prompt_chars]
-    targets = [[*chars, tokenizer.eos_token_id] for chars in answer_chars]
-    width = max(len(p) + len(t) for p, t in zip(prompts, targets))
-    ids = torch.full((len(problems), width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((len(problems), width), -100, dtype=torch.long)
-    for i, (p, t) in enumerate(zip(prompts, targets)):
-        ids[i, : len(p) + len(t)] = torch.tensor(p + t)
-        labels[i, len(p) : len(p) + len(t)] = torch.tensor(t)
-    return ids, labels
 
 
 def sft(
@@ -208,11 +116,12 @@ def sft(
     progress: ProgressFn | None = None,
     warmup_steps: int = WARMUP_STEPS,
     near_every: int | None = NEAR_EVERY,
+    spec: EvalSpec = EvalSpec(),
 ) -> SFTResult:
-    """Teacher-forced SFT on ``task.train`` until held-out greedy accuracy >= ``target_acc``.
+    """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
-    Accuracy is exact match, or ``task.eval_score`` where the task has one (countdown: any
-    correct expression counts, not only the reference answer SFT imitates).
+    The metric is ``spec``'s: by default exact match, or ``task.eval_score`` where the task
+    has one (countdown: any correct expression counts, not only the reference answer).
 
     Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` (already a
     random sample) every ``eval_every`` steps (with ``near_every``: every ``near_every``
@@ -223,7 +132,7 @@ def sft(
     in train mode.
     """
     started = time.perf_counter()
-    ids, labels = sft_tensors(tokenizer, task.train)
+    ids, labels = sft_tensors(tokenizer, task.train, spec.chat)
     ids, labels = ids.to(model.device), labels.to(model.device)
     eval_set = task.heldout[:eval_n]
     batches = _epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
@@ -237,7 +146,8 @@ def sft(
         step += 1
         step_acc = None
         if eval_due(step, acc, target_acc, eval_every, near_every) or step == max_steps:
-            acc = step_acc = evaluate(model, tokenizer, eval_set, score=getattr(task, "eval_score", None))
+            acc = step_acc = evaluate(model, tokenizer, eval_set, max_new_tokens=spec.max_new_tokens,
+                                      score=spec.score or getattr(task, "eval_score", None), chat=spec.chat)
         if progress is not None:
             progress(step, step_acc, loss)
         if step_acc is not None and step_acc >= target_acc:
@@ -288,6 +198,11 @@ def _epoch_batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterato
 # --------------------------------------------------------------------------- cache
 
 
+def has_answers(task: Task) -> bool:
+    """Whether the task's training split has reference answers to SFT on (any non-empty one)."""
+    return any(str(p.answer).strip() for p in task.train)
+
+
 def load_or_warm_start(
     cache_dir: Path,
     *,
@@ -304,97 +219,66 @@ def load_or_warm_start(
     near_every: int | None = NEAR_EVERY,
     progress: ProgressFn | None = None,
     device: str = "cpu",
+    model_dir: str | None = None,
+    spec: EvalSpec = EvalSpec(),
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
     """Return a warm-started (model, tokenizer, info), from ``cache_dir`` when possible.
 
-    ``device`` is where SFT runs (the model comes back on the CPU). It is not part of the
-    cache key: a model warm-started on a GPU serves CPU runs too, and the other way round.
+    Starts from the model folder ``model_dir`` (its tokenizer and chat template too), or
+    from the built-in tiny model of ``model_dims``. ``device`` is where SFT runs (the model
+    comes back on the CPU). It is not part of the cache key: a model warm-started on a GPU
+    serves CPU runs too, and the other way round.
 
     ``info`` holds ``accuracy``, ``steps``, ``seconds`` (of the original SFT run), the
     cache ``key`` and ``path``, and ``cached`` (True when loaded from disk).
     """
-    cache_dir = Path(cache_dir)
-    recipe: dict[str, Any] = {
-        "format": CACHE_FORMAT_VERSION,
-        "charset": CHARSET,
-        "model_dims": _resolved_dims(model_dims or {}),
-        # addition's key is unchanged from before other tasks existed (its cache stays valid)
-        # (every built-in task but addition has cache_key)
-        "task": task.cache_key() if hasattr(task, "cache_key") else
-        {"digits": task.digits, "holdout_frac": task.holdout_frac, "seed": task.seed},  # type: ignore[attr-defined]
-        "sft": {
-            "target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
-            "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps,
-        },
-    }
+    sft_keys = {"target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
+                "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps}
     # options added later enter the key only when on, so the entries cached before them stay valid
-    recipe["sft"].update({k: v for k, v in (("warmup_steps", warmup_steps), ("near_every", near_every)) if v})
-    key = _cache_key(recipe)
-    folder = cache_dir / key
+    sft_keys.update({k: v for k, v in (("warmup_steps", warmup_steps), ("near_every", near_every)) if v})
+    recipe = _recipe(task, model_dims, sft_keys, spec, model_dir)
+    folder = Path(cache_dir) / cache_key(recipe)
     if (folder / "info.json").exists():
-        return _load_entry(folder)
-    tokenizer = build_char_tokenizer()
-    # (transformers wraps PreTrainedModel.to with functools.wraps, whose type loses the self binding)
-    model = build_tiny_model(tokenizer, seed=seed, **recipe["model_dims"]).to(device)  # type: ignore[arg-type]
+        return load_entry(folder)
+    model, tokenizer = _initial(model_dir, seed, recipe["model_dims"])
+    model = model.to(device)  # type: ignore[arg-type]  # (transformers' .to loses the self binding)
     result = sft(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,
-        warmup_steps=warmup_steps, near_every=near_every,
+        warmup_steps=warmup_steps, near_every=near_every, spec=spec,
     )
-    info = {**asdict(result), "key": key, "recipe": recipe}
+    info = {**asdict(result), "key": folder.name, "recipe": recipe}
     model.cpu()
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()  # the run's roles get the GPU memory back
-    _save_entry(folder, model, tokenizer, info)
+    save_entry(folder, model, tokenizer, info)
     return model.eval(), tokenizer, {**info, "path": str(folder), "cached": False}
 
 
-def _resolved_dims(model_dims: dict[str, int]) -> dict[str, int]:
-    """``model_dims`` with tiny_config's defaults filled in, so ``{}`` and explicit
-    defaults hash to the same key; unknown names fail here, not deep inside SFT."""
-    defaults = {
-        name: p.default
-        for name, p in inspect.signature(tiny_config).parameters.items()
-        if name != "tokenizer"
+def _recipe(task: Task, model_dims: dict[str, int] | None, sft_keys: dict[str, Any], spec: EvalSpec,
+            model_dir: str | None) -> dict[str, Any]:
+    """Every input that changes the warm-started model: what the cache key hashes."""
+    recipe: dict[str, Any] = {
+        "format": CACHE_FORMAT_VERSION,
+        "charset": CHARSET,
+        "model_dims": resolved_dims(model_dims or {}),
+        # addition's key is unchanged from before other tasks existed (its cache stays valid)
+        # (every built-in task but addition has cache_key; a dataset task's hashes its rows)
+        "task": task.cache_key() if hasattr(task, "cache_key") else
+        {"digits": task.digits, "holdout_frac": task.holdout_frac, "seed": task.seed},  # type: ignore[attr-defined]
+        "sft": sft_keys,
     }
-    unknown = set(model_dims) - set(defaults)
-    if unknown:
-        raise ValueError(f"unknown model_dims {sorted(unknown)}; valid names: {sorted(defaults)}")
-    return {**defaults, **model_dims}
+    recipe.update({"eval": spec.recipe()} if spec.recipe() else {})
+    if model_dir is not None:
+        recipe.update(model_dims=None, model=folder_digest(Path(model_dir)))
+    return recipe
 
 
-def _cache_key(recipe: dict[str, Any]) -> str:
-    blob = json.dumps(recipe, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _save_entry(
-    folder: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, info: dict[str, Any]
-) -> None:
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "info.json").write_text(json.dumps(info, indent=2, sort_keys=True))
-        os.replace(tmp, folder)
-    except OSError:
-        # A concurrent run may have published the same key first (os.replace cannot
-        # overwrite a non-empty folder); its entry is equivalent, so keep it.
-        if not (folder / "info.json").exists():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _load_entry(folder: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
-    info = json.loads((folder / "info.json").read_text())
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True)
-    return model.eval(), tokenizer, {**info, "path": str(folder), "cached": True}
-
-
-def _chars_to_ids(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
-    # add_special_tokens=False documents intent (bos/eos are placed by the callers);
-    # the char tokenizer never adds any anyway. One batched call: fast for 10k rows.
-    return tokenizer(list(texts), add_special_tokens=False).input_ids
+def _initial(model_dir: str | None, seed: int,
+             dims: dict[str, int]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The model SFT starts from: the folder's (in float32), or a fresh built-in tiny model."""
+    if model_dir is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32)
+        return model, load_tokenizer(model_dir)
+    tokenizer = build_char_tokenizer()
+    return build_tiny_model(tokenizer, seed=seed, **dims), tokenizer
