@@ -28,7 +28,8 @@ STEPS = 6
 TINY = ["mode=sync", "launcher=local", "warmstart.enabled=false", "progress=false", f"train.steps={STEPS}",
         "train.prompts_per_step=2", "rollout.group_size=2", "train.micro_prompts=1", "task.eval_n=2",
         "train.eval_every=0", "rollout.max_new_tokens=8", "train.save_every=1", "train.keep_checkpoints=2"]
-REWARD = "def score(prompt, response, sample):\n    return float(len(response) % 3)\n"
+# (by content: an untrained model's answers all run to max_new_tokens, so a length reward would be flat)
+REWARD = "def score(prompt, response, sample):\n    return float(sum(map(ord, response)) % 3)\n"
 
 
 def snap(i: int) -> C.Snapshot:
