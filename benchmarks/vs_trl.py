@@ -56,7 +56,7 @@ def trl_run(model_dir: str, prompts: int, group: int, steps: int, max_new: int, 
 
     torch.set_num_threads(threads)
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, TrainerCallback
     from transformers.utils import logging as hf_logging
     from trl import GRPOConfig, GRPOTrainer
 
@@ -65,13 +65,13 @@ def trl_run(model_dir: str, prompts: int, group: int, steps: int, max_new: int, 
     hf_logging.disable_progress_bar()
     warnings.filterwarnings("ignore", category=FutureWarning)  # transformers 5 renames TRL still calls
     task = AdditionTask()  # the default task config (digits 2, holdout 0.2, seed 0): the warm-start's
-    tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    # the folder's own tokenizer.json (AutoTokenizer would rebuild Qwen2's for this config), with "<bos>" in TRL's
+    # prompt text read as the bos token (our tokenizer treats typed special-token names as text by default)
+    tok = PreTrainedTokenizerFast.from_pretrained(model_dir, local_files_only=True, split_special_tokens=False)
+    assert tok(tok.bos_token + "1+2=", add_special_tokens=False)["input_ids"][0] == tok.bos_token_id
     model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
     data = Dataset.from_dict({"prompt": [tok.bos_token + p.prompt for p in task.train],  # [bos] + chars(prompt)
                               "answer": [p.answer for p in task.train]})
-
-    def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
-        return [task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
 
     batch = prompts * group
     if batch % micro:
@@ -87,9 +87,17 @@ def trl_run(model_dir: str, prompts: int, group: int, steps: int, max_new: int, 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             ends.append(time.perf_counter())
 
+    rewards: list[float] = []  # (printed: TRL sees the task as our rollout does, e.g. ~the warm-start's accuracy)
+
+    def addition_reward(prompts: list[str], completions: list[str], answer: list[str], **_: Any) -> list[float]:
+        out = [task.reward(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+        rewards.extend(out)
+        return out
+
     trainer = GRPOTrainer(model=model, reward_funcs=addition_reward, args=args, train_dataset=data,
                           processing_class=tok, callbacks=[StepEnds()])
     trainer.train()
+    print(f"    (TRL: mean reward {sum(rewards) / max(len(rewards), 1):.3f} over {len(rewards)} answers)", flush=True)
     return ends
 
 
@@ -168,8 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
                         out_dir=str(Path(args.run_dir) / "trl"))
                     speed = steady(ends, cfg.batch_size)
                 else:
-                    s = train(load_config(None, [*base, *extra[side]]), launcher=launcher if side in RAY_SIDES else None,
-                              evaluate=False)
+                    s = train(load_config(None, [*base, *extra[side]]),
+                              launcher=launcher if side in RAY_SIDES else None, evaluate=False)
                     speed = s["steady_samples_per_s"]
                 speeds[side].append(speed)
                 print(f"{i + 1:>5} {side:>9} {speed:>10.1f}", flush=True)

@@ -262,7 +262,9 @@ class TrainConfig(_Section):
                                                "gains 8-19 points on seeds 0-4, mean 12; 40: 5-17 on seeds 0-2).")
     prompts_per_step: int = Field(16, gt=0, description="Prompts per step; the batch is "
                                                         "prompts_per_step x group_size answers.")
-    micro_prompts: int = Field(4, gt=0, description="Prompts (whole groups) per streamed micro-batch of the trainer.")
+    micro_prompts: int = Field(4, gt=0, description="Prompts (whole groups) per streamed micro-batch of "
+                               "the trainer, per data-parallel rank (a micro-batch of train.dp ranks: dp x "
+                               "micro_prompts).")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate (RL; the SFT warm-start has its own).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")
