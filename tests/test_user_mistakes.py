@@ -16,9 +16,14 @@ from asyncflow.cli import main
 from asyncflow.config import ConfigError, load_config
 from asyncflow.observe.report import FN_ERRORS
 
-TINY = ["launcher=local", "mode=sync", "progress=false", "train.steps=2", "train.prompts_per_step=2",
+TINY = ["mode=sync", "progress=false", "train.steps=2", "train.prompts_per_step=2",
         "train.micro_prompts=1", "rollout.group_size=2", "rollout.max_batch=4", "task.eval_n=4",
         "rollout.max_new_tokens=3"]
+
+
+# Each mistake under both launchers: the ones found before the roles start never start Ray; the
+# rewards that raise run their roles in Ray workers and must still come back as one line and counts.
+LAUNCHERS = ["local", pytest.param("ray", marks=pytest.mark.ray)]
 
 
 def _dataset(path: Path, bad: str | None = None) -> Path:
@@ -38,10 +43,12 @@ def _summary(run_dir: Path) -> dict:
     return json.loads((run / "summary.json").read_text())
 
 
-def test_a_bad_row_is_one_line_naming_file_line_field_and_the_key_that_skips_it(model_dir, tmp_path, capsys):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_bad_row_is_one_line_naming_file_line_field_and_the_key_that_skips_it(model_dir, tmp_path, capsys,
+                                                                                launcher):
     data = _dataset(tmp_path / "train.jsonl", bad=json.dumps({"q": "9+9="}))
     argv = ["train", "task.name=dataset", f"task.path={data}", "task.fields={prompt: q, answer: a}",
-            f"model.path={model_dir}", f"run_dir={tmp_path}/runs", *TINY]
+            f"model.path={model_dir}", f"run_dir={tmp_path}/runs", f"launcher={launcher}", *TINY]
     assert main(argv) == 2
     (line,) = _errors(capsys.readouterr().err)
     assert f"{data}:2: field 'a' (mapped to answer) is missing" in line and "task.on_bad_row=skip" in line
@@ -55,28 +62,30 @@ def test_a_bad_row_is_one_line_naming_file_line_field_and_the_key_that_skips_it(
     assert summary["heldout_metric"] == "mean reward" and "held-out mean reward" in out
 
 
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.parametrize("fn, says", [
     ("no_such_module_xyz:score", "reward.fn = 'no_such_module_xyz:score': cannot import module 'no_such_module_xyz'"),
     ("{here}/rewards.py:nope", "'{here}/rewards.py' has no function 'nope'"),
     ("{here}/missing.py:score", "no such file '{here}/missing.py'"),
 ])
-def test_a_missing_reward_module_or_function_is_one_line(tmp_path, capsys, fn, says):
+def test_a_missing_reward_module_or_function_is_one_line(tmp_path, capsys, fn, says, launcher):
     (tmp_path / "rewards.py").write_text("def score(prompt, response, sample):\n    return 1.0\n")
     argv = ["train", f"reward.fn={fn.format(here=tmp_path)}", "warmstart.enabled=false", f"run_dir={tmp_path}/runs",
-            *TINY]
+            f"launcher={launcher}", *TINY]
     assert main(argv) == 2
     (line,) = _errors(capsys.readouterr().err)
     assert says.format(here=tmp_path) in line and not (tmp_path / "runs").exists()
 
 
-def test_a_reward_that_raises_is_one_line_at_the_end_and_counted_once(tmp_path, capsys):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_reward_that_raises_is_one_line_at_the_end_and_counted_once(tmp_path, capsys, launcher):
     (tmp_path / "flaky.py").write_text(
         "def score(prompt, response, sample):\n"
         "    if len(response) % 2:\n"
         "        raise ValueError(f'cannot parse {len(response)} characters')\n"
         "    return 1.0\n")
     argv = ["train", f"reward.fn={tmp_path}/flaky.py:score", "warmstart.enabled=false", f"run_dir={tmp_path}/runs",
-            *TINY]
+            f"launcher={launcher}", *TINY]
     assert main(argv) == 0
     (line,) = _errors(capsys.readouterr().err)
     s = _summary(tmp_path / "runs")
@@ -90,7 +99,8 @@ def test_a_reward_that_raises_is_one_line_at_the_end_and_counted_once(tmp_path, 
     assert 1 <= text.count("Traceback (most recent call last)") == min(n, 5) and "flaky.py" in text
 
 
-def test_a_task_reward_that_raises_is_one_line_too(tmp_path, capsys):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_a_task_reward_that_raises_is_one_line_too(tmp_path, capsys, launcher):
     (tmp_path / "tasks.py").write_text(
         "from asyncflow.tasks.addition import AdditionTask\n"
         "class Picky(AdditionTask):\n"
@@ -101,7 +111,7 @@ def test_a_task_reward_that_raises_is_one_line_too(tmp_path, capsys):
         "def build(cfg):\n"
         "    return Picky(digits=2, holdout_frac=0.2, seed=0)\n")
     argv = ["train", f"task.name={tmp_path}/tasks.py:build", "warmstart.enabled=false", f"run_dir={tmp_path}/runs",
-            *TINY]
+            f"launcher={launcher}", *TINY]
     assert main(argv) == 0
     (line,) = _errors(capsys.readouterr().err)
     s = _summary(tmp_path / "runs")
