@@ -186,3 +186,29 @@ def test_engine_config_fields_give_one_line_errors():
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro = 0.*Token budget"):
         load_config(None, ["train.max_tokens_per_micro=0"])
+
+
+def test_trimmed_pass_equals_each_row_alone(tok):
+    """The pass feeds ``prompt + response[:-1]`` and asks logits only from the shortest prompt's
+    last position on (``logits_to_keep``): log-probs and their gradient equal each row's own
+    unpadded full forward, ``log_softmax(logits[len(prompt) - 1 + t])[response[t]]``."""
+    prompts, responses = _ragged(tok)
+    from asyncflow.engines.training import TokenBatch, token_logprobs
+
+    batch = TokenBatch.build(prompts, responses, PAD)
+    assert batch.input_ids.shape[1] == max(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    model = build_tiny_model(tok, seed=0)
+    got = token_logprobs(model, batch)
+    got.sum().backward()
+    g_got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0]
+        want = torch.log_softmax(logits[len(p) - 1: len(p) - 1 + len(r)], -1)[torch.arange(len(r)), torch.tensor(r)]
+        torch.testing.assert_close(got[i, : len(r)].detach(), want.detach(), atol=1e-5, rtol=1e-5)
+        assert float(got[i, len(r):].abs().sum()) == 0.0  # masked
+        total = total + want.sum()
+    total.backward()
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g_got[n], g, atol=1e-5, rtol=1e-4, msg=n)

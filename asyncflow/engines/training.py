@@ -45,6 +45,7 @@ float32; an inference engine casts them to its own precision.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,7 @@ import torch.nn.functional as F
 
 from asyncflow.engines.collective import Collective
 from asyncflow.engines.device import model_device
+from asyncflow.engines.passes import merge_metrics, padding_split, take_rows, token_budget_split
 
 
 @dataclass
@@ -77,18 +79,22 @@ class TokenBatch:
     @staticmethod
     def build(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], pad_id: int,
               device: torch.device | str = "cpu") -> TokenBatch:
-        """Padded on the host, then copied to ``device`` (the model's) in one go per tensor."""
+        """Padded on the host, then copied to ``device`` (the model's) in one go per tensor.
+
+        A row's last token is a target only (no position reads the logits after it), so the
+        input holds ``prompt + response[:-1]``: ``L = max(len(prompt) + len(response) - 1)``
+        (one token a row fewer to run forward and backward, the same log-probs)."""
         B = len(prompts)
         plen = [len(p) for p in prompts]
         rlen = [len(r) for r in responses]
-        L = max(p + r for p, r in zip(plen, rlen))
+        L = max([p + max(r, 1) - 1 for p, r in zip(plen, rlen)] + [1])
         R = max(rlen) if rlen else 0
         ids = torch.full((B, L), pad_id, dtype=torch.long)
         att = torch.zeros((B, L), dtype=torch.long)
         targets = torch.zeros((B, R), dtype=torch.long)
         mask = torch.zeros((B, R), dtype=torch.float32)
         for i, (p, r) in enumerate(zip(prompts, responses)):
-            seq = list(p) + list(r)
+            seq = (list(p) + list(r))[:L]
             ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             att[i, : len(seq)] = 1
             targets[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.long)
@@ -108,10 +114,19 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
                    entropy: bool = False) -> torch.Tensor:
     """Per response token log-probs ``[B, R]`` (0 where masked). With ``entropy``, also sets
     ``batch.entropy``: the entropy ``-sum_v p_v log p_v`` of each position's (tempered)
-    next-token distribution, differentiable, 0 where masked."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
+    next-token distribution, differentiable, 0 where masked.
+
+    Only the positions from the shortest prompt's last token on get logits (the model's
+    ``logits_to_keep``, where its ``forward`` takes it): the LM head and its backward skip
+    the prompt positions, whose logits no loss reads."""
+    L = batch.input_ids.shape[1]
+    kw: dict[str, Any] = {}
+    keep = L - min(batch.prompt_lens, default=1) + 1
+    if 0 < keep < L and _takes_logits_to_keep(model):
+        kw["logits_to_keep"] = keep
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kw)
     logits = out.logits
-    idx = batch.gather_index()
+    idx = (batch.gather_index() - (L - logits.shape[1])).clamp(min=0)  # into the kept positions
     picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     if temperature > 0 and temperature != 1.0:
         picked = picked / temperature
@@ -122,6 +137,15 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     return logp * batch.mask
 
 
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether ``model.forward`` has a ``logits_to_keep`` parameter (HF causal LMs since 4.50)."""
+    cached = getattr(model, "_asyncflow_logits_to_keep", None)
+    if cached is None:
+        cached = "logits_to_keep" in inspect.signature(model.forward).parameters
+        model._asyncflow_logits_to_keep = cached  # type: ignore[assignment]  # (once per model)
+    return bool(cached)
+
+
 def autocast(dtype: str, device: torch.device | str = "cpu") -> contextlib.AbstractContextManager:
     """The forward's precision context: ``bfloat16`` autocast, or nothing for ``float32``."""
     if dtype == "float32":
@@ -129,78 +153,6 @@ def autocast(dtype: str, device: torch.device | str = "cpu") -> contextlib.Abstr
     if dtype != "bfloat16":
         raise ValueError(f"unknown dtype {dtype!r} (known: float32, bfloat16)")
     return torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16)
-
-
-def token_budget_split(lengths: Sequence[int], max_tokens: int | None) -> list[list[int]]:
-    """Row indices grouped so that ``len(chunk) * max(lengths in chunk) <= max_tokens``.
-
-    Longest first, packed greedily; a row longer than the budget is a chunk of its own.
-    ``None`` = one chunk of every row in the original order.
-
-    >>> token_budget_split([3, 10, 4, 4, 9, 2], 20)
-    [[1, 4], [2, 3, 0, 5]]
-    """
-    if max_tokens is None:
-        return [list(range(len(lengths)))] if len(lengths) else []
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    chunks: list[list[int]] = []
-    for i in order:
-        # Descending order: the chunk's first row is its longest, so its width is fixed.
-        if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= max_tokens:
-            chunks[-1].append(i)
-        else:
-            chunks.append([i])
-    return chunks
-
-
-def padding_split(lengths: Sequence[int], min_saving: int) -> list[list[int]]:
-    """Row indices (longest first) cut into passes wherever a cut saves at least
-    ``min_saving`` padded tokens: a pass costs about ``rows x longest row`` tokens plus a
-    fixed overhead, so a micro-batch of a few long rows and many short ones runs as two
-    passes, and one of similar rows stays one pass. ``0`` = one pass, original order.
-
-    >>> padding_split([10, 50, 10, 10, 50, 10], 60)  # 6 x 50 = 300 -> 2 x 50 + 4 x 10 = 140
-    [[1, 4], [0, 2, 3, 5]]
-    """
-    if not min_saving or len(lengths) < 2:
-        return [list(range(len(lengths)))] if len(lengths) else []
-    rest = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    chunks: list[list[int]] = []
-    while len(rest) > 1:
-        widths = [lengths[i] for i in rest]
-        n, full = len(rest), len(rest) * widths[0]
-        cost, cut = min((j * widths[0] + (n - j) * widths[j], j) for j in range(1, n))
-        if full - cost < min_saving:
-            break
-        chunks.append(rest[:cut])
-        rest = rest[cut:]
-    return chunks + [rest]
-
-
-def take_rows(value: Any, idx: list[int]) -> Any:
-    """Rows ``idx`` of a per-row value (numpy array, list or tuple); anything else as is."""
-    if isinstance(value, np.ndarray):
-        return value[idx]
-    if isinstance(value, (list, tuple)):
-        return [value[i] for i in idx]
-    return value
-
-
-def merge_metrics(parts: list[tuple[int, dict]]) -> dict:
-    """Combine per-chunk metrics: ``*_max`` by max, ``*_min`` by min, the rest row-weighted."""
-    if len(parts) == 1:
-        return parts[0][1]
-    rows = sum(n for n, _ in parts)
-    out = {}
-    for k in parts[0][1]:
-        vals = [(n, m[k]) for n, m in parts if k in m]
-        if k.endswith("_max"):
-            out[k] = max(v for _, v in vals)
-        elif k.endswith("_min"):
-            out[k] = min(v for _, v in vals)
-        else:
-            out[k] = sum(n * v for n, v in vals) / max(rows, 1)
-    return out
 
 
 def shard(model: torch.nn.Module) -> None:
