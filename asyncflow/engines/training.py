@@ -55,7 +55,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from asyncflow.engines.collective import Collective
+from asyncflow.engines.collective import Collective, all_reduce_buckets
 from asyncflow.engines.device import model_device
 from asyncflow.engines.passes import merge_metrics, padding_split, take_rows, token_budget_split
 
@@ -323,8 +323,8 @@ class TrainEngine:
         if self.collective is not None and not self.fsdp:
             self.collective.all_reduce_sum([p.grad for p in params if p.grad is not None])  # (all set above)
         elif not self.fsdp and torch.distributed.is_available() and torch.distributed.is_initialized():
-            for p in params:
-                torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+            all_reduce_buckets([p.grad for p in params if p.grad is not None],  # (all set above)
+                               lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM))
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
