@@ -89,3 +89,23 @@ def merge_metrics(parts: list[tuple[int, dict]]) -> dict:
         else:
             out[k] = sum(n * v for n, v in vals) / max(rows, 1)
     return out
+
+
+def length_sorted_split(lengths: Sequence[int], rows: int) -> list[list[int]]:
+    """Row indices sorted longest first, cut into ``ceil(len / rows)`` passes of near-equal
+    row counts (the first ``len % passes`` one row longer): each pass holds rows of similar
+    length, so little of it is padding.
+
+    >>> length_sorted_split([3, 9, 4, 8, 2], 2)  # 5 rows, at most 2 a pass: 3 passes of 2, 2, 1
+    [[1, 3], [2, 0], [4]]
+    """
+    if not len(lengths):
+        return []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    k = -(-len(order) // max(rows, 1))
+    sizes = [len(order) // k + (1 if i < len(order) % k else 0) for i in range(k)]
+    out, at = [], 0
+    for n in sizes:
+        out.append(order[at: at + n])
+        at += n
+    return out

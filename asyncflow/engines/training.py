@@ -36,6 +36,14 @@ first, only where a cut saves that many padded tokens (:func:`padding_split`), s
 answers among short ones no longer pad every row to their length, and similar rows stay
 one pass. Exact for the same reason.
 
+Passes of a fixed row count (``rows_per_pass``, without a budget; before the padding split):
+a call's rows sorted by length, longest first, and cut into passes of at most that many rows
+(:func:`~asyncflow.engines.passes.length_sorted_split`). A caller that has a whole step's
+rows in hand (``sync``) hands them over in one call and gets passes of similar lengths (256
+warm-start answers in passes of 32: 2,400 tokens run instead of 2,560 in arrival order, 2,351
+of them real; 0.93x the thread CPU). Exact for the same reason. Not with FSDP (ranks must
+run the same passes).
+
 Precision (``dtype``): ``float32``, or ``bfloat16`` as mixed precision: the parameters,
 their gradients and the AdamW states stay float32 (master weights), the forward runs under
 ``torch.autocast(bfloat16)``, and log-softmax is taken in float32. Exported weights are
@@ -57,7 +65,7 @@ import torch.nn.functional as F
 
 from asyncflow.engines.collective import Collective, all_reduce_buckets
 from asyncflow.engines.device import model_device
-from asyncflow.engines.passes import merge_metrics, padding_split, take_rows, token_budget_split
+from asyncflow.engines.passes import length_sorted_split, merge_metrics, padding_split, take_rows, token_budget_split
 
 
 @dataclass
@@ -122,7 +130,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     L = batch.input_ids.shape[1]
     kw: dict[str, Any] = {}
     keep = L - min(batch.prompt_lens, default=1) + 1
-    if 0 < keep < L and _takes_logits_to_keep(model):
+    if 0 < keep < L and takes_logits_to_keep(model):
         kw["logits_to_keep"] = keep
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kw)
     logits = out.logits
@@ -137,7 +145,7 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     return logp * batch.mask
 
 
-def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+def takes_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether ``model.forward`` has a ``logits_to_keep`` parameter (HF causal LMs since 4.50)."""
     cached = getattr(model, "_asyncflow_logits_to_keep", None)
     if cached is None:
@@ -251,7 +259,7 @@ class TrainEngine:
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
                  dtype: str = "float32", fsdp: bool = False, collective: Collective | None = None,
-                 split_padding: int = 0):
+                 split_padding: int = 0, rows_per_pass: int | None = None):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
         self.device = model_device(model)  # batches are built there (resources.device)
@@ -261,6 +269,7 @@ class TrainEngine:
         self.dtype = dtype
         self.max_tokens_per_micro = max_tokens_per_micro
         self.split_padding = 0 if fsdp else split_padding  # FSDP: every rank runs the same passes
+        self.rows_per_pass = None if fsdp else rows_per_pass
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
@@ -284,6 +293,8 @@ class TrainEngine:
 
     def _chunks(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[list[int]]:
         lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        if self.max_tokens_per_micro is None and self.rows_per_pass:
+            return length_sorted_split(lengths, self.rows_per_pass)
         if self.max_tokens_per_micro is None and self.split_padding:
             return padding_split(lengths, self.split_padding)
         return token_budget_split(lengths, self.max_tokens_per_micro)
