@@ -36,7 +36,7 @@ first, only where a cut saves that many padded tokens (:func:`padding_split`), s
 answers among short ones no longer pad every row to their length, and similar rows stay
 one pass. Exact for the same reason.
 
-Passes of a fixed row count (``rows_per_pass``, without a budget; before the padding split):
+Passes of a fixed row count (``rows_per_pass``, without a budget; instead of the padding split):
 a call's rows sorted by length, longest first, and cut into passes of at most that many rows
 (:func:`~asyncflow.engines.passes.length_sorted_split`). A caller that has a whole step's
 rows in hand (``sync``) hands them over in one call and gets passes of similar lengths (256
