@@ -6,8 +6,9 @@ The plain loop (:func:`plain_run`, about 100 lines) drives the same engines asyn
 on the same warm-started tiny model, built from the same config, with nothing around them:
 no data plane, no roles, no Ray, no driver. Per step: sample P prompts, generate G answers
 each (continuous batching, the rollout's sampling parameters), score each with the task's
-reward, GRPO advantages per group, one optimizer step over micro-batches of
-``train.micro_prompts`` groups, and the inference model is the trained one (colocated: one
+reward, GRPO advantages per group, one optimizer step over the step's answers in length-sorted
+passes of ``train.micro_prompts`` groups' answers (the engine's ``rows_per_pass``, as ``sync``'s
+actor), and the inference model is the trained one (colocated: one
 shared model, as in ``sync``). With N processes (``plain-Np``; ``--procs 1 2``, the default,
 runs both as two sides) each process generates and trains its share of the step's prompts
 (rank r: prompts r, r+N, ...) on cores/N torch threads, gradients summed by
@@ -75,13 +76,15 @@ def plain_run(overrides: list[str], model_dir: str, threads: int, rank: int = 0,
     task = build_task(cfg)
     infer = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed + rank,
                             dtype=cfg.model.dtype)
+    # same model: colocated; the step's rows in length-sorted passes of micro_prompts groups' rows, as sync's actor
     engine = TrainEngine(model, tok.pad_token_id, lr=t.lr, weight_decay=t.weight_decay, grad_clip=t.grad_clip,
-                         temperature=r.temperature, schedule=lr_schedule(cfg), **passes(cfg))  # same model: colocated
+                         temperature=r.temperature, schedule=lr_schedule(cfg),
+                         rows_per_pass=t.micro_prompts * r.group_size, **passes(cfg))
     algo = Algorithm.from_config(cfg.algorithm, r.max_new_tokens)
     sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     loss = algo.loss(cfg.batch_size)  # normalised by the whole step's answers (every rank's)
     rng = np.random.default_rng(cfg.seed)  # the same prompts on every rank; each takes its share
-    G, micro = r.group_size, t.micro_prompts
+    G = r.group_size
     ends: list[tuple[float, float, float]] = []
     for _ in range(t.steps):
         problems = [task.train[i] for i in rng.integers(len(task.train), size=t.prompts_per_step)][rank::world]
@@ -97,11 +100,8 @@ def plain_run(overrides: list[str], model_dir: str, threads: int, rank: int = 0,
                 "response_ids": [c.response_ids for c in done]}
         adv = algo.advantages(data)
         t1 = time.perf_counter()
-        for lo in range(0, len(done), micro * G):  # micro-batches of whole groups, as the actor streams them
-            rows = done[lo: lo + micro * G]
-            extras = {"logprobs": [np.asarray(c.logprobs, np.float32) for c in rows],
-                      "advantages": adv[lo: lo + micro * G]}
-            engine.forward_backward([c.prompt_ids for c in rows], [c.response_ids for c in rows], extras, loss)
+        extras = {"logprobs": [np.asarray(c.logprobs, np.float32) for c in done], "advantages": adv}
+        engine.forward_backward([c.prompt_ids for c in done], [c.response_ids for c in done], extras, loss)
         tokens = sum(len(c.response_ids) for c in done)
         if loss.loss_agg == "token-mean":  # (normalised by the step's tokens: every rank's)
             n = torch.tensor([float(tokens)])

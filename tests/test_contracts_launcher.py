@@ -7,6 +7,7 @@ Ray one starts a local Ray of 2 CPUs once for the module. Workers are a small pl
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -51,6 +52,9 @@ class Echo:
 
     def boom(self, message: str) -> None:
         raise EchoError(message)
+
+    def niceness(self) -> int:
+        return os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def _local():
@@ -104,6 +108,13 @@ def test_spawn_call_submit_result(launcher, echo):
     futures = [launcher.submit(echo, "add", k) for k in range(3)]
     assert [launcher.result(f, 10) for f in futures] == [10, 11, 12]
     assert launcher.call(echo, "count") == 4  # one object: calls share its state
+
+
+def test_a_worker_computes_at_the_drivers_priority(kind, launcher, echo):
+    # Ray's default niceness for workers is 15: their compute would yield to every other process
+    if kind == "ray" and not launcher.owns_host:
+        pytest.skip("an instance at RAY_ADDRESS keeps its own worker_niceness")
+    assert launcher.call(echo, "niceness") == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 def test_result_times_out(launcher, echo):

@@ -23,7 +23,7 @@ import torch
 
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.config import AlgorithmConfig, load_config
-from asyncflow.engines.collective import ThreadGroup, ThreadRendezvous
+from asyncflow.engines.collective import ThreadGroup, ThreadRendezvous, all_reduce_buckets, buckets
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine
 from asyncflow.launch.local import LocalLauncher
@@ -184,11 +184,12 @@ def _torch_rank(rank: int, address: str, out: str) -> None:
 
     torch.set_num_threads(1)
     g = TorchGroup(address, rank, 2, timeout_s=60)
-    t = [torch.tensor([1.0, 10.0]) * (rank + 1)]
+    t = [torch.tensor([1.0, 10.0]) * (rank + 1), torch.tensor([[rank, 2.0 * rank], [3.0, 4.0]]),
+         torch.tensor([rank + 5])]  # one float bucket of two tensors, then an int64 one
     g.all_reduce_sum(t)
     got = g.broadcast({"rows": [rank, 7]})
     g.barrier()
-    np.save(f"{out}.{rank}.npy", np.array([*t[0].tolist(), *got["rows"]]))
+    np.save(f"{out}.{rank}.npy", np.array([*t[0].tolist(), *t[1].reshape(-1).tolist(), *t[2].tolist(), *got["rows"]]))
     g.abort()
 
 
@@ -213,8 +214,24 @@ def test_torch_group_of_two_processes(tmp_path):
     """The Ray launcher's group: gloo at a tcp:// rendezvous with a free port."""
     out = str(tmp_path / "got")
     _forked(_torch_rank, out)
-    for rank in range(2):  # (1 + 2) x [1, 10], then rank 0's object
-        assert np.load(f"{out}.{rank}.npy").tolist() == [3.0, 30.0, 0.0, 7.0]
+    for rank in range(2):  # (1 + 2) x [1, 10], [[0 + 1, 0 + 2], [6, 8]], 5 + 6, then rank 0's object
+        assert np.load(f"{out}.{rank}.npy").tolist() == [3.0, 30.0, 1.0, 2.0, 6.0, 8.0, 11.0, 0.0, 7.0]
+
+
+def test_gradient_buckets_hand_computed():
+    f32 = [torch.full((n,), float(n)) for n in (2, 2, 4)]  # 8, 8 and 16 bytes
+    tensors = [*f32, torch.tensor([3]), torch.ones(2, 2)]
+    assert buckets(tensors, bucket_bytes=16) == [[0, 1], [2], [3], [4]]  # dtype changes: a new bucket
+    assert buckets(tensors, bucket_bytes=1 << 20) == [[0, 1, 2], [3], [4]]
+    calls = []
+
+    def double(t):  # a stand-in all-reduce: every element x 2, in place
+        calls.append(t.numel())
+        t.mul_(2)
+
+    all_reduce_buckets(tensors, double, bucket_bytes=16)
+    assert calls == [4, 4, 1, 4]  # one call a bucket (the first two flattened together)
+    assert [t.tolist() for t in tensors] == [[4.0, 4.0], [4.0, 4.0], [8.0] * 4, [6], [[2.0, 2.0], [2.0, 2.0]]]
 
 
 ALGO = Algorithm.from_config(AlgorithmConfig(name="grpo", loss_agg="token-mean"), 8)

@@ -92,8 +92,9 @@ def test_inference_engine_load_weights_sets_version(tok):
 
 def test_token_batch_layout_hand_computed():
     b = TokenBatch.build([[1, 5], [1, 5, 6, 7]], [[8, 9, 2], [4]], pad_id=0)
-    assert b.input_ids.tolist() == [[1, 5, 8, 9, 2], [1, 5, 6, 7, 4]]
-    assert b.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    # a row's last token is a target only: the input is prompt + response[:-1], L = max(p + r - 1) = 4
+    assert b.input_ids.tolist() == [[1, 5, 8, 9], [1, 5, 6, 7]]
+    assert b.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 1, 1]]
     assert b.targets.tolist() == [[8, 9, 2], [4, 0, 0]]
     assert b.mask.tolist() == [[1, 1, 1], [1, 0, 0]]
     # Logits at position t predict token t+1: response token j of row i is predicted at plen-1+j.

@@ -15,6 +15,7 @@ from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.losses import LOSS_AGGS
 from asyncflow.config import ConfigError, load_config
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
+from asyncflow.engines.passes import length_sorted_split
 from asyncflow.engines.training import TrainEngine, merge_metrics, padding_split, token_budget_split
 
 torch.set_num_threads(1)
@@ -59,6 +60,32 @@ def test_padding_split_gradient_equals_one_big_batch(tok):
         grads.append(_grads(model))
     for n in grads[0]:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_length_sorted_split_hand_computed():
+    # longest first: 9 8 | 4 3 | 2 (5 rows, at most 2 a pass: 3 passes of 2, 2, 1)
+    assert length_sorted_split([3, 9, 4, 8, 2], 2) == [[1, 3], [2, 0], [4]]
+    # 5 rows, at most 4 a pass: 2 passes, near-equal (3 + 2, not 4 + 1)
+    assert length_sorted_split([3, 9, 4, 8, 2], 4) == [[1, 3, 2], [0, 4]]
+    assert length_sorted_split([], 4) == [] and length_sorted_split([5], 4) == [[0]]
+
+
+def test_rows_per_pass_gradient_equals_one_big_batch(tok):
+    prompts, responses = _ragged(tok)
+    cur = TrainEngine(build_tiny_model(tok, seed=0), pad_id=PAD).logprobs(prompts, responses)
+    rng = np.random.default_rng(2)
+    extras = {"logprobs": [lp + rng.uniform(-0.3, 0.3, lp.shape).astype(np.float32) for lp in cur],
+              "advantages": rng.normal(size=len(prompts)).astype(np.float32)}
+    loss = Algorithm(loss_agg="seq-mean-token-mean").loss(len(prompts))
+    grads, metrics = [], []
+    for rows in (None, 3):
+        model = build_tiny_model(tok, seed=0)
+        metrics.append(TrainEngine(model, pad_id=PAD, rows_per_pass=rows).forward_backward(prompts, responses,
+                                                                                            extras, loss))
+        grads.append(_grads(model))
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-6, rtol=1e-5, msg=n)
+    assert metrics[1]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-5)
 
 
 def test_merge_metrics_weights_rows():
@@ -186,3 +213,29 @@ def test_engine_config_fields_give_one_line_errors():
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro = 0.*Token budget"):
         load_config(None, ["train.max_tokens_per_micro=0"])
+
+
+def test_trimmed_pass_equals_each_row_alone(tok):
+    """The pass feeds ``prompt + response[:-1]`` and asks logits only from the shortest prompt's
+    last position on (``logits_to_keep``): log-probs and their gradient equal each row's own
+    unpadded full forward, ``log_softmax(logits[len(prompt) - 1 + t])[response[t]]``."""
+    prompts, responses = _ragged(tok)
+    from asyncflow.engines.training import TokenBatch, token_logprobs
+
+    batch = TokenBatch.build(prompts, responses, PAD)
+    assert batch.input_ids.shape[1] == max(len(p) + len(r) - 1 for p, r in zip(prompts, responses))
+    model = build_tiny_model(tok, seed=0)
+    got = token_logprobs(model, batch)
+    got.sum().backward()
+    g_got = _grads(model)
+    model.zero_grad(set_to_none=True)
+    total = torch.zeros(())
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        logits = model(input_ids=torch.tensor([p + r]), use_cache=False).logits[0]
+        want = torch.log_softmax(logits[len(p) - 1: len(p) - 1 + len(r)], -1)[torch.arange(len(r)), torch.tensor(r)]
+        torch.testing.assert_close(got[i, : len(r)].detach(), want.detach(), atol=1e-5, rtol=1e-5)
+        assert float(got[i, len(r):].abs().sum()) == 0.0  # masked
+        total = total + want.sum()
+    total.backward()
+    for n, g in _grads(model).items():
+        torch.testing.assert_close(g_got[n], g, atol=1e-5, rtol=1e-4, msg=n)

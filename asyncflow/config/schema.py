@@ -264,7 +264,8 @@ class TrainConfig(_Section):
                                                         "prompts_per_step x group_size answers.")
     micro_prompts: int = Field(4, gt=0, description="Prompts (whole groups) per streamed micro-batch of "
                                "the trainer, per data-parallel rank (a micro-batch of train.dp ranks: dp x "
-                               "micro_prompts).")
+                               "micro_prompts). mode=sync (not FSDP) fetches a step's rows at once and trains "
+                               "them in length-sorted passes of micro_prompts x group_size rows.")
     lr: float = Field(1e-4, gt=0, description="AdamW learning rate (RL; the SFT warm-start has its own).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0, description="Global gradient-norm clip.")

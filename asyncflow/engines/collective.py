@@ -20,6 +20,12 @@ Two implementations with the same methods:
   bit-identical result. ``abort()`` breaks its barriers (a failed rank must not leave
   the others waiting forever).
 
+Gradient sums travel in buckets (:func:`all_reduce_buckets`): the tensors, in order, are
+flattened into as few contiguous buffers of one dtype and device as fit ``bucket_bytes``
+(32 MiB) each, one all-reduce a buffer, then copied back. One sum per parameter cost a
+round trip each (26 per step on the tiny model; gloo's TCP thread then used ~8% of the
+compute thread's CPU); element-wise sums are the same numbers either way.
+
 Invariant (both): the ops of one *channel* (gradients, control) are called in the same
 order by every rank; a rank that deviates blocks the others until ``timeout_s``.
 """
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -44,6 +50,48 @@ class Collective(Protocol):
     def broadcast(self, obj: Any) -> Any: ...
     def barrier(self) -> None: ...
     def abort(self) -> None: ...
+
+
+BUCKET_BYTES = 32 << 20
+
+
+def buckets(tensors: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES) -> list[list[int]]:
+    """Indices of ``tensors`` in consecutive groups of one dtype and device, each at most
+    ``bucket_bytes`` (a tensor larger than that is a group of its own).
+
+    >>> f = lambda n: torch.zeros(n)  # float32: 4 bytes an element
+    >>> buckets([f(2), f(2), f(4), torch.zeros(1, dtype=torch.int64), f(1)], bucket_bytes=16)
+    [[0, 1], [2], [3], [4]]
+    """
+    out: list[list[int]] = []
+    size, key = 0, None
+    for i, t in enumerate(tensors):
+        n = t.numel() * t.element_size()
+        k = (t.dtype, t.device)
+        if out and k == key and size + n <= bucket_bytes:
+            out[-1].append(i)
+            size += n
+        else:
+            out.append([i])
+            size, key = n, k
+    return out
+
+
+def all_reduce_buckets(tensors: Sequence[torch.Tensor], reduce: Callable[[torch.Tensor], Any],
+                       bucket_bytes: int = BUCKET_BYTES) -> None:
+    """``reduce`` (an in-place all-reduce of one tensor) over ``tensors`` in :func:`buckets`:
+    a bucket of several tensors is flattened into one buffer, reduced, and copied back."""
+    for idx in buckets(tensors, bucket_bytes):
+        if len(idx) == 1:
+            reduce(tensors[idx[0]])
+            continue
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        reduce(flat)
+        at = 0
+        for i in idx:
+            n = tensors[i].numel()
+            tensors[i].copy_(flat[at: at + n].view_as(tensors[i]))
+            at += n
 
 
 def free_address(host: str | None = None) -> str:
@@ -64,8 +112,7 @@ class TorchGroup:
         self._ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> None:
-        for t in tensors:
-            self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM)
+        all_reduce_buckets(tensors, lambda t: self._dist.all_reduce(t, op=self._dist.ReduceOp.SUM))
 
     def broadcast(self, obj: Any) -> Any:
         box = [obj if self.rank == 0 else None]

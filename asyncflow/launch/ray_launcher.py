@@ -10,6 +10,12 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
 * Each role's process starts with ``MALLOC_ARENA_MAX=1`` (:func:`_worker_env`), so its
   compute thread allocates from the arena that :func:`~asyncflow.engines.allocator.keep_heap`
   keeps (``ASYNCFLOW_ARENA_MAX`` sets another count, ``0`` leaves glibc's default).
+* A local instance started here runs its workers at niceness 0 (``worker_niceness``; Ray's
+  default is 15). At 15 every role's compute thread yields its core to any other process
+  (the driver, the data-plane processes, Ray's daemons, anything else on the machine), and a
+  data-parallel rank so delayed holds up the others at the next collective; the plain
+  processes of ``benchmarks/minimal_grpo.py`` run at 0. An instance at ``RAY_ADDRESS`` keeps
+  its own setting.
 * A data-parallel trainer's ranks are actor processes joined by ``torch.distributed``
   (gloo) at a rendezvous address with a free port chosen by rank 0 (``dp_rendezvous``).
 * Actors report no task events to Ray (``enable_task_events=False``): every data-plane and
@@ -80,7 +86,8 @@ class RayLauncher:
             if address:
                 ray.init(address=address, **kwargs)
             else:
-                ray.init(num_cpus=self._num_cpus or os.cpu_count() or 1, **kwargs)
+                ray.init(num_cpus=self._num_cpus or os.cpu_count() or 1, _system_config={"worker_niceness": 0},
+                         **kwargs)
                 self._owns_host = True
             self._owns = True
         self._cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))

@@ -9,9 +9,12 @@ worker plan (:mod:`asyncflow.workflow.plan`).
 Sharing rules (why the order matters): the actor is built first and trains ``ctx.model``
 itself; the rollout engine of a colocated (``sync``) worker decodes with that same model (no
 weight copy); reference and critic take copies (a critic hosted alone takes the model).
-Only the actor of rank 0 publishes weights, and only outside ``sync``. Data-parallel
-``sync`` (``train.dp = N``): rank ``r``'s rollout and reference take only shard ``r``'s
-prompts and rows (:func:`~asyncflow.workflow.plan.sync_share`).
+Only the actor of rank 0 publishes weights, and only outside ``sync``. In ``sync`` (without
+FSDP) the actor fetches a step's rows in one request (the rows are all ready by then) and its
+engine trains them in length-sorted passes of ``train.micro_prompts`` groups' rows
+(``rows_per_pass``): one data-plane round trip and one rank-0 broadcast a step instead of one
+a micro-batch, and less padding. Data-parallel ``sync`` (``train.dp = N``): rank ``r``'s
+rollout and reference take only shard ``r``'s prompts and rows (:func:`~asyncflow.workflow.plan.sync_share`).
 """
 
 from __future__ import annotations
@@ -95,11 +98,16 @@ def algorithm(cfg: RunConfig) -> Algorithm:
 def build_actor(ctx: RoleContext) -> Role:
     cfg, r, t = ctx.cfg, ctx.cfg.rollout, ctx.cfg.train
     fsdp = t.dp > 1 and t.strategy == "fsdp"
+    # sync (not FSDP): the step's rows are all ready at once, so the actor fetches each rank's
+    # share in one go and the engine cuts it into length-sorted passes of micro_prompts groups' rows
+    whole = cfg.mode == "sync" and not fsdp
     engine = TrainEngine(ctx.model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                          grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
-                         collective=ctx.group, fsdp=fsdp, **passes(cfg))
+                         collective=ctx.group, fsdp=fsdp,
+                         rows_per_pass=t.micro_prompts * r.group_size if whole else None, **passes(cfg))
     publish = ctx.weights.publish if (ctx.weights is not None and cfg.mode != "sync" and ctx.rank == 0) else None
-    return ActorRole(engine, ctx.plane, cfg.batch_size, r.group_size, t.micro_prompts, cfg.effective_staleness,
+    fetch_prompts = -(-t.prompts_per_step // t.dp) if whole else t.micro_prompts
+    return ActorRole(engine, ctx.plane, cfg.batch_size, r.group_size, fetch_prompts, cfg.effective_staleness,
                      algorithm=algorithm(cfg), publish=publish, group=ctx.group)
 
 
