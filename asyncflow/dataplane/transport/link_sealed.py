@@ -11,14 +11,16 @@ sealed (:class:`~asyncflow.dataplane.transport.sealed.Sealed`); :func:`open_colu
 opens each fixed column that fills one slice of the caller's output straight into it (one
 pass over the bytes: decrypt and place at once), and every other buffer in place in its
 received frame. Outgoing buffers are sealed into a :class:`BufferPool` (pages reused from
-put to put) and sent without a copy.
+message to message) and sent without a copy; a put's messages go out two at a time
+(:meth:`SealedLink.pipeline`), so the pool holds about three messages, not the whole put.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -40,7 +42,7 @@ class SealedLink(Link):
     def __init__(self, endpoint: str, token: str, loop: asyncio.AbstractEventLoop, session: Session,
                  deadline: float | None) -> None:
         super().__init__(endpoint, token, loop, None, deadline)
-        self.session, self.pool, self.refused = session, BufferPool(), 0
+        self.session, self.pool, self.refused = session, BufferPool(256 << 20), 0
 
     def send(self, op: str, args: dict, buffers: Sequence[Any] = (), noreply: bool = False) -> int:
         rid = next(self.ids)
@@ -50,6 +52,20 @@ class SealedLink(Link):
         self.sock.send_multipart(self.session.seal(pack_header(header), buffers, self.pool.take), copy=False)
         self.loop.call_soon(self._drain)  # a send can consume the edge of a queued reply (see Link.send)
         return rid
+
+    async def pipeline(self, requests: Iterable[tuple[str, dict, Sequence[Any]]], window: int = 2) -> None:
+        """Send ``requests`` (op, args, buffers; generated lazily) with at most ``window``
+        unanswered: sealing request k+1 overlaps sending k, and the pool's buffers of k-1
+        are free again (memory bounded by the window, not by the whole put). Every sent
+        request is awaited before the first error is raised."""
+        pending: deque[asyncio.Future] = deque()
+        try:
+            for op, args, buffers in requests:
+                pending.append(asyncio.ensure_future(self.call(op, args, buffers)))
+                if len(pending) >= window:
+                    await pending.popleft()
+        finally:
+            await gather_all(list(pending))
 
     def _drain(self) -> None:
         sock = self.sock
