@@ -165,8 +165,7 @@ def main() -> None:
             base, _, variant = system.partition("-")  # e.g. "tcp+shm", "plain"
             dep = launch(schema, n_storage=2, transport=base.split("+")[0], secure=variant != "plain")
             try:
-                client = dep.client(use_shm=base.endswith("+shm"))
-                client._core.sealed = variant != "curve"
+                client = dep.client(use_shm=base.endswith("+shm"), sealed=variant != "curve")
                 if args.shm_min is not None:
                     client._core.shm_min_bytes = args.shm_min
                 via[system] = ",".join(client.transports())

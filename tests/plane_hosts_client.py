@@ -112,8 +112,7 @@ def main() -> None:
     plane = ZmqDataPlane(cfg["controller"], credentials=creds, deadline=cfg["deadline"])
     out = round_trip(plane, cfg)
     plane.disconnect()
-    curve = ZmqDataPlane(cfg["controller"], credentials=creds, deadline=cfg["deadline"])
-    curve._core.sealed = False  # the frames on the unit's CURVE socket, as before the bulk port
+    curve = ZmqDataPlane(cfg["controller"], credentials=creds, deadline=cfg["deadline"], sealed=False)  # CURVE socket
     out["curve"] = round_trip(curve, cfg, part="p2")
     curve.disconnect()
     stranger = Credentials(creds.server_public, "", *[k.decode() for k in zmq.curve_keypair()])

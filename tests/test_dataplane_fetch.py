@@ -51,8 +51,7 @@ def test_frames_get_split_per_span_returns_rows_in_order(sealed):
     schema = Schema([Field("x", "float32", (4096,)), Field("n", "int64")])  # 16 KiB a row: 64 rows = 1 MiB
     dep = launch(schema, n_storage=2)
     try:
-        plane = dep.client(use_shm=False)
-        plane._core.sealed = sealed
+        plane = dep.client(use_shm=False, sealed=sealed)
         assert plane.transports() == (["sealed", "sealed"] if sealed else ["zmq", "zmq"])
         x = np.arange(300 * 4096, dtype=np.float32).reshape(300, 4096)
         rows = plane.put({"x": x, "n": np.arange(300)}, partition="p")

@@ -97,10 +97,11 @@ class Deployment:
     folder: str | None = None
     state_dir: str | None = None
 
-    def client(self, use_shm: bool = True, deadline: float | None = None) -> ZmqDataPlane:
-        """A client of this deployment holding the job's client keys (picklable)."""
+    def client(self, use_shm: bool = True, deadline: float | None = None, sealed: bool = True) -> ZmqDataPlane:
+        """A client of this deployment holding the job's client keys (picklable); ``sealed=False``
+        sends frames on the units' CURVE sockets instead of their sealed bulk ports."""
         return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm, credentials=self.credentials,
-                            deadline=DEADLINE_S if deadline is None else deadline)
+                            deadline=DEADLINE_S if deadline is None else deadline, sealed=sealed)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every server process (asks them, then terminates stragglers)."""
