@@ -23,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncflow.dataplane import Field, Schema
+from asyncflow.dataplane.transport import bulk
 from asyncflow.dataplane.transport.auth import Credentials, secure_client
 from asyncflow.dataplane.transport.protocol import encode_columns, pack_header, unpack_header
 from asyncflow.dataplane.transport.sealed import TAG, TO_CLIENT, TO_SERVER, SealError, Session
@@ -184,3 +185,17 @@ def test_a_live_unit_serves_sealed_requests_and_refuses_forged_ones(unit, caplog
     replayed = _seal(me, {"op": "gather", "id": 7, "a": {"rows": [0, 1], "fields": ["x"]}})
     assert _ask(sock, replayed, me)[0]["ok"] and _ask(sock, replayed, me, 400) is None  # answered once
     assert server.bulk.refused == 6
+
+
+def test_sessions_per_unit_are_bounded_oldest_forgotten_first(monkeypatch):
+    monkeypatch.setattr(bulk, "MAX_SESSIONS", 3)
+    ctx = zmq.Context()
+    port = bulk.BulkPort(ctx, "tcp://127.0.0.1:0", 1 << 20, {}, lambda header: None)
+    try:
+        sids = [port.new_session({}, [])["sid"] for _ in range(5)]
+        assert len(set(sids)) == 5 and list(port.sessions) == sids[2:]
+        assert port.endpoint.startswith("tcp://127.0.0.1:") and not port.endpoint.endswith(":0")
+    finally:
+        port.close()
+        ctx.term()
+    assert bulk.bulk_bind("ipc:///run/job/sock/3") == "ipc:///run/job/sock/3.bulk"
