@@ -199,3 +199,13 @@ def test_sessions_per_unit_are_bounded_oldest_forgotten_first(monkeypatch):
         port.close()
         ctx.term()
     assert bulk.bulk_bind("ipc:///run/job/sock/3") == "ipc:///run/job/sock/3.bulk"
+
+
+def test_a_message_of_more_frames_than_a_nonce_can_number_is_refused(monkeypatch):
+    from asyncflow.dataplane.transport import sealed  # reason: patched module, not its names
+
+    client, server = _pair()
+    frames = _seal(client, {"id": 1}, [b"a", b"b", b"c"])
+    monkeypatch.setattr(sealed, "MAX_FRAMES", 3)
+    with pytest.raises(SealError, match="at most 3"):
+        server.open(frames)

@@ -95,7 +95,7 @@ class BulkPort:
                 raise SealError("sealed message of an unknown session (never handed out by this unit, or forgotten)")
             raw, sealed = session.open([f.buffer for f in rest])
             plain = sealed.open_all()
-        except SealError as exc:
+        except Exception as exc:  # SealError, or anything else before authentication: refused, never decoded
             self._refuse(exc)
             return
         header: Any = {}

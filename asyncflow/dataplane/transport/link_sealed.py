@@ -77,7 +77,7 @@ class SealedLink(Link):
             try:
                 raw, sealed = self.session.open([f.buffer for f in frames])
                 header = unpack_header(raw)
-            except ProtocolError as exc:  # SealError included: nothing of it is used
+            except Exception as exc:  # SealError or anything else: nothing of it is used
                 self.refused += 1
                 log.error("data plane: refused a reply from bulk port %s (%s)", self.endpoint, exc)
                 continue

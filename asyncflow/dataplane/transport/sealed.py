@@ -133,8 +133,8 @@ class Session:
         sid, counter, n = envelope_of(env)
         if sid != self.sid:
             raise SealError("sealed message of another session")
-        if n != len(frames) - 1:
-            raise SealError(f"sealed message: {len(frames) - 1} frames, its envelope says {n}")
+        if n != len(frames) - 1 or n > MAX_FRAMES:
+            raise SealError(f"sealed message: {len(frames) - 1} frames, its envelope says {n} (at most {MAX_FRAMES})")
         if counter <= self.seen:
             raise SealError(f"sealed message replayed or reordered (counter {counter}, last accepted {self.seen})")
         peer = 1 - self.mine
