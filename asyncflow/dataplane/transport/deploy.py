@@ -27,7 +27,8 @@ Across hosts: ``--bind ADDR`` (or ``launch(host=ADDR)``) binds and advertises
 file on every host (copied as a 0600 file). A non-loopback address is refused without
 keys, a wildcard always (one-line error). The controller takes the units' endpoints
 (``--storage``, or ``launch(storage=[...], credentials=...)``); clients probe shared memory
-per unit and use ZeroMQ frames (CURVE-encrypted) with a unit on another host.
+per unit and use ZeroMQ frames with a unit on another host, on its sealed bulk port (AES-256-GCM
+under a session key handed out over CURVE: :mod:`asyncflow.dataplane.transport.sealed`).
 """
 
 from __future__ import annotations
