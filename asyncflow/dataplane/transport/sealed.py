@@ -39,6 +39,15 @@ Invariants:
   counter, frame count) and its nonce its index, so a frame moved to another message,
   position or session, or a frame count changed, fails to open.
 * Nothing from a peer without the session key is decoded: msgpack sees only an opened header.
+  A stranger's message costs the unit a 24-byte parse and a lookup (a session id is 64
+  random bits), at most the opening of one header (if it copied a live id off the wire).
+* A message whose header opened but a buffer did not is refused whole, its counter spent
+  (an honest sender's later messages still pass); a buffer opened in place or into the
+  caller's array holds garbage then, and is never used (the unit drops the message, the
+  client's get raises).
+
+Not covered: traffic analysis (sizes, timing and session ids are visible) and an on-path
+peer dropping messages (the caller's deadline then fails the call, as with CURVE).
 """
 
 from __future__ import annotations
