@@ -24,9 +24,14 @@ prints what the client's handshake chose per storage unit):
 * ``tcp+shm`` / ``ipc+shm``: the default, same-host shared memory for messages of at least
   ``--shm-min`` bytes (``asyncflow.dataplane.transport.shm``), frames below;
 * ``tcp`` / ``ipc``: shared memory off (``use_shm=False``): every byte in ZeroMQ frames,
-  what a client on another host gets (CURVE-encrypted, as every deployment);
-* ``tcp-plain``: ``tcp`` with CURVE off (``launch(secure=False)``, loopback only): the
-  frames path without the cipher, to separate the cost of encryption from the transport's.
+  what a client on another host gets, on the units' sealed bulk ports (AES-256-GCM under a
+  session key handed out over CURVE, ``asyncflow.dataplane.transport.sealed``; the default of
+  every secure deployment);
+* ``tcp-curve``: ``tcp`` with the frames on the units' CURVE sockets (``sealed=False``):
+  the cross-host path as it was before the bulk ports;
+* ``tcp-plain`` / ``tcp+shm-plain``: CURVE off (``launch(secure=False)``, loopback only,
+  nothing authenticated or encrypted): the same paths without any cipher, to separate the
+  cost of authentication and encryption from the transport's (printed as ratios at the end).
 First, ``get_meta`` latency of a client in this process against the controller process
 (non-blocking, 1 row, 2000 calls): p50/p99, measured before any throughput run, while no
 Ray is running (TransferQueue's Ray start-up, measured, doubles it for ~20 s).
@@ -119,13 +124,25 @@ def get_meta_latency(plane, calls: int = 2000) -> tuple[float, float]:
     return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
 
 
+def cost_lines(shape: str, results: dict) -> list[str]:
+    """The price of authentication and encryption per path: each secure system's speed
+    over its ``-plain`` twin's (the same path with no keys) in this run."""
+    out = []
+    for secure, plain in (("tcp", "tcp-plain"), ("tcp-curve", "tcp-plain"), ("tcp+shm", "tcp+shm-plain")):
+        a, b = results.get(secure), results.get(plain)
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            out.append(f"{shape}: cost of auth+encryption, {secure} / {plain}: put x{b[0] / a[0]:.2f}, "
+                       f"get x{b[1] / a[1]:.2f} of the plain speed")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="only the small shape")
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--no-tq", action="store_true", help="skip TransferQueue")
-    ap.add_argument("--systems", default="tcp+shm,ipc+shm,tcp,ipc,tcp-plain",
-                    help="distributed systems to run, comma-separated (default: all five)")
+    ap.add_argument("--systems", default="tcp+shm,tcp+shm-plain,tcp,tcp-curve,tcp-plain,ipc+shm,ipc",
+                    help="distributed systems to run, comma-separated (default: all seven)")
     ap.add_argument("--shm-min", type=int, default=None, help="shared-memory threshold in bytes per message")
     args = ap.parse_args()
     systems = [x for x in args.systems.split(",") if x]
@@ -136,7 +153,8 @@ def main() -> None:
     finally:
         dep.shutdown()
     print(f"{'shape':8} {'system':13} {'GB':>6} {'put GB/s':>9} {'get GB/s':>9} {'cold put':>9}  via")
-    ratios = []
+    ratios: list[str] = []
+    costs: list[str] = []
     for name, (b, f, s) in shapes.items():
         data = payload(b, f, s)
         gb = gbytes(data)
@@ -144,10 +162,10 @@ def main() -> None:
         results = {"in-process": bench_ours(DataPlane(schema), data, args.iters)}
         via = {"in-process": "-"}
         for system in systems:
-            dep = launch(schema, n_storage=2, transport=system.split("+")[0].removesuffix("-plain"),
-                         secure=not system.endswith("-plain"))
+            base, _, variant = system.partition("-")  # e.g. "tcp+shm", "plain"
+            dep = launch(schema, n_storage=2, transport=base.split("+")[0], secure=variant != "plain")
             try:
-                client = dep.client(use_shm=system.endswith("+shm"))
+                client = dep.client(use_shm=base.endswith("+shm"), sealed=variant != "curve")
                 if args.shm_min is not None:
                     client._core.shm_min_bytes = args.shm_min
                 via[system] = ",".join(client.transports())
@@ -166,9 +184,12 @@ def main() -> None:
                 (dp_, dg, dc), (tp, tg, tc) = results[system], results["transferqueue"]
                 ratios.append(f"{name}: {system}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}"
                               f" (cold put x{tc / dc:.2f})")
+        costs += cost_lines(name, results)
         del data
         gc.collect()
     for line in ratios:
+        print(line)
+    for line in costs:
         print(line)
     print(f"get_meta latency, client process -> controller process: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
 

@@ -56,7 +56,35 @@ def ping_unit(unit: str, creds: Credentials, wait_s: float) -> bool:
     return answered
 
 
-def round_trip(plane: ZmqDataPlane, cfg: dict) -> dict:
+def bulk_pings(unit: str, creds: Credentials, wait_s: float) -> dict:
+    """The unit's sealed bulk port, asked for over CURVE with the job's keys: a ping sealed
+    under the session is answered; one under a random key (the real session id) or a
+    random session is not."""
+    from asyncflow.dataplane.transport.protocol import unpack_header  # reason: test helper, keep imports short
+    from asyncflow.dataplane.transport.sealed import TO_SERVER, Session
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    secure_client(sock, creds)
+    sock.connect(unit)
+    sock.send_multipart([pack_header({"op": "bulk_session", "id": 1})])
+    got = unpack_header(sock.recv_multipart()[0])["r"] if sock.poll(int(wait_s * 1000)) else None
+    out = {"session": got is not None}
+    if got is not None:
+        host = unit.rsplit(":", 1)[0]
+        for name, sid, key in (("forged_key", got["sid"], bytes(32)), ("forged_session", bytes(8), got["key"]),
+                               ("job", got["sid"], got["key"])):
+            bulk = ctx.socket(zmq.DEALER)
+            bulk.linger = 0
+            bulk.connect(host + ":" + got["endpoint"].rsplit(":", 1)[1])
+            bulk.send_multipart(Session(sid, key, TO_SERVER).seal(pack_header({"op": "ping", "id": 1}), [], bytearray))
+            out[name] = bool(bulk.poll(int(wait_s * 1000)))
+    ctx.destroy(linger=0)
+    return out
+
+
+def round_trip(plane: ZmqDataPlane, cfg: dict, part: str = "p") -> dict:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((8, 4)).astype(np.float32)
     n = 8 * 128 * 1024 * 4  # 4 MiB: over shared memory's threshold
@@ -65,8 +93,8 @@ def round_trip(plane: ZmqDataPlane, cfg: dict) -> dict:
     spy = threading.Thread(target=sniff, args=(cfg["dev"], stop, seen), daemon=True)
     spy.start()
     time.sleep(0.2)
-    rows = plane.put({"x": x, "wide": wide}, partition="p")
-    meta, data = plane.get_batch("t", ["x", "wide"], n=8, partition="p", timeout=cfg["deadline"])
+    rows = plane.put({"x": x, "wide": wide}, partition=part)
+    meta, data = plane.get_batch("t", ["x", "wide"], n=8, partition=part, timeout=cfg["deadline"])
     time.sleep(0.2)
     stop.set()
     spy.join(5)
@@ -84,6 +112,9 @@ def main() -> None:
     plane = ZmqDataPlane(cfg["controller"], credentials=creds, deadline=cfg["deadline"])
     out = round_trip(plane, cfg)
     plane.disconnect()
+    curve = ZmqDataPlane(cfg["controller"], credentials=creds, deadline=cfg["deadline"], sealed=False)  # CURVE socket
+    out["curve"] = round_trip(curve, cfg, part="p2")
+    curve.disconnect()
     stranger = Credentials(creds.server_public, "", *[k.decode() for k in zmq.curve_keypair()])
     t0 = time.monotonic()
     try:
@@ -94,6 +125,7 @@ def main() -> None:
     out["stranger_s"] = time.monotonic() - t0
     out["unit_answers_job"] = ping_unit(out["units"][0], creds, 5.0)
     out["unit_answers_stranger"] = ping_unit(out["units"][0], stranger, 3.0)
+    out["bulk"] = bulk_pings(out["units"][0], creds, 3.0)
     print(json.dumps(out), flush=True)
 
 

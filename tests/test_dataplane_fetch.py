@@ -45,12 +45,14 @@ def test_plan_covers_every_row_once_and_place_reassembles(rows, n_units, row_byt
     assert out["a"].tolist() == [[r, 2 * r] for r in rows]
 
 
-def test_frames_get_split_per_span_returns_rows_in_order():
+@pytest.mark.parametrize("sealed", [True, False])
+def test_frames_get_split_per_span_returns_rows_in_order(sealed):
+    """Frames on the units' sealed bulk ports (the default) and on their CURVE sockets."""
     schema = Schema([Field("x", "float32", (4096,)), Field("n", "int64")])  # 16 KiB a row: 64 rows = 1 MiB
     dep = launch(schema, n_storage=2)
     try:
-        plane = dep.client(use_shm=False)
-        assert plane.transports() == ["zmq", "zmq"]
+        plane = dep.client(use_shm=False, sealed=sealed)
+        assert plane.transports() == (["sealed", "sealed"] if sealed else ["zmq", "zmq"])
         x = np.arange(300 * 4096, dtype=np.float32).reshape(300, 4096)
         rows = plane.put({"x": x, "n": np.arange(300)}, partition="p")
         meta, got = plane.get_batch("t", ["x", "n"], n=300, partition="p")

@@ -7,7 +7,8 @@ storage unit runs as started by hand on another host (``deploy storage --bind <B
 hosts, a segment the client writes is not the unit's to read. In A the controller
 (``--bind <A addr> --storage <B endpoint>``) and a client (``tests/plane_hosts_client.py``):
 rows put and read back equal, through ZeroMQ frames (the shared-memory probe fails
-cleanly), every socket CURVE-authenticated and encrypted: a marker text in the data is
+cleanly), on the unit's sealed bulk port (AES-256-GCM under a session handed out over
+CURVE) and again on its CURVE socket, every byte authenticated and encrypted: a marker text in the data is
 nowhere in the frames captured on the veth (a raw packet socket in A), and a client with
 a stranger's keys is refused within its deadline by the controller and gets no answer
 from the unit. Also: a non-loopback bind without keys, a wildcard, or an address not on
@@ -117,7 +118,7 @@ def _start(ns: str, *cmd: str, private_shm: bool = False) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
 
 
-def test_a_unit_on_another_host_serves_frames_over_curve(pair, tmp_path):
+def test_a_unit_on_another_host_serves_frames_sealed_and_over_curve(pair, tmp_path):
     keys, schema = tmp_path / "job.keys", tmp_path / "schema.json"
     schema.write_text(json.dumps([["x", "float32", [4], False], ["wide", "float32", [128 * 1024], False]]))
     subprocess.run([*DEPLOY, "keys", str(keys)], check=True, env=ENV, timeout=60)
@@ -137,8 +138,12 @@ def test_a_unit_on_another_host_serves_frames_over_curve(pair, tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
         report = json.loads(out.stdout.strip().splitlines()[-1])
         assert report["units"] == [unit] and report["rows"] == list(range(8))
-        assert report["equal"] and report["transports"] == ["zmq"]  # frames: the probe failed, cleanly
-        assert report["wire_bytes"] > 2 * 4 << 20 and report["marker_on_wire"] == 0, report  # encrypted
+        assert report["equal"] and report["transports"] == ["sealed"]  # frames (the probe failed, cleanly) on
+        assert report["wire_bytes"] > 2 * 4 << 20 and report["marker_on_wire"] == 0, report  # the sealed port
+        curve = report["curve"]  # the same over the unit's CURVE socket
+        assert curve["equal"] and curve["transports"] == ["zmq"] and curve["rows"] == list(range(8, 16))
+        assert curve["wire_bytes"] > 2 * 4 << 20 and curve["marker_on_wire"] == 0, curve
+        assert report["bulk"] == {"session": True, "forged_key": False, "forged_session": False, "job": True}
         assert "authentication refused" in report["stranger"] and report["stranger_s"] < 10, report
         assert report["unit_answers_job"] is True and report["unit_answers_stranger"] is False
         assert time.monotonic() - t0 < 110
@@ -204,7 +209,7 @@ def test_ray_across_two_nodes_runs_the_zeromq_plane_on_both(pair):
         assert report["kind"] == "ZmqDataPlane" and report["equal"], report
         hosts = [u.split("//")[1].rsplit(":", 1)[0] for u in report["units"]]
         assert sorted(hosts) == sorted([pair.addr_a, pair.addr_b]), report
-        assert {h: t for h, t in zip(hosts, report["transports"])} == {pair.addr_a: "shm", pair.addr_b: "zmq"}
+        assert {h: t for h, t in zip(hosts, report["transports"])} == {pair.addr_a: "shm", pair.addr_b: "sealed"}
         assert set(Path(tempfile.gettempdir()).glob("asyncflow-unit-*")) <= folders  # the units' folders removed
     finally:
         pair.down()  # the Ray processes live in the two namespaces: stopped by pid, nothing else

@@ -15,6 +15,15 @@ Security model (see also README "Safety and failures"):
   A peer without the job's keys never gets a request decoded: its handshake fails before
   any frame reaches the request loop; the server counts and logs it (``stats``:
   ``refused``).
+* The one socket that is not a CURVE server: a storage unit's *bulk port*
+  (:mod:`asyncflow.dataplane.transport.bulk`), for put and get bytes that do not go
+  through shared memory. It authenticates every message instead of the connection: each is
+  sealed with AES-256-GCM under a session key the unit handed out over CURVE (so only a
+  client that passed the handshake above holds one), with per-direction counters that
+  never repeat and are accepted only increasing (:mod:`asyncflow.dataplane.transport.sealed`).
+  A message that does not open is dropped unread and logged; the port serves only
+  ``write``, ``gather`` and ``ping``. AES-GCM with AES-NI runs at 4-6 GB/s a core here,
+  against CURVE's 0.5-0.8 GB/s on libzmq's one I/O thread.
 * The optional token (``ASYNCFLOW_PLANE_TOKEN``) is checked on top, inside the encrypted
   channel; a server without a token refuses a request that carries one (a mismatch of
   deployments, never silently accepted).

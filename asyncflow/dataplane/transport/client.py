@@ -64,8 +64,8 @@ class ZmqDataPlane:
     coroutine on a private event-loop thread and returns its result (thread-safe)."""
 
     def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
-                 credentials: Credentials | None = None, deadline: float = DEADLINE_S) -> None:
-        self.endpoint, self.token, self.use_shm = endpoint, token, use_shm
+                 credentials: Credentials | None = None, deadline: float = DEADLINE_S, sealed: bool = True) -> None:
+        self.endpoint, self.token, self.use_shm, self.sealed = endpoint, token, use_shm, sealed
         self.credentials = None if credentials is None else credentials.for_client()
         self.deadline = deadline
         self._reset()
@@ -73,7 +73,7 @@ class ZmqDataPlane:
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._core = AsyncZmqDataPlane(self.endpoint, self.token, self.use_shm, credentials=self.credentials,
-                                       deadline=self.deadline)
+                                       deadline=self.deadline, sealed=self.sealed)
         self._thread: _LoopThread | None = None
         self._finalizer: weakref.finalize | None = None
         self._lock = threading.Lock()
@@ -81,14 +81,14 @@ class ZmqDataPlane:
     def __getstate__(self) -> dict:
         return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm,
                 "keys": None if self.credentials is None else self.credentials.to_msg(),
-                "deadline": self.deadline}
+                "deadline": self.deadline, "sealed": self.sealed}
 
     def __setstate__(self, state: dict) -> None:
         self.endpoint, self.token = state["endpoint"], state["token"]
         self.use_shm = state.get("use_shm", True)
         keys = state.get("keys")
         self.credentials = None if keys is None else Credentials.from_msg(keys)
-        self.deadline = state.get("deadline", DEADLINE_S)
+        self.deadline, self.sealed = state.get("deadline", DEADLINE_S), state.get("sealed", True)
         self._reset()
 
     def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:

@@ -6,23 +6,22 @@ private event-loop thread. Both are picklable (only ``(endpoint, token, credenti
 sockets, the schema fetched with ``hello`` and the loop thread are created lazily in the
 process that uses the copy, and again after a fork). There are no module-level clients.
 
-Wire: the core talks to a :class:`~asyncflow.dataplane.transport.controller_server.ControllerServer` (row ids)
-and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)`` (blocks
-of 64 consecutive ids, round-robin), so a put sends each unit its rows (its contiguous
-slices, views of the validated arrays: no copy) and a get asks every unit at once: one
-request per big slice (answered with a view of the block the put wrote, no copy on the
-unit) plus one for a unit's small slices (one per unit with shared memory; see
-:mod:`asyncflow.dataplane.transport.fetch`), each answer placed in ``meta.rows`` order as
-it arrives. One DEALER socket per server per core, shared by every coroutine: each
-request carries an id and the loop's reader callback on the socket hands each reply to
-the coroutine waiting for that id, so any number of calls (e.g. several ``get_meta``
-parked on the server) wait at once without holding each other up. Blocking happens
-server-side, so timeouts and ``close`` behave exactly as in process. On one host, a unit's part of a put of at least
-``shm_min_bytes`` goes through one shared-memory segment instead of frames (written into a
-cleared segment the unit recycles when it is at least ``recycle_min_bytes``), and gets
-answer with segment refs (:mod:`asyncflow.dataplane.transport.shm`; probed per unit at connect;
-``use_shm=False`` or ``ASYNCFLOW_PLANE_SHM=0`` turns it off). Below the threshold, or without
-shared memory, each contiguous slice is one message of frames.
+Wire: the core talks to a :class:`~asyncflow.dataplane.transport.controller_server.ControllerServer`
+(row ids) and, directly, to its storage units (bytes): rows live on unit ``shard_of(row)``
+(blocks of 64 consecutive ids, round-robin), so a put sends each unit its contiguous slices
+(views of the validated arrays) and a get asks every unit at once: one request per big
+slice (answered with a view of the block the put wrote) plus one for a unit's small slices
+(:mod:`~.fetch`), each answer placed in ``meta.rows`` order as it arrives. One DEALER
+socket per server per core, shared by every coroutine: each request carries an id and the
+loop's reader hands each reply to the coroutine waiting for it, so any number of calls
+(e.g. parked ``get_meta``) wait at once. Blocking happens server-side, so timeouts and
+``close`` behave as in process. On one host, a unit's part of a put of at least
+``shm_min_bytes`` goes through one shared-memory segment (a recycled one when at least
+``recycle_min_bytes``), and gets answer with segment refs (:mod:`~.shm`; probed per unit
+at connect; ``use_shm=False`` or ``ASYNCFLOW_PLANE_SHM=0`` turns it off). Otherwise each
+slice is one message of frames: with credentials, on the unit's sealed bulk port
+(AES-256-GCM, :mod:`~.sealed`, :mod:`~.link_sealed`; ``sealed=False``: on its CURVE socket),
+a put's slices two at a time, a get's fixed columns decrypted straight into place.
 
 Invariants:
 
@@ -67,6 +66,7 @@ from asyncflow.dataplane.transport.client_acks import ClientAcks
 from asyncflow.dataplane.transport.fetch import place, plan_requests
 from asyncflow.dataplane.transport.link import DEADLINE_S, gather_all
 from asyncflow.dataplane.transport.link import Link as _Link
+from asyncflow.dataplane.transport.link_sealed import SealedLink, connect_units, open_columns
 from asyncflow.dataplane.transport.protocol import (
     concat_spec,
     decode_columns,
@@ -75,6 +75,7 @@ from asyncflow.dataplane.transport.protocol import (
     runs,
     sampler_to_msg,
 )
+from asyncflow.dataplane.transport.sealed import Sealed
 
 __all__ = ["AsyncZmqDataPlane"]
 
@@ -83,8 +84,8 @@ class AsyncZmqDataPlane(ClientAcks):
 
     def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
                  shm_min_bytes: int = shm.MIN_BYTES, credentials: Credentials | None = None,
-                 deadline: float = DEADLINE_S) -> None:
-        self.endpoint, self.token = endpoint, token
+                 deadline: float = DEADLINE_S, sealed: bool = True) -> None:
+        self.endpoint, self.token, self.sealed = endpoint, token, sealed  # sealed: frames on units' bulk ports
         self.credentials = None if credentials is None else credentials.for_client()
         if not (isinstance(deadline, (int, float)) and deadline > 0):
             raise ValueError(f"deadline must be a number of seconds > 0, got {deadline!r}")
@@ -98,6 +99,7 @@ class AsyncZmqDataPlane(ClientAcks):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ctrl: _Link | None = None
         self._units: list[_Link] = []
+        self._bulk: list[SealedLink | None] = []  # per unit: its sealed bulk link, for frames
         self._unit_endpoints: list[str] = []
         self._shm_prefix: list[str | None] = []  # per unit: its segment prefix, if shared memory works
         self._schema: Schema | None = None
@@ -109,15 +111,14 @@ class AsyncZmqDataPlane(ClientAcks):
         return {"endpoint": self.endpoint, "token": self.token, "use_shm": self.use_shm,
                 "shm_min_bytes": self.shm_min_bytes, "recycle_min_bytes": self.recycle_min_bytes,
                 "keys": None if self.credentials is None else self.credentials.to_msg(),
-                "deadline": self.deadline}
+                "deadline": self.deadline, "sealed": self.sealed}
 
     def __setstate__(self, state: dict) -> None:
         self.endpoint, self.token = state["endpoint"], state["token"]
         keys = state.get("keys")
         self.credentials = None if keys is None else Credentials.from_msg(keys)
-        self.deadline = state.get("deadline", DEADLINE_S)
-        self.use_shm = state.get("use_shm", True)
-        self.shm_min_bytes = state.get("shm_min_bytes", shm.MIN_BYTES)
+        self.deadline, self.use_shm = state.get("deadline", DEADLINE_S), state.get("use_shm", True)
+        self.shm_min_bytes, self.sealed = state.get("shm_min_bytes", shm.MIN_BYTES), state.get("sealed", True)
         self.recycle_min_bytes = state.get("recycle_min_bytes", shm.RECYCLE_MIN)
         self._reset()
 
@@ -149,14 +150,10 @@ class AsyncZmqDataPlane(ClientAcks):
         assert self._ctrl is not None  # created with the hello task
         hello, _ = await self._ctrl.call("hello", {})
         units = [self._link(ep, loop) for ep in hello["storage"]]
-        try:
-            prefixes = await gather_all([shm.handshake(u.call) for u in units]) if shm.enabled(self.use_shm) \
-                else [None] * len(units)
-        except BaseException:
-            for u in units:
-                u.close()
-            raise
-        self._unit_endpoints, self._units, self._shm_prefix = list(hello["storage"]), units, prefixes
+        self._shm_prefix, self._bulk = await connect_units(
+            units, shm.enabled(self.use_shm), self.sealed and self.credentials is not None, self.token or "", loop,
+            self.deadline)
+        self._unit_endpoints, self._units = list(hello["storage"]), units
         self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
 
     def _link(self, endpoint: str, loop: asyncio.AbstractEventLoop) -> _Link:
@@ -177,9 +174,10 @@ class AsyncZmqDataPlane(ClientAcks):
         return self._schema
 
     async def transports(self) -> list[str]:
-        """Per storage unit: ``"shm"`` (big buffers through shared memory) or ``"zmq"``."""
+        """Per unit: ``"shm"`` (shared memory), ``"sealed"`` (frames, bulk port) or ``"zmq"`` (frames)."""
         await self._enter()
-        return ["zmq" if p is None else "shm" for p in self._shm_prefix]
+        return ["shm" if p is not None else "sealed" if b is not None else "zmq"
+                for p, b in zip(self._shm_prefix, self._bulk)]
 
     async def storage_endpoints(self) -> list[str]:
         """The storage units' endpoints, in shard order."""
@@ -247,6 +245,10 @@ class AsyncZmqDataPlane(ClientAcks):
                 finally:
                     shm.unlink(name)  # a no-op once the unit adopted (renamed) it
                 return
+        if (sealed := self._bulk[unit]) is not None:  # two spans in flight: sealing k+1 overlaps sending k
+            await sealed.pipeline(("write", {"rows": rows[i:j], "cols": s[0]}, s[1]) for i, j in spans
+                                  for s in [encode_columns({k: v[i:j] for k, v in columns.items()})])
+            return
         for i, j in spans:
             spec, buffers = encode_columns({k: v[i:j] for k, v in columns.items()})
             await link.call("write", {"rows": rows[i:j], "cols": spec}, buffers)
@@ -340,10 +342,12 @@ class AsyncZmqDataPlane(ClientAcks):
         whole = len(plan) == 1 and len(plan[0][1]) == 1
 
         async def fetch(u: int, spans: list[tuple[int, int]]) -> None:  # placed as it arrives: copy k, receive k+1
-            spec, frames = await self._units[u].call("gather", {
+            spec, frames = await (self._bulk[u] or self._units[u]).call("gather", {
                 "rows": [r for i, j in spans for r in rows[i:j]], "fields": names, "pid": os.getpid(),
                 "shm": None if self._shm_prefix[u] is None else self.shm_min_bytes})
-            if isinstance(spec, dict):  # shared-memory refs (and frames for the small rest)
+            if isinstance(frames, Sealed):  # the bulk port: fixed columns decrypted straight into place
+                spec, frames = open_columns(spec, frames, out, spans)
+            elif isinstance(spec, dict):  # shared-memory refs (and frames for the small rest)
                 spec, frames = spec["cols"], shm.map_refs(spec["shm"], frames, self._shm_prefix[u] or "?")
             place(out, spans, decode_columns(spec, frames), whole)
 
@@ -390,7 +394,7 @@ class AsyncZmqDataPlane(ClientAcks):
         if self._loop is not None and self._loop is asyncio.get_running_loop():
             while self._sent:
                 await asyncio.wait(list(self._sent))
-        for link in [self._ctrl, *self._units]:
+        for link in [self._ctrl, *self._units, *self._bulk]:
             if link is not None:
                 link.close()
         self._reset()

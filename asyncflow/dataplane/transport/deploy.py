@@ -27,7 +27,8 @@ Across hosts: ``--bind ADDR`` (or ``launch(host=ADDR)``) binds and advertises
 file on every host (copied as a 0600 file). A non-loopback address is refused without
 keys, a wildcard always (one-line error). The controller takes the units' endpoints
 (``--storage``, or ``launch(storage=[...], credentials=...)``); clients probe shared memory
-per unit and use ZeroMQ frames (CURVE-encrypted) with a unit on another host.
+per unit and use ZeroMQ frames with a unit on another host, on its sealed bulk port (AES-256-GCM
+under a session key handed out over CURVE: :mod:`asyncflow.dataplane.transport.sealed`).
 """
 
 from __future__ import annotations
@@ -97,10 +98,11 @@ class Deployment:
     folder: str | None = None
     state_dir: str | None = None
 
-    def client(self, use_shm: bool = True, deadline: float | None = None) -> ZmqDataPlane:
-        """A client of this deployment holding the job's client keys (picklable)."""
+    def client(self, use_shm: bool = True, deadline: float | None = None, sealed: bool = True) -> ZmqDataPlane:
+        """A client of this deployment holding the job's client keys (picklable); ``sealed=False``
+        sends frames on the units' CURVE sockets instead of their sealed bulk ports."""
         return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm, credentials=self.credentials,
-                            deadline=DEADLINE_S if deadline is None else deadline)
+                            deadline=DEADLINE_S if deadline is None else deadline, sealed=sealed)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every server process (asks them, then terminates stragglers)."""

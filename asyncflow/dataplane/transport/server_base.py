@@ -69,6 +69,12 @@ class _Server:
                 self.poller.register(s, zmq.POLLIN)
         self.parking_ops: frozenset[str] = frozenset()  # handlers that may answer later
         self.ops: dict[str, Callable[..., Any]] = {"ping": lambda h, f: "pong", "shutdown": self._shutdown}
+        self.side: dict[zmq.Socket, Callable[[], None]] = {}  # more sockets of this loop: socket -> drain
+
+    def add_side(self, sock: zmq.Socket, drain: Callable[[], None]) -> None:
+        """Serve another socket of this server's context in the same loop (``drain`` reads it)."""
+        self.side[sock] = drain
+        self.poller.register(sock, zmq.POLLIN)
 
     def _shutdown(self, header: dict, frames: list) -> None:
         self.running = False
@@ -159,6 +165,9 @@ class _Server:
                         self.handle(frames)
                         if not self.running:
                             break
+                for sock, drain in self.side.items():
+                    if sock in ready and self.running:
+                        drain()
                 self.on_idle()
         finally:
             self.sock.disable_monitor()
