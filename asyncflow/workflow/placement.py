@@ -98,6 +98,16 @@ class GroupPlacer:
             raise RuntimeError(f"group {gid} restarted but it is not running")
         self.running[gid] = max(self.running[gid], version + self.k)
 
+    def adopt(self, gid: int, version: int) -> bool:
+        """A group started at ``version`` before a restart joins as running (it continues, its
+        deadline still ``version + k``), counted as started, if every firm group stays feasible
+        with it; False (nothing changes) if not: restart it from its prompt instead."""
+        if gid in self.running or not self._feasible(None, add=version + self.k):
+            return False
+        self.started += 1
+        self.running[gid] = version + self.k
+        return True
+
     def drop(self, gid: int) -> None:
         """The finished group ``gid`` will not be trained: forget it, free its admission."""
         self._forget(gid)
