@@ -37,7 +37,8 @@ class Job:
         self.cfg, self.launcher = cfg, launcher
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
-        self.plane = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
+        r = cfg.resources
+        self.plane = launcher.data_plane(SCHEMA, r.data_plane, r.storage_units, r.handout_ttl_s, r.unit_deadline_s)
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
         self.workers: dict = {}
