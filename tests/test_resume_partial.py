@@ -15,6 +15,8 @@ saved tokens (:mod:`asyncflow.workflow.inflight`).
 from __future__ import annotations
 
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -172,3 +174,27 @@ def test_a_group_too_old_for_the_bound_restarts_from_its_prompt():
     ok = new_role(DataPlane(SCHEMA), K)
     ok.weights.stage(3)
     assert sorted(ok.resume(3, 3, 1.0, (tensors, meta))) == sorted(g for g, w in groups.items() if w + K >= 3)
+
+
+def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_error():
+    cfg = load_config(None, [f"train.steps={N}", f"train.prompts_per_step={P}", "train.micro_prompts=1", "seed=3"])
+    plane = DataPlane(SCHEMA)
+    feeder = PromptFeeder(cfg, build_char_tokenizer(), build_task(cfg), plane)
+    role, rows = new_role(plane, K), {}
+    train_steps(role, plane, feeder, range(2), rows, polls_after=2)
+    got: dict = {}
+    asker = threading.Thread(target=lambda: got.update(snap=role.snapshot_in_flight(5.0)))
+    asker.start()
+    t = time.monotonic()
+    while role.asked is None:
+        assert time.monotonic() - t < 5
+        time.sleep(0.001)
+    expected = inflight.capture(role)  # the groups in flight now, before the loop's next poll serves it
+    role.poll(0.001)
+    asker.join(5.0)
+    tensors, meta = got["snap"]
+    assert meta == expected[1] and meta["answers"] and meta["started"] >= 2 * P
+    assert all(np.array_equal(tensors[k], v) for k, v in expected[0].items()) and tensors.keys() == expected[0].keys()
+    role.error = RuntimeError("rollout died")  # (its loop is gone: the request is never served)
+    with pytest.raises(RuntimeError, match="rollout stopped before its checkpoint snapshot"):
+        role.snapshot_in_flight(5.0)

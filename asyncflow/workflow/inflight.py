@@ -34,6 +34,7 @@ the checkpoint are re-issued), its live answers decode on from their saved token
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -59,10 +60,15 @@ class SnapshotRequest:
             self._error = e
         self._done.set()
 
-    def wait(self, timeout: float) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"rollout did not take its checkpoint snapshot within {timeout:.0f} s "
-                               "(its loop is not running)")
+    def wait(self, timeout: float, role: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The snapshot, once ``role``'s loop has served it; an error if the loop stopped or
+        did not serve it within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._done.wait(0.2):
+            if role.error is not None:
+                raise RuntimeError(f"rollout stopped before its checkpoint snapshot: {role.error!r}") from role.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout did not take its checkpoint snapshot within {timeout:.0f} s")
         if self._error is not None:
             raise self._error
         assert self._out is not None  # set with done

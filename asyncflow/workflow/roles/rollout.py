@@ -160,7 +160,7 @@ class RolloutRole(Role):
     def snapshot_in_flight(self, timeout: float) -> Snapshot:
         """The running groups, taken by rollout's loop between two polls (:mod:`asyncflow.workflow.inflight`)."""
         self.asked = asked = inflight.SnapshotRequest()
-        return asked.wait(timeout)
+        return asked.wait(timeout, self)
 
     @property
     def staleness(self) -> int:
