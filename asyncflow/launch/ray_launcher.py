@@ -128,6 +128,10 @@ class RayLauncher:
         actor = ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64, enable_task_events=False)
         return RayDataPlane(actor.remote(schema, handout_ttl=handout_ttl))
 
+    def plane_names(self) -> dict[str, str]:
+        """What each data-plane address is, for error lines (the controllers' endpoints)."""
+        return {d.endpoint: "the data plane's controller" for d in self._deployments}
+
     def weight_store(self) -> RayWeightStore:
         self._start()
         return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16,
