@@ -38,7 +38,8 @@ class Job:
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
         r = cfg.resources
-        self.plane = launcher.data_plane(SCHEMA, r.data_plane, r.storage_units, r.handout_ttl_s, r.unit_deadline_s)
+        self.plane = launcher.data_plane(SCHEMA, r.data_plane, r.storage_units, handout_ttl=r.handout_ttl_s,
+                                         unit_deadline=r.unit_deadline_s)
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
         self.workers: dict = {}
