@@ -196,5 +196,5 @@ def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_err
     assert meta == expected[1] and meta["answers"] and meta["started"] >= 2 * P
     assert all(np.array_equal(tensors[k], v) for k, v in expected[0].items()) and tensors.keys() == expected[0].keys()
     role.error = RuntimeError("rollout died")  # (its loop is gone: the request is never served)
-    with pytest.raises(RuntimeError, match="rollout stopped before its checkpoint snapshot"):
+    with pytest.raises(RuntimeError, match="rollout died"):  # (the loop's own error, as its health check raises)
         role.snapshot_in_flight(5.0)

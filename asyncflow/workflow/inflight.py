@@ -61,12 +61,12 @@ class SnapshotRequest:
         self._done.set()
 
     def wait(self, timeout: float, role: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-        """The snapshot, once ``role``'s loop has served it; an error if the loop stopped or
-        did not serve it within ``timeout`` seconds."""
+        """The snapshot, once ``role``'s loop has served it; the loop's error if it stopped, a
+        ``TimeoutError`` if it did not serve it within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
         while not self._done.wait(0.2):
-            if role.error is not None:
-                raise RuntimeError(f"rollout stopped before its checkpoint snapshot: {role.error!r}") from role.error
+            if role.error is not None:  # (its loop stopped: its own error, as the health check raises it)
+                raise role.error
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rollout did not take its checkpoint snapshot within {timeout:.0f} s")
         if self._error is not None:

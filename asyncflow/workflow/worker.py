@@ -256,7 +256,11 @@ class Worker:
 
     def rollout_snapshot(self, timeout: float) -> Snapshot:
         """Rollout's groups in flight now (:mod:`asyncflow.workflow.inflight`)."""
-        return self.roles["rollout"].snapshot_in_flight(timeout)
+        try:
+            return self.roles["rollout"].snapshot_in_flight(timeout)
+        except Exception as e:
+            tag(e, f"role 'rollout' on worker '{self.name}'")
+            raise
 
     def groups_started(self) -> int:
         """Prompt groups rollout has started so far (admitted; for the in-flight count of a checkpoint)."""
