@@ -121,7 +121,7 @@ def test_a_rollout_resumed_at_random_boundaries_trains_every_group_once_within_t
     role, rows, done, totals = new_role(plane, k, on_swap), {}, 0, {"continued": 0, "restarted": 0}
     for kill in sorted(rng.sample(range(2, N - 1), 2)):
         train_steps(role, plane, feeder, range(done, kill), rows, polls_after=rng.randrange(0, 12))
-        tensors, meta = inflight.capture(role)
+        tensors, meta = inflight.capture(role, kill)
         trained = {g for v in range(kill) for g, *_ in rows[v]}
         before = {(r["group"], j): (tensors[f"rollout/{j}/response"].tolist(),
                                     tensors[f"rollout/{j}/versions"].tolist()) for j, r in enumerate(meta["answers"])}
@@ -164,17 +164,20 @@ def test_a_group_too_old_for_the_bound_restarts_from_its_prompt():
     feeder = PromptFeeder(cfg, build_char_tokenizer(), build_task(cfg), plane)
     role, rows = new_role(plane, K), {}
     train_steps(role, plane, feeder, range(3), rows, polls_after=3)
-    tensors, meta = inflight.capture(role)
-    groups = {r["group"]: r["version"] for r in meta["answers"]}
-    assert groups, "nothing in flight"
+    tensors, meta = inflight.capture(role, 3)
+    assert any("placed" in r for r in meta["answers"])  # (finished groups of steps >= 3, not trained)
+    running = {r["group"]: r["version"] for r in meta["answers"] if "placed" not in r}
+    placed = {r["group"] for r in meta["answers"] if "placed" in r}
+    assert running, "nothing running"
     fresh = new_role(DataPlane(SCHEMA), K)
-    late = max(groups.values()) + K + 1  # resumed past every saved group's deadline
+    late = max(r["version"] for r in meta["answers"]) + K + 1  # past every saved group's deadline (and step)
     fresh.weights.stage(late)
     assert fresh.resume(late, late, 1.0, (tensors, meta)) == [] and len(fresh.batch) == 0
     ok = new_role(DataPlane(SCHEMA), K)
     ok.weights.stage(3)
-    assert sorted(ok.resume(3, 3, 1.0, (tensors, meta))) == sorted(g for g, w in groups.items() if w + K >= 3)
-
+    kept = ok.resume(3, 3, 1.0, (tensors, meta))
+    assert sorted(kept) == sorted(placed | {g for g, w in running.items() if w + K >= 3})
+    assert len(ok.batch) == sum(1 for r in meta["answers"] if "placed" not in r and not r["finished"])
 
 def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_error():
     cfg = load_config(None, [f"train.steps={N}", f"train.prompts_per_step={P}", "train.micro_prompts=1", "seed=3"])
@@ -183,13 +186,13 @@ def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_err
     role, rows = new_role(plane, K), {}
     train_steps(role, plane, feeder, range(2), rows, polls_after=2)
     got: dict = {}
-    asker = threading.Thread(target=lambda: got.update(snap=role.snapshot_in_flight(5.0)))
+    asker = threading.Thread(target=lambda: got.update(snap=role.snapshot_in_flight(5.0, 2)))
     asker.start()
     t = time.monotonic()
     while role.asked is None:
         assert time.monotonic() - t < 5
         time.sleep(0.001)
-    expected = inflight.capture(role)  # the groups in flight now, before the loop's next poll serves it
+    expected = inflight.capture(role, 2)  # the groups in flight now, before the loop's next poll serves it
     role.poll(0.001)
     asker.join(5.0)
     tensors, meta = got["snap"]
@@ -197,4 +200,4 @@ def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_err
     assert all(np.array_equal(tensors[k], v) for k, v in expected[0].items()) and tensors.keys() == expected[0].keys()
     role.error = RuntimeError("rollout died")  # (its loop is gone: the request is never served)
     with pytest.raises(RuntimeError, match="rollout died"):  # (the loop's own error, as its health check raises)
-        role.snapshot_in_flight(5.0)
+        role.snapshot_in_flight(5.0, 2)

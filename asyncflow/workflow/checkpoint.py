@@ -292,7 +292,7 @@ class Checkpoints:
     def save(self, done: int, fed: int) -> None:
         assert self.writer is not None  # (due() is False without one)
         t = time.perf_counter()
-        tensors, meta = self.job.snapshot()
+        tensors, meta = self.job.snapshot(done)
         self.pauses.append(time.perf_counter() - t)
         meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0,
                           "trained": pack(self.trained), "in_flight": self.job.in_flight(done, meta)}

@@ -124,14 +124,14 @@ class Job:
         self.watch.waiting("saving")
         return self.watch.ask(self.trainer, "save", path)
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, done: int = 0) -> Snapshot:
         """The trainer's state in host memory (:mod:`asyncflow.workflow.checkpoint`): rank 0's
-        whole, the other ranks' RNGs and versions; not ``sync``: with rollout's groups in flight
-        (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON under ``rollout``)."""
+        whole, the other ranks' RNGs and versions; not ``sync``: with rollout's groups not trained
+        once ``done`` steps are (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``)."""
         self.watch.waiting("taking a checkpoint snapshot")
         tensors, meta = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
         for n in self._rollouts() if self.cfg.mode != "sync" else []:
-            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S)
+            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S, done)
             tensors.update(rt)
         return tensors, meta
 

@@ -108,6 +108,15 @@ class GroupPlacer:
         self.running[gid] = version + self.k
         return True
 
+    def refill(self, step: int) -> None:
+        """A group placed in ``step`` before a restart, not trained, is placed there again (counted
+        as started): the placement the original run made, so every guarantee still holds."""
+        self.started += 1
+        self.filled[step] += 1
+        while self.filled[self.lowest] >= self.P:
+            del self.filled[self.lowest]
+            self.lowest += 1
+
     def drop(self, gid: int) -> None:
         """The finished group ``gid`` will not be trained: forget it, free its admission."""
         self._forget(gid)

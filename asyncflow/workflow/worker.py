@@ -254,10 +254,10 @@ class Worker:
         (:meth:`RolloutRole.resume <asyncflow.workflow.roles.rollout.RolloutRole.resume>`)."""
         return self.roles["rollout"].resume(step, version, timeout, saved)
 
-    def rollout_snapshot(self, timeout: float) -> Snapshot:
-        """Rollout's groups in flight now (:mod:`asyncflow.workflow.inflight`)."""
+    def rollout_snapshot(self, timeout: float, done: int) -> Snapshot:
+        """Rollout's groups not trained once ``done`` steps are (:mod:`asyncflow.workflow.inflight`)."""
         try:
-            return self.roles["rollout"].snapshot_in_flight(timeout)
+            return self.roles["rollout"].snapshot_in_flight(timeout, done)
         except Exception as e:
             tag(e, f"role 'rollout' on worker '{self.name}'")
             raise

@@ -126,6 +126,7 @@ class RolloutRole(Role):
         # a group's id: its prompt's stable prompt_id (the feeder's; the same across a resume), else its row id
         self.prompt_fields = PROMPT_FIELDS + (["prompt_id"] if by_prompt_id else [])
         self.asked: inflight.SnapshotRequest | None = None  # a checkpoint's request for the groups in flight
+        self.placed: dict[int, tuple[int, list[Completion], list[float] | None]] = {}  # placed, maybe not trained
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -157,9 +158,10 @@ class RolloutRole(Role):
         self.partition, self.taken = divmod(step * self.prompts_per_step + len(continued), self.prompts_per_step)
         return continued
 
-    def snapshot_in_flight(self, timeout: float) -> Snapshot:
-        """The running groups, taken by rollout's loop between two polls (:mod:`asyncflow.workflow.inflight`)."""
-        self.asked = asked = inflight.SnapshotRequest()
+    def snapshot_in_flight(self, timeout: float, done: int) -> Snapshot:
+        """The groups not trained once ``done`` steps are, taken by rollout's loop between two
+        polls (:mod:`asyncflow.workflow.inflight`)."""
+        self.asked = asked = inflight.SnapshotRequest(done)
         return asked.wait(timeout, self)
 
     @property
@@ -183,6 +185,7 @@ class RolloutRole(Role):
             with self.work():
                 self.weights.swap_if_ready()
                 self.batch.version = self.version
+                inflight.forget_trained(self)
                 if self.on_swap == "discard":
                     self._discard()
                 elif self.recompute_on_swap:
@@ -331,6 +334,8 @@ class RolloutRole(Role):
             return
         self.groups.pop(gid, None)
         self.outbox[part].extend(group)
+        if self.weights is not None:  # (stream/async) kept until trained, for a checkpoint (inflight)
+            self.placed[gid] = (part, group, raw)
         if raw is not None:
             self.rewards[part].extend(raw)
         self._outbox_since = self._outbox_since or time.perf_counter()
