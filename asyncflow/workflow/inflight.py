@@ -161,9 +161,12 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
         role.placer.refill(part)
         done = [_completion(p, eos) for _, p, eos, _ in answers]
         role.outbox[part].extend(done)
-        role.placed[gid] = (part, done, None)
-        if role.scorer is not None:  # (rewards in rollout: every placed group was saved with its rewards)
-            role.rewards[part].extend(float(r) for *_, r in answers if r is not None)
+        raw = [float(r) for *_, r in answers if r is not None] if role.scorer is not None else None
+        if raw is not None:  # (rewards in rollout: every placed group was saved with its rewards)
+            if len(raw) != len(done):
+                raise ValueError(f"checkpoint: placed group {gid} was saved without its rewards")
+            role.rewards[part].extend(raw)
+        role.placed[gid] = (part, done, raw)  # (saved again at the next checkpoint until trained)
         role._outbox_since = role._outbox_since or time.perf_counter()
     running = {g: v[1] for g, v in groups.items() if v[0] is None}
     for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g]), g)):  # earliest deadline first
