@@ -131,7 +131,8 @@ class Job:
         self.watch.waiting("taking a checkpoint snapshot")
         tensors, meta = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
         for n in self._rollouts() if self.cfg.mode != "sync" else []:
-            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S, done)
+            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S, done,
+                                                 timeout=RESUME_TIMEOUT_S + 15)  # (after rollout's own deadline)
             tensors.update(rt)
         return tensors, meta
 
