@@ -1,13 +1,18 @@
-"""The pause a resumable checkpoint costs a ``mode=sync`` run (what the driver waits for).
+"""The pause a resumable checkpoint costs a run (what the trainer waits for), in ``sync`` and ``async``.
 
-Runs the default example (or a given config) with ``mode=sync train.save_every=1`` (a
-checkpoint after every step; only ``sync`` writes resumable ones) and prints the pause of
-each checkpoint (``checkpoint_pause_s`` in the summary: the host snapshot; the write runs
-in a background thread) and, over the checkpoints, the median pause and the median pause
-as a fraction of the median step (from ``metrics.jsonl``'s ``elapsed_s``).
+Runs the default example (or a given config) with ``train.save_every=1`` (a checkpoint after
+every step), in each mode asked (``--modes``, default ``async`` (the default example's own
+mode) and ``sync``), ``--runs`` times each (default 3), and prints per run the median pause
+(``checkpoint_pause_s`` in the summary: the host snapshot the driver waits for at the step
+boundary, the write runs in a background thread; in ``async`` the snapshot includes rollout's
+answers in flight, taken by rollout between two decode steps, and the trainer does not start
+the next step until it is done: the pause is exposed) and that median as a fraction of the
+median step (from ``metrics.jsonl``'s ``elapsed_s``, step 1 left out); then per mode the median
+over the runs.
 
     python benchmarks/checkpoint_cost.py                       # the default example, 120 steps
-    python benchmarks/checkpoint_cost.py my.yaml train.steps=20 launcher=local
+    python benchmarks/checkpoint_cost.py train.steps=40 run_dir=/tmp/ckc
+    python benchmarks/checkpoint_cost.py my.yaml --modes async --runs 1 launcher=local
 
 Timings need a quiet machine: the writing thread competes with the run for the cores.
 """
@@ -35,7 +40,9 @@ def costs(run_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("config", nargs="?", help="YAML config (default: the built-in example)")
-    p.add_argument("overrides", nargs="*", help="key=value overrides (after mode=sync train.save_every=1)")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (after mode=<mode> train.save_every=1)")
+    p.add_argument("--modes", default="async,sync", help="comma-separated modes to measure (default async,sync)")
+    p.add_argument("--runs", type=int, default=3, help="runs per mode (default 3; the median is reported)")
     args = p.parse_args()
     from asyncflow.api import train  # lazy: torch and the launchers, keeps --help fast
     from asyncflow.config import load_config  # lazy: with the run
@@ -43,13 +50,19 @@ def main() -> None:
     config, overrides = args.config, list(args.overrides)
     if config is not None and "=" in config and not Path(config).exists():
         config, overrides = None, [config, *overrides]
-    cfg = load_config(config, ["mode=sync", "train.save_every=1", "progress=false", *overrides])
-    summary = train(cfg)
-    out = costs(Path(summary["run_dir"]))
-    for i, s in enumerate(out["pauses_s"], 1):
-        print(f"checkpoint {i:4d}: pause {s * 1e3:8.1f} ms")
-    print(f"median pause {out['median_pause_s'] * 1e3:.1f} ms = {out['pause_fraction']:.1%} of the median step "
-          f"({out['median_step_s']:.3f} s) over {len(out['pauses_s'])} checkpoints")
+    for mode in args.modes.split(","):
+        runs = []
+        for r in range(args.runs):
+            cfg = load_config(config, [f"mode={mode}", "train.save_every=1", "progress=false", *overrides])
+            out = costs(Path(train(cfg)["run_dir"]))
+            runs.append(out)
+            print(f"{mode} run {r + 1}: median pause {out['median_pause_s'] * 1e3:.1f} ms = "
+                  f"{out['pause_fraction']:.1%} of the median step ({out['median_step_s']:.3f} s) over "
+                  f"{len(out['pauses_s'])} checkpoints", flush=True)
+        pause = statistics.median(o["median_pause_s"] for o in runs)
+        frac = statistics.median(o["pause_fraction"] for o in runs)
+        print(f"{mode}: median of {len(runs)} runs: pause {pause * 1e3:.1f} ms per checkpoint, {frac:.1%} of a step",
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -340,3 +340,15 @@ def test_bench_mode_specs_name_the_staleness_or_fail_with_one_line():
     for bad in ("async:x", "sync:1", "fast", "stream:0"):
         with pytest.raises(ConfigError, match="async:K"):
             parse_mode(bad)
+
+
+@pytest.mark.parametrize("field", ["handout_ttl_s", "unit_deadline_s"])
+def test_the_data_plane_limits_are_validated_and_reach_the_data_plane(field):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [f"resources.{field}=0"])
+    assert f"resources.{field}" in str(e.value) and "\n" not in str(e.value).strip()
+    from asyncflow.launch.local import LocalLauncher  # (the launcher layer: only this test needs it)
+    from asyncflow.workflow.fields import SCHEMA  # (same)
+    cfg = load_config(None, ["resources.handout_ttl_s=7.5"])
+    plane = LocalLauncher().data_plane(SCHEMA, handout_ttl=cfg.resources.handout_ttl_s)
+    assert plane._handouts.ttl == 7.5 and cfg.resources.unit_deadline_s == 120.0

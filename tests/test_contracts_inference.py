@@ -223,3 +223,31 @@ def test_drop_all_returns_the_live_requests(case):
     assert [r.key for r in batch.drop(lambda r: r.key == "r1")] == ["r1"] and len(batch) == 2
     assert batch.drop(lambda r: False) == []
     assert sorted(c.key for c in drain(batch)) == ["r0", "r2"]  # the rest go on, once each
+
+
+def test_saved_answers_continue_in_a_fresh_batch_or_the_engine_does_not_offer_it(case):
+    """``partials()``/``resume()`` (optional: an engine without them has its answers restarted on
+    resume): the saved rows stay live, and in a new batch at a newer version they come back once
+    each, with their saved tokens, log-probs and versions first."""
+    engine, _ = case
+    batch = engine.new_batch(SAMPLING)
+    if not hasattr(batch, "partials"):
+        assert not hasattr(batch, "resume")
+        return
+    reqs = requests(3, min_new_tokens=4)
+    batch.add(reqs)
+    batch.step()
+    saved = batch.partials()
+    assert sorted(p.req.key for p in saved) == ["r0", "r1", "r2"] and len(batch) == 3
+    assert all(len(p.response_ids) == len(p.logprobs) == len(p.token_versions) == 2 for p in saved)
+    engine.version = 4  # (a restarted run's version)
+    again = engine.new_batch(SAMPLING)
+    assert again.resume(saved) == [] and len(again) == 3
+    done = drain(again)
+    assert sorted(c.key for c in done) == ["r0", "r1", "r2"]
+    for c in done:
+        p = next(p for p in saved if p.req.key == c.key)
+        check_completion(c, p.req, {0, 4})
+        assert list(c.response_ids[:2]) == p.response_ids and list(c.logprobs[:2]) == p.logprobs
+        assert c.token_versions[:2] == [0, 0] and c.token_versions[2:] == [4] * (len(c.response_ids) - 2)
+        assert c.version == 0

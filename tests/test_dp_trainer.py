@@ -142,7 +142,7 @@ class SpyPlane(DataPlane):
 
 
 class SpyLauncher(LocalLauncher):
-    def data_plane(self, schema, kind="ray", storage_units=2):
+    def data_plane(self, schema, kind="ray", storage_units=2, **limits):
         self.plane = SpyPlane(schema)
         return self.plane
 

@@ -38,7 +38,7 @@ class RewardSpy(DelayedDataPlane):
 
 
 class SpyLauncher(DelayLauncher):
-    def data_plane(self, schema, kind="ray", storage_units=2):
+    def data_plane(self, schema, kind="ray", storage_units=2, **limits):
         self.plane = RewardSpy(schema, self.rng, self.max_delay_s)
         return self.plane
 

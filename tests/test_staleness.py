@@ -71,7 +71,7 @@ class DelayLauncher(LocalLauncher):
         self.rng, self.max_delay_s = random.Random(seed), max_delay_s
         self.plane: DelayedDataPlane | None = None
 
-    def data_plane(self, schema, kind="ray", storage_units=2):
+    def data_plane(self, schema, kind="ray", storage_units=2, **limits):
         self.plane = DelayedDataPlane(schema, self.rng, self.max_delay_s)
         return self.plane
 

@@ -294,15 +294,14 @@ class TrainConfig(_Section):
         "ddp", description="With dp > 1: 'ddp' (every rank holds the whole model; gradients all-reduced) or 'fsdp' "
                            "(FSDP2 sharding of parameters, gradients and AdamW states; needs launcher=ray).")
     save_every: int = Field(10, ge=0, description="Write a resumable checkpoint (RUN_DIR/checkpoints/step-N, atomic, "
-                                                  "in the background) every N steps and at the end (0 = only at the "
-                                                  "end); asyncflow train --resume RUN_DIR continues (stream/async: "
-                                                  "answers not trained yet restart from their prompts).")
+        "in the background) every N steps and at the end (0 = only at the end); asyncflow train --resume RUN_DIR "
+        "continues (stream/async: answers in flight continue from their saved tokens with the built-in engine "
+        "where the staleness bound allows, the others restart from their prompts).")
     keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept (the newest); older ones are "
-                                                       "deleted once a newer one is complete.")
-    max_restarts: int = Field(2, ge=0, description="When a worker or data-plane process is lost or a step stalls "
-                                                   "(not a user or config error), restart the run from its latest "
-                                                   "checkpoint up to this many times (0 = stop at once); past it, "
-                                                   "exit with the --resume command that continues.")
+        "deleted once a newer one is complete.")
+    max_restarts: int = Field(2, ge=0, description="When a worker or data-plane process is lost or a step stalls (not "
+        "a user or config error), restart the run from its latest checkpoint up to this many times (0 = stop at once); "
+        "past it, exit with the --resume command that continues.")
 
 
 class ResourcesConfig(_Section):
@@ -312,6 +311,10 @@ class ResourcesConfig(_Section):
     data_plane: Literal["auto", "ray", "zmq"] = Field("auto", description="ray launcher: zmq (controller + storage "
         "units: child processes on one host, Ray actors on each node of a cluster), ray (one actor), auto (zmq).")
     storage_units: int = Field(2, gt=0, description="data_plane=zmq: storage-unit processes (rows sharded over them).")
+    handout_ttl_s: float = Field(60.0, gt=0, le=86400, description="Seconds rows handed to a consumer (get_meta) may "
+        "stay unacknowledged before going back to their task (its consumer died or hung); raise it for slow consumers.")
+    unit_deadline_s: float = Field(120.0, gt=0, le=86400, description="data_plane=zmq: seconds the controller waits "
+        "for a storage unit to answer a save/load before failing it (DataPlaneUnavailable naming the unit).")
     pin_cores: Literal["auto", "on", "off"] = Field("auto", description="stream/async: each compute role computes on "
         "cores of its own (trainer first; when they fit). auto: with a local Ray instance the launcher started.")
     device: str = Field("cpu", pattern=r"^(cpu|cuda(:[0-9]+)?)$", description="Where the built-in engines compute: "

@@ -2,7 +2,8 @@
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
 :class:`~asyncflow.workflow.roles.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
-``drop_all`` / ``drop`` / ``recompute_cache``, ``generate`` and ``load_weights``, with the same
+``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, ``generate`` and
+``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
 role code while generation costs microseconds.
 
@@ -30,7 +31,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-from asyncflow.engines.types import Completion, Request, SamplingParams
+from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
 EOS = 2
 
@@ -105,6 +106,18 @@ class FakeBatch:
 
     def recompute_cache(self) -> None:
         self.recomputes += 1
+
+    def partials(self) -> list[Partial]:
+        """The live rows as they stand (copies; they stay live)."""
+        return [Partial(r.req, list(r.out), list(r.logprobs), list(r.versions), r.version) for r in self.rows]
+
+    def resume(self, parts: list[Partial]) -> list[Completion]:
+        """Continue saved answers: each goes on with its scripted answer after its saved tokens."""
+        for p in parts:
+            row = _FakeRow(p.req, self.engine.answer(p.req, self.sampling), p.version)
+            row.out, row.logprobs, row.versions = list(p.response_ids), list(p.logprobs), list(p.token_versions)
+            self.rows.append(row)
+        return []
 
 
 class FakeEngine:

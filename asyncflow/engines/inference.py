@@ -16,7 +16,10 @@ That layout lets us
   :meth:`InferenceEngine.load_weights` copies host buffers into the parameters; unfinished
   rows keep going (partial rollout), and :meth:`GenerationBatch.recompute_cache` rebuilds
   their KV cache under the new weights first; or the caller drops them
-  (:meth:`GenerationBatch.drop_all`) and starts them again from the prompt.
+  (:meth:`GenerationBatch.drop_all`) and starts them again from the prompt;
+* **continue across a restart**: :meth:`GenerationBatch.partials` copies the live rows
+  (tokens, log-probs, per-token versions) for a checkpoint, and :meth:`GenerationBatch.resume`
+  rebuilds their cache from ``prompt + tokens`` in a new process and decodes on.
 
 Invariants
 ----------
@@ -55,9 +58,9 @@ from transformers import DynamicCache
 
 from asyncflow.engines.device import model_device
 from asyncflow.engines.training import autocast
-from asyncflow.engines.types import Completion, Request, SamplingParams
+from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
-__all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Request", "SamplingParams",
+__all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Partial", "Request", "SamplingParams",
            "load_named_weights", "sample_tokens", "token_logprob"]
 
 
@@ -101,24 +104,48 @@ class GenerationBatch:
         """
         if not requests:
             return []
-        lens = [len(r.prompt_ids) for r in requests]
+        logits = self._prefill([r.prompt_ids for r in requests], [_Row(req=r, version=self.version) for r in requests])
+        for r in requests:
+            r.version = self.version
+        return self._sample_and_append(logits, first=len(self.rows) - len(requests))
+
+    def partials(self) -> list[Partial]:
+        """The live rows as they stand (copies; the rows stay live): a checkpoint's in-flight answers."""
+        return [Partial(row.req, list(row.out), list(row.logprobs), list(row.versions), row.version)
+                for row in self.rows]
+
+    @torch.no_grad()
+    def resume(self, parts: list[Partial]) -> list[Completion]:
+        """Continue answers saved by :meth:`partials` (in another process, a resumed run): their
+        KV cache is rebuilt under the current weights from prompt + tokens so far (as
+        :meth:`recompute_cache` does), the last token is the next input, and they decode on with
+        their tokens, log-probs, per-token versions and start version kept. Nothing finishes here."""
+        parts = [p for p in parts if p.response_ids]  # (a live row has sampled at least one token)
+        if parts:
+            rows = [_Row(req=p.req, out=list(p.response_ids), logprobs=list(p.logprobs), version=p.version,
+                         versions=list(p.token_versions)) for p in parts]
+            self._prefill([p.req.prompt_ids + p.response_ids[:-1] for p in parts], rows)
+            assert self.next_tok is not None  # set by _merge
+            self.next_tok[len(self.rows) - len(rows):] = torch.tensor([p.response_ids[-1] for p in parts],
+                                                                      dtype=torch.long, device=self.device)
+        return []
+
+    def _prefill(self, seqs: list[list[int]], rows: list[_Row]) -> torch.Tensor:
+        """Put ``seqs`` (one per new row, left-padded) through the model into a new cache, join
+        the rows to the batch; the last position's logits."""
+        lens = [len(s) for s in seqs]
         L = max(lens)
-        ids = torch.full((len(requests), L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(requests), L), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, L - lens[i]:] = torch.tensor(r.prompt_ids, dtype=torch.long)
+        ids = torch.full((len(seqs), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(seqs), L), dtype=torch.long)
+        for i, seq in enumerate(seqs):
+            ids[i, L - lens[i]:] = torch.tensor(seq, dtype=torch.long)
             mask[i, L - lens[i]:] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos = (mask.cumsum(1) - 1).clamp(min=0)
         cache = DynamicCache()
         out = self._forward(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache)
-        logits = out.logits[:, -1, :]
-        new_rows = [_Row(req=r, version=self.version) for r in requests]
-        for r in requests:
-            r.version = self.version
-        next_pos = torch.tensor(lens, dtype=torch.long, device=self.device)
-        self._merge(new_rows, cache, mask, next_pos)
-        return self._sample_and_append(logits, first=len(self.rows) - len(new_rows))
+        self._merge(rows, cache, mask, torch.tensor(lens, dtype=torch.long, device=self.device))
+        return out.logits[:, -1, :]
 
     def _merge(self, rows: list[_Row], cache: Any, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
         if not self.rows:

@@ -56,6 +56,21 @@ class Completion:
     token_versions: list[int] = field(default_factory=list)  # policy version that sampled each token
 
 
+@dataclass
+class Partial:
+    """A live answer's state, to continue it elsewhere (a resumed run): its request, the tokens
+    generated so far with their log-probs and policy versions, and the version that started it.
+    An engine that can continue answers offers ``batch.partials()`` (the live rows, kept live)
+    and ``batch.resume(partials) -> [Completion]`` (rebuilds their KV cache from prompt +
+    tokens and decodes on); one without them (vLLM, SGLang) has its answers restarted."""
+
+    req: Request
+    response_ids: list[int]
+    logprobs: list[float]
+    token_versions: list[int]
+    version: int
+
+
 @runtime_checkable
 class EngineBatch(Protocol):
     """Sequences decoding together (continuous batching); what ``Engine.new_batch`` returns.

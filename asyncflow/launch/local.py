@@ -37,9 +37,10 @@ class LocalLauncher:
         except ValueError as e:
             raise ConfigError(str(e)) from None
 
-    def data_plane(self, schema: Schema, kind: str = "auto", storage_units: int = 2) -> DataPlane:
-        """The in-process data plane (``kind`` only matters to the Ray launcher)."""
-        return DataPlane(schema)
+    def data_plane(self, schema: Schema, kind: str = "auto", storage_units: int = 2, handout_ttl: float = 60.0,
+                   unit_deadline: float = 120.0) -> DataPlane:
+        """The in-process data plane (``kind``, ``storage_units``, ``unit_deadline``: the Ray launcher's)."""
+        return DataPlane(schema, handout_ttl=handout_ttl)
 
     def weight_store(self) -> WeightStore:
         return WeightStore()

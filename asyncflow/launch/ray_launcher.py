@@ -120,19 +120,24 @@ class RayLauncher:
         here = ray.util.get_node_ip_address()
         return all(n.get("NodeManagerAddress") == here for n in ray.nodes() if n.get("Alive"))
 
-    def data_plane(self, schema: Schema, kind: str = "auto",
-                   storage_units: int = 2) -> ZmqDataPlane | RayDataPlane:
+    def data_plane(self, schema: Schema, kind: str = "auto", storage_units: int = 2, handout_ttl: float = 60.0,
+                   unit_deadline: float = 120.0) -> ZmqDataPlane | RayDataPlane:
         self._start()  # (else an actor call would start Ray itself: all CPUs, never shut down here)
         if kind in ("zmq", "auto") and self.one_host():  # child processes of the driver, bound to loopback
-            self._deployments.append(launch(schema, n_storage=storage_units))
+            self._deployments.append(launch(schema, n_storage=storage_units, handout_ttl=handout_ttl,
+                                             unit_deadline=unit_deadline))
             return self._deployments[-1].client()
         if kind in ("zmq", "auto"):  # units on every node, bound to each node's address (ray_plane)
-            dep, units = cluster_plane(schema, storage_units)
+            dep, units = cluster_plane(schema, storage_units, handout_ttl=handout_ttl, unit_deadline=unit_deadline)
             self._deployments.append(dep)
             self._unit_actors[dep.endpoint] = units
             return dep.client()
-        return RayDataPlane(ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64,
-                                                                enable_task_events=False).remote(schema))
+        actor = ray.remote(PackedDataPlane).options(num_cpus=0, max_concurrency=64, enable_task_events=False)
+        return RayDataPlane(actor.remote(schema, handout_ttl=handout_ttl))
+
+    def plane_names(self) -> dict[str, str]:
+        """What each data-plane address is, for error lines (the controllers' endpoints)."""
+        return {d.endpoint: "the data plane's controller" for d in self._deployments}
 
     def weight_store(self) -> RayWeightStore:
         self._start()

@@ -74,9 +74,10 @@ def node_ips() -> list[tuple[str, str]]:
     return sorted((n["NodeID"], n["NodeManagerAddress"]) for n in ray.nodes() if n.get("Alive"))
 
 
-def cluster_plane(schema: Schema, storage_units: int, timeout: float = 120.0) -> tuple[Deployment, list[Any]]:
-    """Start the units on the cluster's nodes and a controller here; the deployment and the
-    unit actors (:func:`stop_units` after ``Deployment.shutdown``)."""
+def cluster_plane(schema: Schema, storage_units: int, timeout: float = 120.0, handout_ttl: float = 60.0,
+                  unit_deadline: float = 120.0) -> tuple[Deployment, list[Any]]:
+    """Start the units on the cluster's nodes and a controller here (with those limits); the
+    deployment and the unit actors (:func:`stop_units` after ``Deployment.shutdown``)."""
     nodes = node_ips()
     creds = Credentials.generate()
     actor: Any = ray.remote(StorageUnitActor)  # an actor class (Ray's stubs do not say so)
@@ -87,7 +88,7 @@ def cluster_plane(schema: Schema, storage_units: int, timeout: float = 120.0) ->
     try:
         endpoints = ray.get([u.endpoint.remote() for u in units], timeout=timeout)
         dep = launch(schema, n_storage=0, host=ray.util.get_node_ip_address(), credentials=creds,
-                     storage=endpoints)
+                     storage=endpoints, handout_ttl=handout_ttl, unit_deadline=unit_deadline)
     except BaseException:
         stop_units(units)
         raise

@@ -20,9 +20,12 @@ one (at its step boundary nothing is in flight, and the prompts not trained are 
 next steps'). ``stream``/``async``: the trainer is restored and republishes its weights,
 rollout takes them before it starts (:meth:`RolloutRole.resume
 <asyncflow.workflow.roles.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
-checkpoint had not trained, once; answers in flight (or generated, not trained) restart from
-their prompts, so every answer trained after the resume was started by a restored version
-and the staleness bound holds across it. With ``train.dp = N`` (``ddp``) rank 0's weights and
+checkpoint had not trained nor continued, once. Rollout's groups in flight at the boundary are
+snapshotted with the checkpoint (tensors ``rollout/...``, JSON ``rollout``); on resume the
+built-in engine's continue from their saved tokens where the staleness bound (counted
+across the restart: the versions continue) still allows, the others and the answers
+generated but not trained restart from their prompts (:mod:`asyncflow.workflow.inflight`).
+With ``train.dp = N`` (``ddp``) rank 0's weights and
 AdamW state are saved once (every rank holds the same) with every rank's own RNGs
 (:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
 over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
@@ -278,6 +281,7 @@ class Checkpoints:
         self.pauses: list[float] = []  # seconds the driver waited for each snapshot
         self.trained: set[int] = set()  # the prompt groups trained so far (the actor's 'groups' of each step)
         self.restarted = 0  # answers in flight at the checkpoint resumed from: restarted from their prompts
+        self.continued: list[int] = []  # ... and the groups that continued from their saved tokens
         self.acc0: float | None = None
 
     def due(self, done: int) -> bool:
@@ -288,10 +292,10 @@ class Checkpoints:
     def save(self, done: int, fed: int) -> None:
         assert self.writer is not None  # (due() is False without one)
         t = time.perf_counter()
-        tensors, meta = self.job.snapshot()
+        tensors, meta = self.job.snapshot(done)
         self.pauses.append(time.perf_counter() - t)
         meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0,
-                          "trained": pack(self.trained), "in_flight": self.job.in_flight(done)}
+                          "trained": pack(self.trained), "in_flight": self.job.in_flight(done, meta)}
         self.writer.write(done, (tensors, meta))
 
     def resume(self, snap: Snapshot | None, evaluate: bool) -> tuple[int, float | None]:
@@ -304,16 +308,20 @@ class Checkpoints:
         if d["step"] > self.cfg.train.steps:
             raise ConfigError(f"--resume: the checkpoint is of step {d['step']}, beyond train.steps="
                               f"{self.cfg.train.steps}")
-        self.job.restore(snap, d["step"])
+        self.continued = self.job.restore(snap, d["step"])
         self.trained = (unpack(d["trained"]) if "trained" in d  # (a checkpoint of sync before they were kept)
                         else set(range(d["step"] * self.cfg.train.prompts_per_step)))
-        self.restarted = d.get("in_flight", 0)
+        self.restarted = max(0, d.get("in_flight", 0) - self.continued_answers)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():  # the steps after the checkpoint run again
             lines = metrics.read_text().splitlines(keepends=True)
             metrics.write_text("".join(lines[: d["metrics_lines"]]))
         self.acc0 = d["acc0"]
         return d["step"], self.acc0
+
+    @property
+    def continued_answers(self) -> int:
+        return len(self.continued) * self.cfg.rollout.group_size
 
     def close(self, quiet: bool = False) -> None:
         """Wait for the checkpoints being written (``quiet``: ignore a failed write)."""

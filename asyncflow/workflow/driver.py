@@ -17,9 +17,9 @@ there is none), at most ``train.max_restarts`` times, with one line on stderr pe
 past the limit the error's line ends with the ``--resume`` command that continues the run.
 A resume (automatic or ``--resume``) feeds every prompt the checkpoint had not trained,
 once (:mod:`asyncflow.workflow.feeder`): in ``stream``/``async`` the answers that were in
-flight or generated but not trained restart from their prompts with the restored version
-(counted: ``in_flight_answers`` in the summary; continuing the built-in engine's partial
-answers across a restart is not done), the versions continue and ``metrics.jsonl`` keeps
+flight continue from their saved tokens where the staleness bound allows (the built-in engine;
+:mod:`asyncflow.workflow.inflight`), the others and those generated but not trained restart
+from their prompts (counted: ``in_flight_answers`` in the summary), the versions continue and ``metrics.jsonl`` keeps
 each step once.
 """
 
@@ -91,7 +91,7 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
         (run_dir / "config.yaml").write_text(dump_config(cfg, absolute=True))  # train.steps may have grown
     else:
         run_dir = run_dir or make_run_dir(cfg)
-    history = {"restarts": 0, "restarted": 0}  # automatic restarts, in-flight answers restarted by them
+    history = {"restarts": 0, "restarted": 0, "continued": 0}  # restarts; in-flight answers restarted, continued
     while True:
         snap: Snapshot | None = read(latest(run_dir)) if resume else None
         try:
@@ -137,11 +137,13 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
                                  append=snap is not None)
         trackers.log_config(cfg.model_dump(mode="json"))
         feeder = PromptFeeder(cfg, load_tokenizer(model_dir), task, job.plane)
-        feeder.resume(start, ckpt.trained)  # every prompt not trained yet, once (asyncflow.workflow.feeder)
+        # every prompt not trained yet nor continued, once (asyncflow.workflow.feeder)
+        feeder.resume(start, ckpt.trained | set(ckpt.continued), len(ckpt.continued))
         if snap is not None:
             history["restarted"] += ckpt.restarted
-            print(f"asyncflow: resumed at step {start}; in-flight answers: 0 continued, {ckpt.restarted} restarted",
-                  flush=True)
+            history["continued"] += ckpt.continued_answers
+            print(f"asyncflow: resumed at step {start}; in-flight answers: {ckpt.continued_answers} continued, "
+                  f"{ckpt.restarted} restarted", flush=True)
         progress.start(acc0)
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
@@ -157,7 +159,7 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         ckpt.close()
         summary = {**summarize(cfg, init, acc0, acc1, totals, run_dir, saved), "resumed_from": start or None,
                    "checkpoint_pause_s": ckpt.pauses, "restarts": history["restarts"],
-                   "in_flight_answers": {"continued": 0, "restarted": history["restarted"]}}
+                   "in_flight_answers": {"continued": history["continued"], "restarted": history["restarted"]}}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)

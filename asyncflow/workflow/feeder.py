@@ -11,8 +11,10 @@ checkpoint's step on. In ``sync`` the trained ids are exactly the steps before t
 checkpoint, so the partitions are the uninterrupted run's; in ``stream``/``async`` a step may
 train prompts of later source partitions (completion order) and leave a straggler of an
 earlier one: each is fed again exactly once, and none twice (the invariant the resume test
-checks). In data-parallel ``sync`` (``train.dp = N``) prompt ``i`` of a partition is tagged
-``shard = i % N``: rank ``r`` generates the shard-``r`` prompts
+checks). Groups that continue across the restart (:mod:`asyncflow.workflow.inflight`) keep
+their prompt slots: their ids are skipped, and the first partitions fed hold that many fewer
+prompts (rollout starts taking prompts after those slots). In data-parallel ``sync``
+(``train.dp = N``) prompt ``i`` of a partition is tagged ``shard = i % N``: rank ``r`` generates the shard-``r`` prompts
 (:func:`~asyncflow.workflow.plan.sync_share`).
 """
 
@@ -45,11 +47,16 @@ class PromptFeeder:
         self.limit = None if unlimited else cfg.train.steps
         self.skip: set[int] = set()  # prompt ids trained before a resume: never fed again
         self._next = 0  # the next prompt id to consider
+        self._short = 0  # prompt slots of the next partition taken by continued groups (resume)
         self._sources: dict[int, tuple[list, np.ndarray]] = {}  # source partition -> (problems, gen_len)
 
-    def resume(self, fed: int, trained: Iterable[int]) -> None:
-        """Continue from partition ``fed`` with every prompt id but ``trained`` (module doc)."""
-        self.fed, self.skip, self._next = fed, set(trained), 0
+    def resume(self, fed: int, trained: Iterable[int], held: int = 0) -> None:
+        """Continue from partition ``fed`` with every prompt id but ``trained`` (module doc);
+        ``held``: that many prompt slots from partition ``fed`` on are taken by groups that
+        continue across the restart (their ids are in ``trained``): those partitions get fewer rows."""
+        P = self.cfg.train.prompts_per_step
+        self.fed, self.skip, self._next = fed + held // P, set(trained), 0
+        self._short = held % P
         self._sources.clear()
 
     def _source(self, s: int) -> tuple[list, np.ndarray]:
@@ -81,7 +88,7 @@ class PromptFeeder:
         """Make sure partitions ``0 .. upto - 1`` (capped at the last step) have their prompts."""
         P, shards = self.cfg.train.prompts_per_step, sync_ranks(self.cfg)
         while self.fed < (upto if self.limit is None else min(upto, self.limit)):
-            ids = self._take(P)
+            ids, self._short = self._take(P - self._short), 0
             rows = [(self._source(q // P), q % P) for q in ids]
             probs = [src[0][i] for src, i in rows]
             tokens = prompt_ids(self.tok, [p.prompt for p in probs], self.cfg.task.chat_template)

@@ -37,7 +37,9 @@ class Job:
         self.cfg, self.launcher = cfg, launcher
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
-        self.plane = launcher.data_plane(SCHEMA, cfg.resources.data_plane, cfg.resources.storage_units)
+        r = cfg.resources
+        self.plane = launcher.data_plane(SCHEMA, r.data_plane, r.storage_units, handout_ttl=r.handout_ttl_s,
+                                         unit_deadline=r.unit_deadline_s)
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
         self.workers: dict = {}
@@ -122,31 +124,44 @@ class Job:
         self.watch.waiting("saving")
         return self.watch.ask(self.trainer, "save", path)
 
-    def snapshot(self) -> Snapshot:
-        """The trainer's state in host memory (mode=sync: :mod:`asyncflow.workflow.checkpoint`): rank 0's
-        whole, the other ranks' RNGs and versions."""
+    def snapshot(self, done: int = 0) -> Snapshot:
+        """The trainer's state in host memory (:mod:`asyncflow.workflow.checkpoint`): rank 0's
+        whole, the other ranks' RNGs and versions; not ``sync``: with rollout's groups not trained
+        once ``done`` steps are (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``)."""
         self.watch.waiting("taking a checkpoint snapshot")
-        return merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
+        tensors, meta = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
+        for n in self._rollouts() if self.cfg.mode != "sync" else []:
+            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S, done,
+                                                 timeout=RESUME_TIMEOUT_S + 15)  # (after rollout's own deadline)
+            tensors.update(rt)
+        return tensors, meta
 
-    def restore(self, snap: Snapshot, step: int) -> None:
+    def restore(self, snap: Snapshot, step: int) -> list[int]:
         """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then
-        (not ``sync``) have rollout take them and go on from partition ``step``."""
+        (not ``sync``) have rollout take them, continue the groups in flight that may, and go on
+        from partition ``step``; the continued groups' prompt ids."""
         self.watch.waiting("restoring the checkpoint")
         for i, n in enumerate(self.ranks):
             self.watch.ask(n, "restore", rank_part(snap, i), step)
+        continued: list[int] = []
         if self.cfg.mode != "sync":
+            tensors, meta = snap
+            saved = ({k: v for k, v in tensors.items() if k.startswith("rollout/")}, meta["rollout"]) \
+                if "rollout" in meta else None
             for n in self._rollouts():
-                self.watch.ask(n, "resume_rollout", step, snap[1]["version"], RESUME_TIMEOUT_S)
+                continued += self.watch.ask(n, "resume_rollout", step, meta["version"], RESUME_TIMEOUT_S, saved)
+        return continued
 
     def _rollouts(self) -> list[str]:
         return [s.name for s in self.specs if "rollout" in s.roles]
 
-    def in_flight(self, done: int) -> int:
+    def in_flight(self, done: int, meta: dict | None = None) -> int:
         """Answers started beyond the groups of ``done`` steps (started, not trained: a resume from
-        a checkpoint taken now restarts them from their prompts); 0 in ``sync``."""
+        a checkpoint taken now continues or restarts them), as of the snapshot ``meta`` (else now); 0 in ``sync``."""
         if self.cfg.mode == "sync":
             return 0
-        started = sum(self.watch.ask(n, "groups_started") for n in self._rollouts())
+        started = meta["rollout"]["started"] if meta and "rollout" in meta else \
+            sum(self.watch.ask(n, "groups_started") for n in self._rollouts())
         return max(0, started - done * self.cfg.train.prompts_per_step) * self.cfg.rollout.group_size
 
     def _gather(self) -> None:

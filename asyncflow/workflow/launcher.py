@@ -29,8 +29,10 @@ class Launcher(Protocol):
     def check_device(self, device: str) -> None:
         """Raise ``ConfigError`` if ``resources.device`` cannot be used where the roles run."""
 
-    def data_plane(self, schema: Schema, kind: str = "auto", storage_units: int = 2) -> Any:
-        """A data-plane client (:class:`~asyncflow.dataplane.api.DataPlaneClient`) over a new deployment."""
+    def data_plane(self, schema: Schema, kind: str = "auto", storage_units: int = 2, handout_ttl: float = 60.0,
+                   unit_deadline: float = 120.0) -> Any:
+        """A data-plane client (:class:`~asyncflow.dataplane.api.DataPlaneClient`) over a new deployment
+        (``resources.handout_ttl_s``, ``resources.unit_deadline_s``: its controller's limits)."""
 
     def weight_store(self) -> Any:
         """A weight store (:class:`~asyncflow.weights.store.WeightSource`) the trainer publishes to."""

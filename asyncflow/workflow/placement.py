@@ -98,6 +98,25 @@ class GroupPlacer:
             raise RuntimeError(f"group {gid} restarted but it is not running")
         self.running[gid] = max(self.running[gid], version + self.k)
 
+    def adopt(self, gid: int, version: int) -> bool:
+        """A group started at ``version`` before a restart joins as running (it continues, its
+        deadline still ``version + k``), counted as started, if every firm group stays feasible
+        with it; False (nothing changes) if not: restart it from its prompt instead."""
+        if gid in self.running or not self._feasible(None, add=version + self.k):
+            return False
+        self.started += 1
+        self.running[gid] = version + self.k
+        return True
+
+    def refill(self, step: int) -> None:
+        """A group placed in ``step`` before a restart, not trained, is placed there again (counted
+        as started): the placement the original run made, so every guarantee still holds."""
+        self.started += 1
+        self.filled[step] += 1
+        while self.filled[self.lowest] >= self.P:
+            del self.filled[self.lowest]
+            self.lowest += 1
+
     def drop(self, gid: int) -> None:
         """The finished group ``gid`` will not be trained: forget it, free its admission."""
         self._forget(gid)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from asyncflow.workflow.failure import STACKS, WHERE, StepStalled, WorkerLost, tag
+from asyncflow.workflow.failure import CAUSE, STACKS, WHERE, StepStalled, WorkerLost, tag
 
 HEALTH_TIMEOUT_S = 10.0  # a worker that does not answer a heartbeat (or a stop) within this is lost
 STACKS_TIMEOUT_S = 5.0
@@ -48,7 +48,17 @@ class Watchdog:
             return WorkerLost(f"worker '{name}' did not answer within {timeout:.0f} s ({during})")
         if isinstance(e, WorkerLost) and getattr(e, WHERE, None) is None:
             return tag(WorkerLost(f"worker '{name}' was lost ({during}): {e}"), f"worker '{name}'")
-        return tag(e, f"worker '{name}'")
+        return self._name_servers(tag(e, f"worker '{name}'"))
+
+    def _name_servers(self, e: Exception) -> Exception:
+        """Say which data-plane process an address in ``e``'s cause is (the launcher's ``plane_names``)."""
+        cause, names = getattr(e, CAUSE, None), getattr(self.launcher, "plane_names", None)
+        if cause and names is not None:
+            for address, who in names().items():
+                if address in cause and who not in cause:
+                    cause = cause.replace(address, f"{address} ({who})")
+            setattr(e, CAUSE, cause)
+        return e
 
     def waiting(self, what: str) -> None:
         """The driver starts waiting for ``what`` (e.g. ``step 3``): progress counts from now."""

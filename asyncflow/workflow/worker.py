@@ -248,10 +248,19 @@ class Worker:
         self._on_compute(restore_roles, self.model, self.roles, snap, step)
         self._expect = step
 
-    def resume_rollout(self, step: int, version: int, timeout: float) -> None:
-        """``stream``/``async`` resume: rollout takes the restored weights, then goes on from
-        partition ``step`` (:meth:`RolloutRole.resume <asyncflow.workflow.roles.rollout.RolloutRole.resume>`)."""
-        self.roles["rollout"].resume(step, version, timeout)
+    def resume_rollout(self, step: int, version: int, timeout: float, saved: Snapshot | None = None) -> list[int]:
+        """``stream``/``async`` resume: rollout takes the restored weights, continues the ``saved``
+        groups in flight that may, then goes on from partition ``step``; the continued group ids
+        (:meth:`RolloutRole.resume <asyncflow.workflow.roles.rollout.RolloutRole.resume>`)."""
+        return self.roles["rollout"].resume(step, version, timeout, saved)
+
+    def rollout_snapshot(self, timeout: float, done: int) -> Snapshot:
+        """Rollout's groups not trained once ``done`` steps are (:mod:`asyncflow.workflow.inflight`)."""
+        try:
+            return self.roles["rollout"].snapshot_in_flight(timeout, done)
+        except Exception as e:
+            tag(e, f"role 'rollout' on worker '{self.name}'")
+            raise
 
     def groups_started(self) -> int:
         """Prompt groups rollout has started so far (admitted; for the in-flight count of a checkpoint)."""

@@ -69,6 +69,8 @@ from asyncflow.dataplane import QueueTimeout, ShardSampler
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.types import Completion, Request, SamplingParams
 from asyncflow.weights.subscriber import WeightSubscriber
+from asyncflow.workflow import inflight
+from asyncflow.workflow.checkpoint import Snapshot
 from asyncflow.workflow.placement import GroupPlacer
 from asyncflow.workflow.roles.base import Role
 from asyncflow.workflow.roles.reward import GroupScorer
@@ -123,6 +125,8 @@ class RolloutRole(Role):
         self.shard = shard  # data-parallel sync: only this shard's prompts (see the module docstring)
         # a group's id: its prompt's stable prompt_id (the feeder's; the same across a resume), else its row id
         self.prompt_fields = PROMPT_FIELDS + (["prompt_id"] if by_prompt_id else [])
+        self.asked: inflight.SnapshotRequest | None = None  # a checkpoint's request for the groups in flight
+        self.placed: dict[int, tuple[int, list[Completion], list[float] | None]] = {}  # placed, maybe not trained
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -134,13 +138,12 @@ class RolloutRole(Role):
         self.engine.version = version
         self.batch.version = version
 
-    def resume(self, step: int, version: int, timeout: float) -> None:
+    def resume(self, step: int, version: int, timeout: float, saved: Snapshot | None = None) -> list[int]:
         """A resumed ``stream``/``async`` run: swap in the restored policy ``version`` (the
-        trainer republished it when it was restored) and go on as if the groups of ``step``
-        steps were started and placed: prompts from partition ``step`` (the feeder fed every
-        prompt not trained yet from there), admission counting ``step * prompts_per_step``
-        groups. Answers that were in flight at the checkpoint restart from their prompts
-        (continuing the built-in engine's partial answers across a restart is not done)."""
+        trainer republished it when it was restored), continue the ``saved`` groups that may
+        (:mod:`asyncflow.workflow.inflight`; the others restart from their prompts, fed again),
+        and go on as if the groups of ``step`` steps and the continued ones were started: prompts
+        from partition ``step`` after the continued groups' slots. Returns the continued group ids."""
         if self.weights is not None:
             deadline = time.monotonic() + timeout
             while self.weights.staged_version() < version:
@@ -150,8 +153,16 @@ class RolloutRole(Role):
                 self.weights.wait_staged(0.5)
             self.weights.swap_if_ready()
             self.batch.version = self.version
-        self.partition, self.taken = step, 0
         self.placer.started, self.placer.lowest = step * self.prompts_per_step, step
+        continued = inflight.resume(self, step, *saved) if saved is not None else []
+        self.partition, self.taken = divmod(step * self.prompts_per_step + len(continued), self.prompts_per_step)
+        return continued
+
+    def snapshot_in_flight(self, timeout: float, done: int) -> Snapshot:
+        """The groups not trained once ``done`` steps are, taken by rollout's loop between two
+        polls (:mod:`asyncflow.workflow.inflight`)."""
+        self.asked = asked = inflight.SnapshotRequest(done)
+        return asked.wait(timeout, self)
 
     @property
     def staleness(self) -> int:
@@ -167,10 +178,14 @@ class RolloutRole(Role):
 
     # ------------------------------------------------------------------ the loop body
     def poll(self, timeout: float) -> int:
+        if self.asked is not None:  # a checkpoint's snapshot, between two decode steps
+            asked, self.asked = self.asked, None
+            asked.serve(self)
         if self.weights is not None and self.weights.staged_version() > self.version:
             with self.work():
                 self.weights.swap_if_ready()
                 self.batch.version = self.version
+                inflight.forget_trained(self)
                 if self.on_swap == "discard":
                     self._discard()
                 elif self.recompute_on_swap:
@@ -319,6 +334,8 @@ class RolloutRole(Role):
             return
         self.groups.pop(gid, None)
         self.outbox[part].extend(group)
+        if self.weights is not None:  # (stream/async) kept until trained, for a checkpoint (inflight)
+            self.placed[gid] = (part, group, raw)
         if raw is not None:
             self.rewards[part].extend(raw)
         self._outbox_since = self._outbox_since or time.perf_counter()

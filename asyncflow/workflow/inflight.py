@@ -1,0 +1,189 @@
+"""Rollout's groups not trained at a checkpoint: saved with it, kept on resume where they may be.
+
+At a checkpoint of a ``stream``/``async`` run (``done`` steps trained) the driver asks the
+rollout role for a snapshot at the step boundary (:class:`SnapshotRequest`: served by
+rollout's own loop between two decode steps, so the batch is never read while it changes).
+It holds
+
+* the groups rollout **placed** in a step ``>= done`` (finished and scored, in its outbox or
+  the data plane, not trained: rollout keeps each placed group until its weights reach a
+  newer version than its step, :func:`forget_trained`), with their step and rewards;
+* every **running** group whose answers are all accounted for: the finished ones (with or
+  without their rewards) and the live ones (:meth:`partials
+  <asyncflow.engines.inference.GenerationBatch.partials>`: tokens so far, their log-probs and
+  per-token policy versions, the version that started the answer). Groups waiting to restart
+  are not saved.
+
+Stored as safetensors arrays ``rollout/<j>/{prompt,response,logprobs,versions,answer}`` and
+one JSON record per answer (no pickle).
+
+On resume (:func:`resume`, before rollout's loop starts) a placed group goes back into its
+step (the placement the original run made: ``step <= start version + k``, so the bound holds
+as before; whatever the engine). A running group **continues** when
+
+* the engine can continue answers (``batch.resume``: the built-in engine and the fake one;
+  vLLM/SGLang cannot, so their answers restart),
+* the staleness bound still allows it: the group started at ``w`` (its oldest token's
+  version, the row's ``version`` the trainer checks, ``v - version <= k``) may be trained at
+  the earliest at the resumed step ``s`` (steps ``< s`` are trained), so ``w + k >= s``,
+* with ``rollout.on_swap=discard`` all its tokens are of the resumed version (one version a group),
+* and the placer can still guarantee it a step by its deadline ``w + k``
+  (:meth:`GroupPlacer.adopt <asyncflow.workflow.placement.GroupPlacer.adopt>`; it always can:
+  the original run's placer guaranteed it, with the placed groups put back first).
+
+Else it restarts from its prompt (the feeder feeds it again). A kept group holds an
+admission slot and a prompt slot: the feeder skips its prompt id and feeds that many fewer
+prompts (:meth:`PromptFeeder.resume <asyncflow.workflow.feeder.PromptFeeder.resume>`), and
+rollout takes them from the same place in the prompt partitions, so every prompt group of
+the run is trained exactly once. A continued group's finished answers are scored again
+(rewards in flight at the checkpoint are re-issued), its live answers decode on from their
+saved tokens.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+
+from asyncflow.engines.types import Completion, Partial, Request
+
+PREFIX = "rollout/"
+
+
+class SnapshotRequest:
+    """The driver's request for rollout's in-flight snapshot, served on rollout's loop thread."""
+
+    def __init__(self, done: int) -> None:
+        self.done_steps = done  # steps trained at the checkpoint
+        self._done = threading.Event()
+        self._out: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
+        self._error: BaseException | None = None
+
+    def serve(self, role: Any) -> None:
+        try:
+            self._out = capture(role, self.done_steps)
+        except Exception as e:  # (raised to the caller of wait)
+            self._error = e
+        self._done.set()
+
+    def wait(self, timeout: float, role: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+        """The snapshot, once ``role``'s loop has served it; the loop's error if it stopped, a
+        ``TimeoutError`` if it did not serve it within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self._done.wait(0.2):
+            if role.error is not None:  # (its loop stopped: its own error, as the health check raises it)
+                raise role.error
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rollout did not take its checkpoint snapshot within {timeout:.0f} s")
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None  # set with done
+        return self._out
+
+
+def capture(role: Any, done: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The groups of a rollout role not trained once ``done`` steps are (module doc), as arrays
+    and JSON records: the placed ones (with their step and rewards), then the running ones."""
+    live: dict[int, list[Partial]] = defaultdict(list)
+    partials = getattr(role.batch, "partials", None)
+    if partials is not None:
+        for p in partials():
+            live[p.req.key[0]].append(p)
+    pending = set(role.restarts) | set(role.stale)
+    tensors: dict[str, np.ndarray] = {}
+    records: list[dict[str, Any]] = []
+
+    def add(gid: int, done: list[Completion], live: list[Partial], **extra: Any) -> None:
+        finished = [Partial(Request(c.key, list(c.prompt_ids)), c.response_ids, c.logprobs, c.token_versions,
+                            c.version) for c in done]
+        for i, p in enumerate(finished + live):
+            fin = i < len(done)
+            tensors.update(_arrays(len(records), p))
+            records.append({"group": int(gid), "version": int(p.version), "finished": fin,
+                            "eos": fin and bool(done[i].finished_on_eos), "max_new": p.req.max_new_tokens,
+                            "min_new": p.req.min_new_tokens, **{k: v[i] if k == "reward" else v
+                                                                for k, v in extra.items() if v is not None}})
+
+    for gid, (part, group, raw) in role.placed.items():
+        if part >= done:
+            add(gid, group, [], placed=int(part), reward=None if raw is None else [float(x) for x in raw])
+    for gid in role.groups:
+        finished = role.scoring[gid][1] if gid in role.scoring else role.finished.get(gid, [])
+        if partials is not None and gid not in pending and len(finished) + len(live[gid]) == role.group_size:
+            add(gid, finished, live[gid])
+    return tensors, {"answers": records, "started": int(role.placer.started), "version": int(role.version)}
+
+
+def forget_trained(role: Any) -> None:
+    """Forget the placed groups of steps trained already (rollout has the weights of a version
+    ``v``: steps ``< v`` are trained)."""
+    for gid in [g for g, (part, _, _) in role.placed.items() if part < role.version]:
+        del role.placed[gid]
+
+
+def _arrays(j: int, p: Partial) -> dict[str, np.ndarray]:
+    return {f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
+            f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
+            f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
+            f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
+            f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
+
+
+Saved = tuple[bool, Partial, bool, float | None]  # (finished, the answer, finished on EOS, its reward if placed)
+
+
+def saved_groups(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[int, tuple[int | None, list[Saved]]]:
+    """The saved answers by group: the step it was placed in (None: running), its answers."""
+    out: dict[int, tuple[int | None, list[Saved]]] = {}
+    for j, r in enumerate(meta.get("answers", [])):
+        t = {k: tensors[f"{PREFIX}{j}/{k}"] for k in ("prompt", "response", "logprobs", "versions", "answer")}
+        req = Request((r["group"], t["answer"].copy()), t["prompt"].tolist(), r["max_new"], r["min_new"], r["version"])
+        part = out.setdefault(r["group"], (r.get("placed"), []))
+        part[1].append((r["finished"], Partial(req, t["response"].tolist(), t["logprobs"].tolist(),
+                                               t["versions"].tolist(), r["version"]), r["eos"], r.get("reward")))
+    return out
+
+
+def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> list[int]:
+    """Put back the saved groups that may be kept (module doc) in ``role`` (a rollout role
+    resumed at ``step``, its loop not started): the placed ones in their steps first, then the
+    running ones that may continue; return their group ids (prompt ids)."""
+    groups = saved_groups(tensors, meta)
+    can = getattr(role.batch, "resume", None) is not None
+    k, kept = role.placer.k, []
+    for gid, (part, answers) in sorted((g, v) for g, v in groups.items() if v[0] is not None and v[0] >= step):
+        assert part is not None  # (filtered above)
+        kept.append(gid)
+        role.placer.refill(part)
+        done = [_completion(p, eos) for _, p, eos, _ in answers]
+        role.outbox[part].extend(done)
+        raw = [float(r) for *_, r in answers if r is not None] if role.scorer is not None else None
+        if raw is not None:  # (rewards in rollout: every placed group was saved with its rewards)
+            if len(raw) != len(done):
+                raise ValueError(f"checkpoint: placed group {gid} was saved without its rewards")
+            role.rewards[part].extend(raw)
+        role.placed[gid] = (part, done, raw)  # (saved again at the next checkpoint until trained)
+        role._outbox_since = role._outbox_since or time.perf_counter()
+    running = {g: v[1] for g, v in groups.items() if v[0] is None}
+    for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g]), g)):  # earliest deadline first
+        answers = running[gid]
+        w = min(p.version for _, p, _, _ in answers)
+        one_version = role.on_swap == "continue" or all(v == role.version for _, p, _, _ in answers
+                                                         for v in p.token_versions)
+        if not (can and len(answers) == role.group_size and w + k >= step and one_version
+                and role.placer.adopt(gid, w)):
+            continue
+        kept.append(gid)
+        role.groups[gid] = [Request(p.req.key, p.req.prompt_ids, p.req.max_new_tokens, p.req.min_new_tokens)
+                            for _, p, _, _ in answers]
+        role.batch.resume([p for fin, p, _, _ in answers if not fin])
+        role._emit([_completion(p, eos) for fin, p, eos, _ in answers if fin])
+    return kept
+
+
+def _completion(p: Partial, eos: bool) -> Completion:
+    return Completion(p.req.key, p.req.prompt_ids, p.response_ids, p.logprobs, p.version, eos, p.token_versions)
