@@ -70,7 +70,9 @@ def _wait(ev, timeout: float = 60.0) -> list[dict]:
     while ev.busy():
         assert time.monotonic() < deadline, "the evaluation did not finish"
         time.sleep(0.02)
-    return ev.poll()
+    got = ev.poll()
+    assert not got["busy"]
+    return got["done"]
 
 
 def test_an_evaluation_measures_the_version_it_names(model_dir, tmp_path):

@@ -132,12 +132,12 @@ class Evaluator:
             self._done.append(out)
             self._running = False
 
-    def poll(self) -> list[dict]:
-        """The evaluations finished since the last poll: ``requested`` and ``version`` (measured),
-        ``heldout_acc``, ``eval_s``; or ``error`` (one line)."""
+    def poll(self) -> dict:
+        """``done``: the evaluations finished since the last poll (``requested`` and ``version``
+        (measured), ``heldout_acc``, ``eval_s``; or ``error``, one line); ``busy``: one runs now."""
         with self._lock:
             done, self._done = self._done, []
-            return done
+            return {"done": done, "busy": self._running}
 
     def busy(self) -> bool:
         with self._lock:

@@ -142,12 +142,9 @@ class Job:
         """Have the evaluator measure weight ``version`` beside training; False if one was running (skipped)."""
         return bool(self._ask_evaluator("request", version))
 
-    def eval_poll(self) -> list[dict]:
-        """The evaluator's results finished since the last poll (see ``Evaluator.poll``)."""
+    def eval_poll(self) -> dict:
+        """The evaluator's results finished since the last poll, and whether one runs (``Evaluator.poll``)."""
         return self._ask_evaluator("poll")
-
-    def evaluator_busy(self) -> bool:
-        return bool(self._ask_evaluator("busy"))
 
     def eval_counts(self) -> dict[str, int]:
         return self._ask_evaluator("counts")
