@@ -185,3 +185,63 @@ def test_an_evaluator_failure_is_one_line_and_training_goes_on(tmp_path, capsys)
     assert summary["heldout_evals"]["requested"] == 1  # no more after the failure
     assert summary["heldout_acc_before"] == summary["heldout_acc_after"] == 0.5
     assert len(metrics) == 6 and not any("heldout_acc" in m for m in metrics)
+
+
+class _Evaluator:
+    """A job's evaluator verbs, scripted: ``polls`` answered in turn (the last one forever)."""
+
+    def __init__(self, *polls: dict | Exception):
+        self.polls, self.requested = list(polls), []
+
+    def eval_request(self, version: int) -> bool:
+        self.requested.append(version)
+        return True
+
+    def eval_poll(self) -> dict:
+        got = self.polls.pop(0) if len(self.polls) > 1 else self.polls[0]
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    def eval_counts(self) -> dict:
+        return {"requested": len(self.requested), "skipped": 0, "late": 0}
+
+
+def test_the_last_step_waits_for_an_evaluation_in_flight_only_until_its_deadline():
+    from asyncflow.workflow.driver import BesideEvals
+
+    job = _Evaluator({"done": [], "busy": True})
+    evals, m = BesideEvals(job, finish_wait_s=0.3), {"step": 4}  # type: ignore[arg-type]
+    evals.step(m, 4, last=False)
+    t = time.monotonic()
+    evals.step(m, None, last=True)
+    assert 0.3 <= time.monotonic() - t < 2 and "heldout_acc" not in m
+    assert evals.summary()["abandoned"] == 1 and job.requested == [4]
+
+
+def test_a_result_goes_on_the_line_it_arrives_at_with_its_version():
+    from asyncflow.workflow.driver import BesideEvals
+
+    r = {"requested": 2, "version": 2, "heldout_acc": 0.5, "eval_s": 1.25}
+    job = _Evaluator({"done": [], "busy": True}, {"done": [r], "busy": False}, {"done": [], "busy": False})
+    evals, lines = BesideEvals(job), [{"step": s} for s in (2, 3, 4)]  # type: ignore[arg-type]
+    for m in lines:
+        evals.step(m, 2 if m["step"] == 2 else None, last=m["step"] == 4)
+    assert lines == [{"step": 2}, {"step": 3, "heldout_acc": 0.5, "heldout_version": 2, "heldout_eval_s": 1.25},
+                     {"step": 4}]
+    assert len(job.polls) == 1  # no call once nothing was in flight
+    assert evals.summary() == {"beside_training": True, "requested": 1, "skipped": 0, "late": 0, "done": 1,
+                               "failed": 0, "abandoned": 0, "versions": [[2, 0.5, 1.25]]}
+
+
+def test_a_lost_evaluator_is_one_line_and_no_more_requests(capsys):
+    from asyncflow.workflow.driver import BesideEvals
+    from asyncflow.workflow.failure import WorkerLost
+
+    job = _Evaluator(WorkerLost("worker 'evaluator' was lost (poll(), step 2): its process died"))
+    evals = BesideEvals(job)  # type: ignore[arg-type]
+    for step in (2, 3, 4):
+        evals.step({"step": step}, step if step % 2 == 0 else None, last=step == 4)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "held-out evaluation failed" in err[0] and "its process died" in err[0], err
+    assert job.requested == [2] and evals.summary()["failed"] == 1

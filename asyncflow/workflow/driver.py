@@ -259,7 +259,7 @@ class BesideEvals:
             results = [{"error": one_line(e)}]
         for r in results:
             if r.get("error"):
-                self.failed, self.on = self.failed + 1, False
+                self.failed, self.on, self.pending = self.failed + 1, False, False
                 print(f"asyncflow: held-out evaluation failed: {r['error']}; no more periodic evaluations this run",
                       file=sys.stderr, flush=True)
             else:
