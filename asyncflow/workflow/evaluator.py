@@ -8,7 +8,8 @@ returns at once. That thread first takes the weights from the weight store, as r
 (:class:`~asyncflow.weights.store.WeightSource`: the trainer publishes every version there),
 and copies them into host memory at normal priority (the store keeps only the newest version,
 so the copy is taken before the next step publishes); then it lowers its own priority to
-the lowest there is (nice 19 and ``SCHED_IDLE``, per thread on Linux, with one torch thread)
+the lowest there is (nice 19 and ``SCHED_IDLE``, per thread on Linux, with one torch thread;
+in the local launcher's process, where it shares the GIL with the roles, nice 19 only)
 and verifies, loads and evaluates: it computes only on cycles that rollout and the trainer
 leave idle, so training is barely slowed, and an evaluation takes longer when the machine is
 busy. The driver collects finished results with ``poll`` at each step.
@@ -52,16 +53,18 @@ from asyncflow.workflow.failure import one_line, tag
 EVAL_BATCH = 512  # problems per greedy batch (as the trainer's own evaluation)
 
 
-def idle_priority() -> None:
+def idle_priority(sched_idle: bool = True) -> None:
     """The calling thread (and the threads it starts) computes only on idle cycles: nice 19,
-    then ``SCHED_IDLE`` where the OS has it, one torch thread (Linux applies both per thread)."""
+    then (``sched_idle``) ``SCHED_IDLE`` where the OS has it, one torch thread (Linux applies
+    both per thread)."""
     tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, 19)
     except (OSError, AttributeError):  # (not Linux: the whole process would change; leave it)
         pass
     try:
-        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+        if sched_idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except (OSError, AttributeError):
         pass
     torch.set_num_threads(1)
@@ -70,8 +73,12 @@ def idle_priority() -> None:
 class Evaluator:
     """Held-out evaluations of published weight versions, one at a time, at idle priority."""
 
-    def __init__(self, cfg: RunConfig, model_dir: str, weights: WeightSource, timeout_s: float = 60.0):
+    def __init__(self, cfg: RunConfig, model_dir: str, weights: WeightSource, timeout_s: float = 60.0,
+                 driver_pid: int = -1):
         self.cfg, self.weights, self.timeout_s = cfg, weights, timeout_s
+        # in the driver's process (the local launcher) its thread shares the GIL with the roles': a
+        # SCHED_IDLE thread holding it on a busy machine would stall them (nice 19 alone there)
+        self.sched_idle = os.getpid() != driver_pid
         self._lock = threading.Lock()
         self._running = False
         self._closed = False
@@ -117,7 +124,7 @@ class Evaluator:
             if got is None:
                 raise TimeoutError(f"weight version {version} was not published within {self.timeout_s:g} s")
             out["version"], buffers = got[0], {k: np.array(b, copy=True) for k, b in got[1].items()}
-            idle_priority()  # from here on: only idle cycles
+            idle_priority(self.sched_idle)  # from here on: only idle cycles
             t0 = time.time()
             load_named_weights(self.model, verify(buffers))
             problems = self.task.heldout[: self.cfg.task.eval_n]

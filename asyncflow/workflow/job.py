@@ -24,6 +24,7 @@ not ask it, so a failed evaluator ends the evaluations (the driver's one line), 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from asyncflow.config import RunConfig
@@ -128,7 +129,8 @@ class Job:
     def open_evaluator(self, model_dir: str) -> None:
         """Build the evaluator worker (no CPU asked; waits for it to be built, within the step timeout)."""
         spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
-        self.evaluator = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6)
+        self.evaluator = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
+                                            os.getpid())
         self.watch.waiting("building the evaluator")
         self._ask_evaluator("health", timeout=self.cfg.train.step_timeout_s)
 
