@@ -166,6 +166,9 @@ def test_training_goes_on_during_an_evaluation_and_the_result_names_its_version(
     assert evals["versions"] == [[m["heldout_version"], 0.25, round(m["heldout_eval_s"], 3)] for m in lines]
     assert summary["heldout_acc_before"] == summary["heldout_acc_after"] == 0.25  # the blocking ones, as before
     assert [m["step"] for m in metrics] == list(range(1, 9))
+    from asyncflow.observe.report import format_summary
+
+    assert f"evaluations        {len(lines)} beside training ({evals['skipped']} skipped" in format_summary(summary)
 
 
 def test_with_overlap_off_training_pauses_for_each_evaluation(tmp_path):
