@@ -7,7 +7,9 @@ its own local Ray instance, the cached warm-start) and ``train.eval_every=10`` a
 order alternates from round to round, so the machine's drift favours neither side. Prints
 each run's wall time (the whole command), the RL loop's wall time and samples/s (``summary.json``:
 ``wall_s``, ``samples_per_s``), the evaluations done / skipped beside training, the medians and
-the eval/no-eval ratios. Target: the RL loop with evaluations every 10 steps within 5% of the
+the eval/no-eval ratios; and the cores the machine spent outside the job's roles after step 1
+(``summary.json``'s ``cpu.other``: other users' jobs, Ray's daemons, the evaluator), to judge how
+loaded it was. Target: the RL loop with evaluations every 10 steps within 5% of the
 time without.
 
     python benchmarks/eval_overlap.py                  # 120 steps, 3 rounds
@@ -43,7 +45,7 @@ def run(every: int, steps: int, extra: list[str], root: Path) -> dict:
     return {"every": every, "cmd_s": wall, "rl_s": summary["wall_s"], "samples_per_s": summary["samples_per_s"],
             "before": summary["heldout_acc_before"], "after": summary["heldout_acc_after"],
             "evals_done": evals.get("done", 0), "evals_skipped": evals.get("skipped", 0),
-            "evals_late": evals.get("late", 0)}
+            "evals_late": evals.get("late", 0), "other": (summary.get("cpu") or {}).get("other")}
 
 
 def main() -> None:
@@ -64,7 +66,7 @@ def main() -> None:
             print(f"round {r + 1} eval_every={every:<3} command {row['cmd_s']:7.1f} s  RL loop {row['rl_s']:7.1f} s  "
                   f"{row['samples_per_s']:7.1f} samples/s  held-out {row['before']:.1%} -> {row['after']:.1%}  "
                   f"beside training: {row['evals_done']} done, {row['evals_skipped']} skipped, "
-                  f"{row['evals_late']} late", flush=True)
+                  f"{row['evals_late']} late; cores used outside the job's roles {row['other'] or 0:.2f}", flush=True)
     med = {e: {k: statistics.median(x[k] for x in rows if x["every"] == e) for k in ("cmd_s", "rl_s", "samples_per_s")}
            for e in (args.every, 0)}
     for e, m in med.items():
