@@ -248,3 +248,17 @@ def test_a_lost_evaluator_is_one_line_and_no_more_requests(capsys):
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "held-out evaluation failed" in err[0] and "its process died" in err[0], err
     assert job.requested == [2] and evals.summary()["failed"] == 1
+
+
+def test_an_evaluator_that_cannot_be_built_is_one_line_and_evaluations_pause_instead(tmp_path, capsys, monkeypatch):
+    from asyncflow.workflow.evaluator import Evaluator
+
+    def broken(self):
+        raise RuntimeError("no evaluator here")
+
+    monkeypatch.setattr(Evaluator, "health", broken)
+    summary, metrics, spans = _run(tmp_path, "local", "train.steps=4", "train.eval_every=2", "task.eval_n=4")
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "evaluator could not be built" in ln]
+    assert len(err) == 1 and "no evaluator here" in err[0], err
+    assert summary["heldout_evals"] is None and "evaluator" not in spans
+    assert [m["step"] for m in metrics if "heldout_acc" in m] == [2]  # paused for it, as before

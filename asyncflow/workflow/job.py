@@ -132,7 +132,12 @@ class Job:
         self.evaluator = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
                                             os.getpid())
         self.watch.waiting("building the evaluator")
-        self._ask_evaluator("health", timeout=self.cfg.train.step_timeout_s)
+        try:
+            self._ask_evaluator("health", timeout=self.cfg.train.step_timeout_s)
+        except Exception:  # (the driver says so in one line and pauses for evaluations instead)
+            self.launcher.release(self.evaluator)
+            self.evaluator = None
+            raise
 
     def _ask_evaluator(self, method: str, *args: Any, timeout: float = HEALTH_TIMEOUT_S) -> Any:
         try:
@@ -203,7 +208,10 @@ class Job:
         for name in self.workers:
             out.update(self.watch.ask(name, "spans"))
         if self.evaluator is not None:
-            out.update(self._ask_evaluator("spans"))
+            try:
+                out.update(self._ask_evaluator("spans"))
+            except Exception:  # (a lost evaluator was told in one line already; its track is left out)
+                pass
         return out
 
     def shutdown(self) -> None:
