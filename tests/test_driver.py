@@ -19,6 +19,8 @@ class OrderLauncher(LocalLauncher):
         fut = super().submit(handle, method, *args)
         if method == "evaluate":
             self.events.append(("evaluate",))
+        elif method == "request":  # (the evaluator beside training)
+            self.events.append(("request", args[0]))
         elif method == "train_step":
             self.events.append(("submit", method, args[0]))
             fut.step = args[0]
@@ -36,10 +38,13 @@ class OrderLauncher(LocalLauncher):
         return super().call(handle, method, *args)
 
 
+ORDER = ["launcher=local", "warmstart.enabled=false", "progress=false", "train.steps=5", "train.eval_every=2",
+         "train.prompts_per_step=2", "train.micro_prompts=1", "rollout.group_size=2", "rollout.max_batch=4",
+         "task.eval_n=4"]
+
+
 def test_next_step_is_queued_early_except_before_an_evaluation(tmp_path):
-    cfg = load_config(None, ["launcher=local", "warmstart.enabled=false", "progress=false", "train.steps=5",
-                             "train.eval_every=2", "train.prompts_per_step=2", "train.micro_prompts=1",
-                             "rollout.group_size=2", "rollout.max_batch=4", "task.eval_n=4", f"run_dir={tmp_path}"])
+    cfg = load_config(None, [*ORDER, "train.eval_overlap=false", f"run_dir={tmp_path}"])
     launcher = OrderLauncher()
     summary = train(cfg, launcher=launcher, run_dir=tmp_path)
     ev = [e for e in launcher.events if e[0] != "submit" or e[1] == "train_step"]
@@ -53,6 +58,23 @@ def test_next_step_is_queued_early_except_before_an_evaluation(tmp_path):
         ("evaluate",),  # the final held-out accuracy
     ]
     assert summary["steps"] == 5
+
+
+def test_evaluations_beside_training_never_hold_the_next_step_back(tmp_path):
+    cfg = load_config(None, [*ORDER, f"run_dir={tmp_path}"])  # (train.eval_overlap: the default)
+    launcher = OrderLauncher()
+    summary = train(cfg, launcher=launcher, run_dir=tmp_path)
+    ev = [e for e in launcher.events if e[0] != "submit" or e[1] == "train_step"]
+    assert ev == [
+        ("evaluate",),  # before training, blocking
+        ("submit", "train_step", 0), ("submit", "train_step", 1), ("result", 0),
+        ("submit", "train_step", 2), ("result", 1), ("request", 2),  # version 2, once step index 1 returned
+        ("submit", "train_step", 3), ("result", 2),
+        ("submit", "train_step", 4), ("result", 3), ("request", 4),
+        ("result", 4),
+        ("evaluate",),  # the final held-out accuracy, blocking
+    ]
+    assert summary["steps"] == 5 and summary["heldout_evals"]["requested"] + summary["heldout_evals"]["skipped"] == 2
 
 
 def test_worker_runs_steps_in_order_whatever_order_the_calls_arrive_in():

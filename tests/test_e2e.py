@@ -53,7 +53,9 @@ def test_default_async_job_on_ray_trains_and_leaves_a_run_folder(tmp_path, capsy
         assert f"pinned cores       rollout [{cores[1]}], actor [{cores[0]}]" in out
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 17))
-    assert "heldout_acc" in metrics[7] and metrics[7]["heldout_metric"] == "exact match"
+    beside = [m for m in metrics if "heldout_acc" in m]  # due after step 8, measured beside steps 9..16
+    assert [m["heldout_version"] for m in beside] == [8] and beside[0]["heldout_metric"] == "exact match"
+    assert summary["heldout_evals"]["done"] == 1 and beside[0]["step"] > 8
     assert summary["heldout_metric"] == "exact match"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

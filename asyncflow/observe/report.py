@@ -303,6 +303,10 @@ def format_summary(s: dict) -> str:
         name, a, b = s.get("heldout_metric") or "accuracy", s["heldout_acc_before"], s["heldout_acc_after"]
         d = f"{(b - a) * 100:+.1f} points" if name in PERCENT else f"{b - a:+.3f}"
         acc = f"{'held-out ' + name:<18} {fmt_metric(name, a)} -> {fmt_metric(name, b)} ({d})\n"
+    if s.get("heldout_evals"):  # (train.eval_overlap: evaluations beside training)
+        e = s["heldout_evals"]
+        acc += (f"evaluations        {e['done']} beside training ({e.get('skipped', 0)} skipped while one ran, "
+                f"{e.get('late', 0)} late, {e['failed']} failed, {e['abandoned']} unfinished at the end)\n")
     if s.get("skipped_rows"):
         acc += f"bad rows skipped   {s['skipped_rows']} (task.on_bad_row=skip); first: {s['skipped_first']}\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())

@@ -6,6 +6,11 @@ staleness bound, train one version, log. Throughput and busy fractions are meter
 :class:`~asyncflow.observe.report.RunMeter` (whole run, and steady state after step 1). The
 mode only changes what ``job.step`` does (colocated phases for ``sync``, a streamed
 trainer step for ``stream``/``async``).
+Evaluations: before the first step and after the last, on the trainer, blocking. Every
+``train.eval_every`` steps, in ``stream``/``async`` with ``train.eval_overlap``, beside training
+(:class:`BesideEvals`, :mod:`asyncflow.workflow.evaluator`): the driver only requests one and
+the steps go on; results land on later metrics lines with ``heldout_version``. In ``sync`` (or
+without ``eval_overlap``) the step after a due evaluation is queued only once it is done.
 Mistakes found before any role starts (model folder, dataset rows, ``reward.fn``) are
 ``ConfigError`` errors; any failure writes ``<run_dir>/error.log`` (driver and worker
 tracebacks, the watchdog's stack dumps: :mod:`asyncflow.workflow.failure`) and re-raises.
@@ -52,6 +57,8 @@ from asyncflow.workflow.failure import (
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
 from asyncflow.workflow.launcher import Launcher
+
+FINISH_WAIT_S = 30.0  # the last step waits this long for an evaluation beside training still running
 
 
 def make_run_dir(cfg: RunConfig) -> Path:
@@ -145,10 +152,12 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
             print(f"asyncflow: resumed at step {start}; in-flight answers: {ckpt.continued_answers} continued, "
                   f"{ckpt.restarted} restarted", flush=True)
         progress.start(acc0)
+        evals = _open_evals(cfg, job, model_dir) if evaluate else None
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
         meter.steps = start
-        _rl_steps(cfg, job, feeder, meter, lambda m: _log_step(m, metric, progress, trackers), evaluate, ckpt, start)
+        _rl_steps(cfg, job, feeder, meter, lambda m: _log_step(m, metric, progress, trackers), evaluate, ckpt, start,
+                  evals)
         totals = {**meter.finish(), "pinned": job.pinned(), "heldout_metric": metric if evaluate else None,
                   "skipped_rows": getattr(task, "skipped", 0),  # task.on_bad_row=skip
                   "skipped_first": next(iter(getattr(task, "bad_rows", [])), None)}
@@ -159,7 +168,8 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         ckpt.close()
         summary = {**summarize(cfg, init, acc0, acc1, totals, run_dir, saved), "resumed_from": start or None,
                    "checkpoint_pause_s": ckpt.pauses, "restarts": history["restarts"],
-                   "in_flight_answers": {"continued": history["continued"], "restarted": history["restarted"]}}
+                   "in_flight_answers": {"continued": history["continued"], "restarted": history["restarted"]},
+                   "heldout_evals": evals.summary() if evals is not None else None}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
@@ -171,10 +181,12 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
 
 
 def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, log: Callable[[dict], None],
-              evaluate: bool, ckpt: Checkpoints, start: int = 0) -> None:
+              evaluate: bool, ckpt: Checkpoints, start: int = 0, evals: BesideEvals | None = None) -> None:
     """The RL steps from ``start``: feed prompts far enough ahead for the staleness bound, train,
     evaluate every ``train.eval_every`` steps, ``log`` each step's metrics, snapshot a checkpoint
-    every ``train.save_every`` (the next step is not queued behind an evaluation or a snapshot)."""
+    every ``train.save_every`` (the next step is not queued behind an evaluation or a snapshot).
+    With ``evals`` an evaluation is only requested (it runs beside the next steps) and the
+    results finished by then go on each step's line."""
     steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
     ahead = cfg.effective_staleness + 2 + -(-cfg.rollout.overprovision // cfg.train.prompts_per_step)
 
@@ -186,18 +198,84 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
     fut = submit(start)
     for v in range(start, steps):
         eval_now = every and (v + 1) % every == 0 and v + 1 < steps
-        pause = eval_now or ckpt.due(v + 1)
+        pause = (eval_now and evals is None) or ckpt.due(v + 1)
         # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
         nxt = submit(v + 1) if not pause else None
         assert fut is not None  # v < steps: submitted
         m = meter.step(job.result(fut, v))
         ckpt.trained.update(m.get("groups", ()))  # (the prompt groups step v trained)
-        if eval_now:
+        if evals is not None:  # (weights v + 1 are published: step v returned)
+            evals.step(m, v + 1 if eval_now else None, last=v + 1 == steps)
+        elif eval_now:
             m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
         log(m)  # (before the checkpoint: a checkpoint of step n means n metrics lines)
         if ckpt.due(v + 1):
             ckpt.save(v + 1, feeder.fed)
         fut = submit(v + 1) if pause else nxt
+
+
+def _open_evals(cfg: RunConfig, job: Job, model_dir: str) -> BesideEvals | None:
+    """Evaluations beside training where they apply (``train.eval_overlap``, not ``sync``: its one worker
+    computes on every core in every phase, so it pauses for each); an evaluator that cannot be built
+    is one line, and the evaluations pause training instead."""
+    if not (cfg.train.eval_overlap and cfg.mode != "sync" and 0 < cfg.train.eval_every < cfg.train.steps):
+        return None
+    try:
+        job.open_evaluator(model_dir)
+    except Exception as e:
+        print(f"asyncflow: the evaluator could not be built ({one_line(e)}); evaluations pause training instead",
+              file=sys.stderr, flush=True)
+        return None
+    return BesideEvals(job)
+
+
+class BesideEvals:
+    """The driver's side of evaluations beside training (:mod:`asyncflow.workflow.evaluator`).
+
+    Each step: request the due version (skipped by the evaluator while one runs), then put the
+    newest result finished by now on the step's line (``heldout_acc``, ``heldout_version``: the
+    weights after that many steps, ``heldout_eval_s``). The last step waits for an evaluation
+    in flight at most ``finish_wait_s`` (else it is ``abandoned``). An evaluator failure is one
+    line on stderr and ends the periodic evaluations (``failed``); training goes on."""
+
+    def __init__(self, job: Job, finish_wait_s: float = FINISH_WAIT_S):
+        self.job, self.finish_wait_s = job, finish_wait_s
+        self.on, self.failed, self.abandoned = True, 0, 0
+        self.pending = False  # one was started and its result not seen yet (else no call at all: a step
+        self.done: list[dict] = []  # of the tiny example is ~0.2 s, a Ray call ~1 ms)
+
+    def step(self, m: dict, due: int | None, last: bool) -> None:
+        results: list[dict] = []
+        try:
+            if due is not None and self.on:
+                self.pending = self.job.eval_request(due) or self.pending
+            deadline = time.monotonic() + self.finish_wait_s
+            while self.pending:
+                got = self.job.eval_poll()
+                results, self.pending = results + got["done"], got["busy"]
+                if not (last and self.pending and time.monotonic() < deadline):
+                    break
+                time.sleep(0.1)
+            self.abandoned += int(last and self.pending)
+        except Exception as e:  # (the evaluator's process is gone, or does not answer)
+            results = [{"error": one_line(e)}]
+        for r in results:
+            if r.get("error"):
+                self.failed, self.on, self.pending = self.failed + 1, False, False
+                print(f"asyncflow: held-out evaluation failed: {r['error']}; no more periodic evaluations this run",
+                      file=sys.stderr, flush=True)
+            else:
+                self.done.append(r)
+                m.update(heldout_acc=r["heldout_acc"], heldout_version=r["version"], heldout_eval_s=r["eval_s"])
+
+    def summary(self) -> dict:
+        try:
+            counts = self.job.eval_counts()
+        except Exception:
+            counts = {}
+        return {"beside_training": True, **counts, "done": len(self.done), "failed": self.failed,
+                "abandoned": self.abandoned,
+                "versions": [[r["version"], r["heldout_acc"], round(r["eval_s"], 3)] for r in self.done]}
 
 
 def _log_step(m: dict, metric: str, progress: Progress, trackers: Trackers) -> None:

@@ -14,18 +14,26 @@ checkpoint and publishes weights): the driver's per-step protocol does not chang
 queues ``sync_step(v)`` on each. With
 ``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
 every rank gather the whole weights into rank 0's full copy (``gather_full``).
+
+Evaluation beside training (``open_evaluator``, outside ``sync``): an
+:class:`~asyncflow.workflow.evaluator.Evaluator` worker that asks for no CPU takes published
+weight versions from the weight store; the job's ``eval_request`` / ``eval_poll`` never wait
+longer than ``HEALTH_TIMEOUT_S``. It is not one of ``workers``: the watchdog's heartbeat does
+not ask it, so a failed evaluator ends the evaluations (the driver's one line), not the run.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from asyncflow.config import RunConfig
 from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
+from asyncflow.workflow.evaluator import Evaluator
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
-from asyncflow.workflow.plan import plan_workers
+from asyncflow.workflow.plan import WorkerSpec, plan_workers
 from asyncflow.workflow.watchdog import HEALTH_TIMEOUT_S, Watchdog
 from asyncflow.workflow.worker import Worker
 
@@ -43,6 +51,7 @@ class Job:
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
         self.workers: dict = {}
+        self.evaluator: Any = None  # open_evaluator
         self.watch = Watchdog(launcher, self.workers, cfg.train.step_timeout_s)  # every wait has a deadline
         try:
             self._launch(model_dir)
@@ -119,6 +128,36 @@ class Job:
         self.watch.waiting("evaluating")
         return self.watch.ask(self.trainer, "evaluate", n)
 
+    def open_evaluator(self, model_dir: str) -> None:
+        """Build the evaluator worker (no CPU asked; waits for it to be built, within the step timeout)."""
+        spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
+        self.evaluator = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
+                                            os.getpid())
+        self.watch.waiting("building the evaluator")
+        try:
+            self._ask_evaluator("health", timeout=self.cfg.train.step_timeout_s)
+        except Exception:  # (the driver says so in one line and pauses for evaluations instead)
+            self.launcher.release(self.evaluator)
+            self.evaluator = None
+            raise
+
+    def _ask_evaluator(self, method: str, *args: Any, timeout: float = HEALTH_TIMEOUT_S) -> Any:
+        try:
+            return self.launcher.result(self.launcher.submit(self.evaluator, method, *args), timeout)
+        except Exception as e:
+            raise self.watch.blame("evaluator", e, method, timeout) from None
+
+    def eval_request(self, version: int) -> bool:
+        """Have the evaluator measure weight ``version`` beside training; False if one was running (skipped)."""
+        return bool(self._ask_evaluator("request", version))
+
+    def eval_poll(self) -> dict:
+        """The evaluator's results finished since the last poll, and whether one runs (``Evaluator.poll``)."""
+        return self._ask_evaluator("poll")
+
+    def eval_counts(self) -> dict[str, int]:
+        return self._ask_evaluator("counts")
+
     def save(self, path: str) -> str:
         self._gather()
         self.watch.waiting("saving")
@@ -183,6 +222,11 @@ class Job:
         out: dict = {}
         for name in self.workers:
             out.update(self.watch.ask(name, "spans"))
+        if self.evaluator is not None:
+            try:
+                out.update(self._ask_evaluator("spans"))
+            except Exception:  # (a lost evaluator was told in one line already; its track is left out)
+                pass
         return out
 
     def shutdown(self) -> None:
@@ -191,9 +235,15 @@ class Job:
                 self.watch.ask(name, "stop", timeout=HEALTH_TIMEOUT_S)
             except Exception:
                 pass
+        if self.evaluator is not None:  # (it never waits for an evaluation in flight)
+            try:
+                self._ask_evaluator("stop")
+            except Exception:
+                pass
         try:
             self.plane.close()
         except Exception:
             pass
-        for obj in [*self.workers.values(), self.plane, self.weights]:
+        evaluator = [self.evaluator] if self.evaluator is not None else []
+        for obj in [*self.workers.values(), *evaluator, self.plane, self.weights]:
             self.launcher.release(obj)

@@ -1,0 +1,164 @@
+"""Evaluation beside training: the :class:`Evaluator` measures the held-out metric on a
+snapshot of the policy's weights while rollout and training go on (``train.eval_overlap``).
+
+Design: the evaluator is a worker of its own (a Ray actor asking for no CPU, or an object of
+the local launcher's process) with its own copy of the model. ``request(v)`` starts one
+evaluation of version ``v`` (the weights after ``v`` steps) on a fresh daemon thread and
+returns at once. That thread first takes the weights from the weight store, as rollout does
+(:class:`~asyncflow.weights.store.WeightSource`: the trainer publishes every version there),
+and copies them into host memory at normal priority (the store keeps only the newest version,
+so the copy is taken before the next step publishes); then it lowers its own priority to
+the lowest there is (nice 19 and ``SCHED_IDLE``, per thread on Linux, with one torch thread;
+in the local launcher's process, where it shares the GIL with the roles, nice 19 only)
+and verifies, loads and evaluates: it computes only on cycles that rollout and the trainer
+leave idle, so training is barely slowed, and an evaluation takes longer when the machine is
+busy. The driver collects finished results with ``poll`` at each step.
+
+Invariants:
+
+* at most one evaluation in flight: a request while one runs is *skipped* (counted in
+  ``skipped``; it is not queued), so evaluations never pile up behind a busy machine;
+* every result carries the version it measured (``version``): the store's newest version
+  ``>= v`` when the copy was taken, which is ``v`` unless the next step was published first
+  (``late`` counts those);
+* every wait has a deadline: the weights must come within ``timeout_s``; an error (a version
+  that never came, a bad weight set, the metric raising) is a result with ``error`` (one
+  line), never raised in a thread nor a hang; ``stop`` never waits for an evaluation (its
+  thread is a daemon and its result is dropped);
+* ``spans`` (wall-clock start, seconds) of each evaluation, for the run's ``trace.json``.
+
+The model stays on the CPU whatever ``resources.device`` is (the evaluator asks for no GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncflow.config import RunConfig
+from asyncflow.engines.inference import load_named_weights
+from asyncflow.tasks.models import load_model
+from asyncflow.tasks.registry import build_task, heldout_metric
+from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+from asyncflow.tasks.warmstart import evaluate
+from asyncflow.weights.store import WeightSource, verify
+from asyncflow.workflow.failure import one_line, tag
+
+EVAL_BATCH = 512  # problems per greedy batch (as the trainer's own evaluation)
+
+
+def idle_priority(sched_idle: bool = True) -> None:
+    """The calling thread (and the threads it starts) computes only on idle cycles: nice 19,
+    then (``sched_idle``) ``SCHED_IDLE`` where the OS has it, one torch thread (Linux applies
+    both per thread)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+    except (OSError, AttributeError):  # (not Linux: the whole process would change; leave it)
+        pass
+    try:
+        if sched_idle:
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+    except (OSError, AttributeError):
+        pass
+    torch.set_num_threads(1)
+
+
+class Evaluator:
+    """Held-out evaluations of published weight versions, one at a time, at idle priority."""
+
+    def __init__(self, cfg: RunConfig, model_dir: str, weights: WeightSource, timeout_s: float = 60.0,
+                 driver_pid: int = -1):
+        self.cfg, self.weights, self.timeout_s = cfg, weights, timeout_s
+        # in the driver's process (the local launcher) its thread shares the GIL with the roles': a
+        # SCHED_IDLE thread holding it on a busy machine would stall them (nice 19 alone there)
+        self.sched_idle = os.getpid() != driver_pid
+        self._lock = threading.Lock()
+        self._running = False
+        self._closed = False
+        self._done: list[dict] = []
+        self._spans: list[tuple[float, float]] = []
+        self.requested = self.skipped = self.late = 0
+        self._init_error: BaseException | None = None
+        try:
+            self.model, self.tokenizer = load_model(model_dir)
+            self.task = build_task(cfg)
+            self.metric, self.score = heldout_metric(cfg, self.task, self._reward)
+        except Exception as e:  # raised by health(), as a worker's (a Ray constructor's error loses its cause)
+            self._init_error = tag(e, "worker 'evaluator' (building)")
+
+    def _reward(self) -> Callable:
+        """``reward.fn`` with its timeout and error score (a "mean reward" metric), else the task's."""
+        r = self.cfg.reward
+        if not r.fn:
+            return self.task.reward
+        return RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key, batched=r.batched)
+
+    def health(self) -> dict:
+        if self._init_error is not None:
+            raise self._init_error
+        return {}
+
+    def request(self, version: int) -> bool:
+        """Start evaluating ``version`` unless one is running (then skip it); True if started."""
+        with self._lock:
+            if self._running or self._closed:
+                self.skipped += 1
+                return False
+            self._running = True
+            self.requested += 1
+        threading.Thread(target=self._run, args=(version,), name="evaluator", daemon=True).start()
+        return True
+
+    def _run(self, version: int) -> None:
+        out: dict[str, Any] = {"requested": version, "version": None}
+        t0 = time.time()
+        try:
+            got = self.weights.wait_newer(version - 1, self.timeout_s)  # the newest, once >= version
+            if got is None:
+                raise TimeoutError(f"weight version {version} was not published within {self.timeout_s:g} s")
+            out["version"], buffers = got[0], {k: np.array(b, copy=True) for k, b in got[1].items()}
+            idle_priority(self.sched_idle)  # from here on: only idle cycles
+            t0 = time.time()
+            load_named_weights(self.model, verify(buffers))
+            problems = self.task.heldout[: self.cfg.task.eval_n]
+            out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
+                                          self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
+        except Exception as e:
+            out["error"] = one_line(tag(e, f"evaluating weight version {out['version'] or version}"))
+        out["eval_s"] = time.time() - t0
+        with self._lock:
+            self._spans.append((t0, out["eval_s"]))
+            self.late += int((out["version"] or version) > version)
+            self._done.append(out)
+            self._running = False
+
+    def poll(self) -> dict:
+        """``done``: the evaluations finished since the last poll (``requested`` and ``version``
+        (measured), ``heldout_acc``, ``eval_s``; or ``error``, one line); ``busy``: one runs now."""
+        with self._lock:
+            done, self._done = self._done, []
+            return {"done": done, "busy": self._running}
+
+    def busy(self) -> bool:
+        with self._lock:
+            return self._running
+
+    def counts(self) -> dict[str, int]:
+        with self._lock:
+            return {"requested": self.requested, "skipped": self.skipped, "late": self.late}
+
+    def spans(self) -> dict[str, list[tuple[float, float]]]:
+        with self._lock:
+            return {"evaluator": list(self._spans)}
+
+    def stop(self) -> None:
+        """Take no more requests; an evaluation in flight is left to its daemon thread."""
+        with self._lock:
+            self._closed = True
