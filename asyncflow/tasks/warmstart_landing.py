@@ -25,6 +25,8 @@ Invariants
   decides when to pay for a full one.
 * The optimizer state is restored with the weights, so a replayed step is the step that
   was taken the first time.
+* Memory: one snapshot at a time, on the model's device, about three times the model's
+  size (weights and AdamW's two moments); ``warmstart.land_every=null`` saves it.
 """
 
 from __future__ import annotations
