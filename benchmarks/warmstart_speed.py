@@ -33,7 +33,8 @@ def main() -> None:
 
     from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
     from asyncflow.tasks.addition import AdditionTask
-    from asyncflow.tasks.warmstart import _epoch_batches, _sft_step, evaluate, sft_tensors
+    from asyncflow.tasks.warmstart import _sft_step, evaluate, sft_tensors
+    from asyncflow.tasks.warmstart_landing import epoch_batches
 
     default = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0))
@@ -50,7 +51,7 @@ def main() -> None:
         model = build_tiny_model(tok, seed=0).to(device)
         ids, labels = ids0.to(device), labels0.to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        batches = _epoch_batches(len(task.train), 256, np.random.default_rng(0))
+        batches = epoch_batches(len(task.train), 256, np.random.default_rng(0))
         for _ in range(5):
             _sft_step(model, opt, ids, labels, next(batches))
         t = time.perf_counter()

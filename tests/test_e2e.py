@@ -1,13 +1,15 @@
 """End to end on the tiny model: the real CLI, the real launchers, learning measured.
 
-These tests warm-start the built-in model once (cached under the default cache folder,
-~75 s the first time on 2 cores) and then run short GRPO jobs. They assert that RL
+These tests warm-start the built-in model once (cached under the default cache folder;
+since 2026-11-25's recipe, lr 1e-3 with landing, 300 SFT steps to 67.2% the first time)
+and then run short GRPO jobs. They assert that RL
 improves held-out accuracy, and that a run leaves what the README promises: metrics as
 JSONL, a summary, and a checkpoint that Hugging Face loads back.
 
 What 16 RL steps do to held-out accuracy depends on where the warm-start landed, and the
-warm-start's sudden jump in accuracy comes at a machine-dependent step (550 SFT steps to
-71.4% on the machines of 2026-11-22; 4,800 steps to 67.8% on the AMD EPYC of 2026-11-24,
+warm-start's sudden jump in accuracy came at a machine-dependent step with the earlier
+recipe, lr 3e-3 (550 SFT steps to 71.4% on the machines of 2026-11-22; 4,800 steps to
+67.8% on the AMD EPYC of 2026-11-24,
 where 16 RL steps then moved 67.8% -> 69.8% and 40 steps 67.8% -> 70.4%). So these tests
 assert that a short run does not collapse the policy beyond the noise of a 500-problem
 evaluation (:data:`NOISE`: one standard error of a paired difference there is ~3

@@ -99,7 +99,7 @@ def test_encode_prompts_left_pads_and_decode_cuts_at_eos():
 
 # lr 3e-3 without warmup (the first recipe) reaches 30% on one-digit addition in tens of steps
 WARM = dict(target_acc=0.3, eval_every=10, max_steps=120, batch_size=256, eval_n=20, seed=0, lr=3e-3,
-            warmup_steps=0, near_every=10)
+            warmup_steps=0, near_every=10, land_every=None)  # landing: tests/test_warmstart_landing.py
 
 
 @pytest.fixture(scope="module")
@@ -172,11 +172,14 @@ def test_warmup_is_part_of_the_cache_key(warm, monkeypatch, tmp_path):
     _, _, other = load_or_warm_start(tmp_path, task=task, **{**WARM, "warmup_steps": 10})
     assert ran == [10] and other["cached"] is False and other["key"] != info["key"]
     assert other["recipe"]["sft"]["warmup_steps"] == 10
-    # the options are off by default and then stay out of the key: entries cached before
-    # they existed still match
+    # the options are off by default and then stay out of the key; landing is on by default
     _, _, plain = load_or_warm_start(tmp_path / "plain", task=task)
     assert set(plain["recipe"]["sft"]) == {"target_acc", "seed", "lr", "batch_size", "eval_every", "eval_n",
-                                           "max_steps"}
+                                           "max_steps", "land_every", "land_tol"}
+    assert (plain["recipe"]["sft"]["lr"], plain["recipe"]["sft"]["land_every"]) == (1e-3, 1)
+    _, _, coarse = load_or_warm_start(tmp_path / "coarse", task=task, land_every=None)
+    assert set(coarse["recipe"]["sft"]) == {"target_acc", "seed", "lr", "batch_size", "eval_every", "eval_n",
+                                            "max_steps"} and coarse["key"] != plain["key"]
 
 
 def test_unknown_model_dims_rejected(tmp_path):
@@ -196,9 +199,11 @@ def test_prepare_model_passes_the_warmstart_options(monkeypatch, tmp_path):
 
     monkeypatch.setattr(warmstart, "load_or_warm_start", fake)
     prepare_model(load_config(None, [f"warmstart.cache_dir={tmp_path}"]), tmp_path)
-    assert (seen["warmup_steps"], seen["near_every"]) == (0, None)  # off by default: the shipped recipe
+    assert (seen["warmup_steps"], seen["near_every"], seen["land_every"]) == (0, None, 1)  # the shipped recipe
+    assert seen["lr"] == warmstart.LR == 1e-3
     prepare_model(load_config(None, [f"warmstart.cache_dir={tmp_path}", "warmstart.warmup_steps=200",
-                                     "warmstart.near_every=5"]), tmp_path)
-    assert (seen["warmup_steps"], seen["near_every"]) == (200, 5)
+                                     "warmstart.near_every=5", "warmstart.land_every=null",
+                                     "warmstart.lr=3e-3"]), tmp_path)
+    assert (seen["warmup_steps"], seen["near_every"], seen["land_every"], seen["lr"]) == (200, 5, None, 3e-3)
     with pytest.raises(ConfigError, match="warmstart.near_every"):
         load_config(None, ["warmstart.near_every=0"])

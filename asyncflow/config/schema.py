@@ -108,6 +108,9 @@ class WarmStartConfig(_Section):
                                                    "warm-start's length steadier across seeds; see docs/benchmarks.md.")
     near_every: int | None = Field(None, gt=0, description="Evaluate every N SFT steps once an evaluation reached half "
                                                            "the target, to stop closer to it (None = every 50).")
+    land_every: int | None = Field(1, gt=0, description="An evaluation > 3 points past the target rewinds to the one "
+                                   "before and replays, checking every N steps (None = stop where it overshot).")
+    lr: float | None = Field(None, gt=0, description="SFT learning rate (None = the built-in recipe's, 1e-3).")
 
 
 class RolloutConfig(_Section):

@@ -98,8 +98,9 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = Non
         w = cfg.warmstart
         _, _, info = warmstart.load_or_warm_start(
             Path(w.cache_dir).expanduser(), task=task, model_dims=cfg.model.dims(), target_acc=w.target_acc,
-            warmup_steps=w.warmup_steps, near_every=w.near_every, seed=cfg.seed, progress=progress,
-            device=_warmstart_device(cfg), model_dir=folder, spec=eval_spec(cfg, task))
+            warmup_steps=w.warmup_steps, near_every=w.near_every, land_every=w.land_every, seed=cfg.seed,
+            progress=progress, device=_warmstart_device(cfg), model_dir=folder, spec=eval_spec(cfg, task),
+            lr=warmstart.LR if w.lr is None else w.lr)
         return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
     if folder is not None:
         return folder, {"source": "path"}

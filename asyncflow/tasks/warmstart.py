@@ -4,7 +4,10 @@ answers, stopped at a target held-out metric and cached on disk.
 RL from a random init never sees a reward, and RL from a perfect model has nothing to
 learn, so the pipeline starts from a model that is *partly* trained: SFT on the task's
 training split stops as soon as the greedy held-out metric reaches ``target_acc`` (~0.65
-by default), leaving room for RL to improve. The metric is the one RL's held-out
+by default), leaving room for RL to improve. The metric often jumps by tens of points
+within a few dozen steps, so an evaluation that overshoots the target rewinds to the one
+before and replays with a check every step (:mod:`asyncflow.tasks.warmstart_landing`):
+the model lands a few points above the target instead of wherever the jump left it. The metric is the one RL's held-out
 evaluation reports (:class:`EvalSpec`: exact match, the task's own score, the reward or
 ``eval.metric``). The result is cached under a key that hashes every input that changes
 it (data, model, recipe: :mod:`asyncflow.tasks.warmstart_cache`), so repeated runs pay
@@ -20,14 +23,14 @@ Invariants
 * A cache entry is complete if its folder exists: it is written to a temp folder and
   moved into place with ``os.replace``. Both paths of ``load_or_warm_start`` return
   the model in eval mode.
-* The built-in addition task's cache key only has the fields it always had: options added
-  later enter the key only when set, so older cache entries stay valid.
+* Options added later (warmup, near_every, landing) enter the cache key only when set, so
+  turning one off gives back the key it had before it existed.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,7 @@ from asyncflow.tasks.layout import (
     sft_tensors,
 )
 from asyncflow.tasks.warmstart_cache import cache_key, folder_digest, load_entry, resolved_dims, save_entry
+from asyncflow.tasks.warmstart_landing import SCREEN_N, Snapshot, Trainer, epoch_batches, land
 
 __all__ = ["bos_ids", "decode_responses", "encode_prompts", "evaluate", "greedy_responses", "prompt_ids",
            "sft_tensors", "EvalSpec", "SFTResult", "sft", "has_answers", "load_or_warm_start", "eval_due", "warmup_lr"]
@@ -59,11 +63,14 @@ __all__ = ["bos_ids", "decode_responses", "encode_prompts", "evaluate", "greedy_
 # entries then stop matching instead of being loaded with the wrong meaning.
 CACHE_FORMAT_VERSION = 2  # 2: the tiny tokenizer got byte fallback (vocab 52 -> 308)
 
-# The SFT recipe. Its length depends on the seed (550-3,950 steps over seeds 0-4 here); a
-# warmup and finer evaluations near the target make it steadier but land models RL improves
-# less, so they stay options, off by default (README, "The default run"; measured with
-# ``benchmarks/warmstart_seeds.py`` and ``asyncflow train seed=N``).
-LR, WARMUP_STEPS, EVAL_EVERY, NEAR_EVERY = 3e-3, 0, 50, None
+# The SFT recipe. lr 1e-3 (3e-3 until 2026-11-25): at 3e-3 the metric sat on a plateau for
+# hundreds of steps at a seed- and machine-dependent length (addition 550-4,800 steps to
+# 65%, the word-order example 1,600 to 40%); at 1e-3 far fewer (docs/benchmarks.md, "The
+# warm-start's recipe"; measured with ``benchmarks/warmstart_seeds.py``). Warmup and
+# ``near_every`` stay options, off by default. Landing (LAND_*) is on: an evaluation more
+# than LAND_TOL past the target is rewound and replayed with a check every LAND_EVERY steps.
+LR, WARMUP_STEPS, EVAL_EVERY, NEAR_EVERY = 1e-3, 0, 50, None
+LAND_EVERY, LAND_TOL = 1, 0.03
 
 ProgressFn = Callable[[int, "float | None", float], None]
 """``progress(step, acc, loss)``: called after every SFT step; ``acc`` is None between evals."""
@@ -71,11 +78,14 @@ ProgressFn = Callable[[int, "float | None", float], None]
 
 @dataclass(frozen=True)
 class SFTResult:
-    """Outcome of :func:`sft`: last held-out accuracy, optimizer steps taken, wall seconds."""
+    """Outcome of :func:`sft`: last held-out accuracy, optimizer steps the model has taken
+    (replayed steps not counted twice), wall seconds."""
 
     accuracy: float
     steps: int
     seconds: float
+    replayed: int = 0  # steps run beyond the model's own: rewound to land close to the target
+    overshot: float | None = None  # the evaluation that overshot the target and was rewound
 
 
 @dataclass(frozen=True)
@@ -117,42 +127,75 @@ def sft(
     warmup_steps: int = WARMUP_STEPS,
     near_every: int | None = NEAR_EVERY,
     spec: EvalSpec = EvalSpec(),
+    land_every: int | None = LAND_EVERY,
+    land_tol: float = LAND_TOL,
 ) -> SFTResult:
     """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
     The metric is ``spec``'s: by default exact match, or ``task.eval_score`` where the task
     has one (countdown: any correct expression counts, not only the reference answer).
 
-    Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` (already a
-    random sample) every ``eval_every`` steps (with ``near_every``: every ``near_every``
-    steps once an evaluation has reached half the target, where accuracy jumps fast), and
-    after the last step. Stops early at the target; otherwise runs ``max_steps`` and
-    returns whatever accuracy it reached. ``warmup_steps`` > 0 ramps the learning rate
-    linearly from ``lr / warmup_steps`` to ``lr`` over that many steps. The model is left
-    in train mode.
+    Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` every
+    ``eval_every`` steps (``near_every``: every that many once an evaluation reached half
+    the target) and after the last step. Stops at the target, else after ``max_steps``.
+    With ``land_every``, an evaluation more than ``land_tol`` past the target rewinds to the
+    one before and replays, checking every ``land_every`` steps (``warmstart_landing``).
+    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` counts
+    every step run, replayed ones too. The model is left in train mode.
     """
     started = time.perf_counter()
-    ids, labels = sft_tensors(tokenizer, task.train, spec.chat)
-    ids, labels = ids.to(model.device), labels.to(model.device)
     eval_set = task.heldout[:eval_n]
-    batches = _epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    acc, step = 0.0, 0
+    measure = _measure(model, tokenizer, task, eval_set, spec)
+    batches = epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
+    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress)
+    snap = Snapshot.take(model, trainer.optimizer, 0) if land_every else None
+    acc, step, overshot = 0.0, 0, None
     while step < max_steps:
-        for group in optimizer.param_groups:
-            group["lr"] = warmup_lr(lr, step, warmup_steps)
-        loss = _sft_step(model, optimizer, ids, labels, next(batches))
+        loss = trainer.step(step, next(batches))
         step += 1
         step_acc = None
         if eval_due(step, acc, target_acc, eval_every, near_every) or step == max_steps:
-            acc = step_acc = evaluate(model, tokenizer, eval_set, max_new_tokens=spec.max_new_tokens,
-                                      score=spec.score or getattr(task, "eval_score", None), chat=spec.chat)
-        if progress is not None:
-            progress(step, step_acc, loss)
-        if step_acc is not None and step_acc >= target_acc:
+            acc = step_acc = measure(None)
+        trainer.report(step_acc, loss)
+        if step_acc is None:
+            continue
+        if step_acc >= target_acc:
+            if snap is not None and land_every and step_acc > target_acc + land_tol and step - snap.step > 1:
+                overshot, screen = step_acc, SCREEN_N if SCREEN_N < len(eval_set) else None
+                acc, step = land(trainer, snap, measure, target_acc, land_every, screen)
+                snap = None  # at most one replay; one that is not bit-identical (a GPU) may fall short: train on
+                if acc < target_acc:
+                    continue
             break
-    return SFTResult(accuracy=acc, steps=step, seconds=time.perf_counter() - started)
+        if snap is not None:
+            snap, trainer.since = Snapshot.take(model, trainer.optimizer, step), []
+    return SFTResult(accuracy=acc, steps=step, seconds=time.perf_counter() - started,
+                     replayed=trainer.ran - step, overshot=overshot)
+
+
+def _trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, chat: bool, lr: float,
+             warmup_steps: int, progress: ProgressFn | None) -> Trainer:
+    """AdamW on teacher-forced ``task.train`` (the model is put in train mode)."""
+    ids, labels = sft_tensors(tokenizer, task.train, chat)
+    ids, labels = ids.to(model.device), labels.to(model.device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    return Trainer(model, optimizer, lambda rows: _sft_step(model, optimizer, ids, labels, rows),
+                   lambda step: warmup_lr(lr, step, warmup_steps), progress)
+
+
+def _measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, eval_set: Sequence[Any],
+             spec: EvalSpec) -> Callable[[int | None], float]:
+    """``measure(n)``: the held-out metric on the first ``n`` problems of ``eval_set`` (None: all)."""
+    score = spec.score or getattr(task, "eval_score", None)
+    longest = spec.max_new_tokens  # a subset decodes as far as the whole set does
+    if longest is None and eval_set:
+        longest = max(len(p.answer) for p in eval_set) + 1
+
+    def measure(n: int | None) -> float:
+        return evaluate(model, tokenizer, eval_set[:n], max_new_tokens=longest, score=score, chat=spec.chat)
+
+    return measure
 
 
 def eval_due(step: int, last_acc: float, target_acc: float, every: int, near_every: int | None) -> bool:
@@ -185,16 +228,6 @@ def _sft_step(
     return float(out.loss.detach())
 
 
-def _epoch_batches(n: int, batch_size: int, rng: np.random.Generator) -> Iterator[np.ndarray]:
-    """Endless batches of row indices; each epoch is a fresh permutation (no repeats within)."""
-    while True:
-        order = rng.permutation(n)
-        for start in range(0, n - batch_size + 1, batch_size):
-            yield order[start : start + batch_size]
-        if n < batch_size:  # tiny train sets: one short batch per epoch
-            yield order
-
-
 # --------------------------------------------------------------------------- cache
 
 
@@ -217,6 +250,7 @@ def load_or_warm_start(
     max_steps: int = 5000,
     warmup_steps: int = WARMUP_STEPS,
     near_every: int | None = NEAR_EVERY,
+    land_every: int | None = LAND_EVERY,
     progress: ProgressFn | None = None,
     device: str = "cpu",
     model_dir: str | None = None,
@@ -235,7 +269,9 @@ def load_or_warm_start(
     sft_keys = {"target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
                 "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps}
     # options added later enter the key only when on, so the entries cached before them stay valid
-    sft_keys.update({k: v for k, v in (("warmup_steps", warmup_steps), ("near_every", near_every)) if v})
+    sft_keys.update({k: v for k, v in (("warmup_steps", warmup_steps), ("near_every", near_every),
+                                       ("land_every", land_every)) if v})
+    sft_keys.update({"land_tol": LAND_TOL} if land_every else {})
     recipe = _recipe(task, model_dims, sft_keys, spec, model_dir)
     folder = Path(cache_dir) / cache_key(recipe)
     if (folder / "info.json").exists():
@@ -245,7 +281,7 @@ def load_or_warm_start(
     result = sft(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,
-        warmup_steps=warmup_steps, near_every=near_every, spec=spec,
+        warmup_steps=warmup_steps, near_every=near_every, spec=spec, land_every=land_every,
     )
     info = {**asdict(result), "key": folder.name, "recipe": recipe}
     model.cpu()
