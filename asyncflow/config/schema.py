@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from asyncflow.config.checks import check_dp
 from asyncflow.config.outputs import EvalConfig, LogConfig
+from asyncflow.config.warmstart import WarmStartConfig
 
 
 class ConfigError(ValueError):
@@ -94,24 +95,6 @@ class TaskConfig(_Section):
         hint = f"did you mean '{near[0]}'? " if near else ""
         raise ValueError(f"unknown task '{v}': {hint}choose {', '.join(BUILTIN_TASKS)}, or name your own as "
                          "'package.module:factory' or 'path/to/file.py:factory'")
-
-class WarmStartConfig(_Section):
-    enabled: bool = Field(True, description="Run a short SFT warm-start of the built-in model before RL, on the "
-                                            "task's reference answers (a dataset task without answers skips it).")
-    model_folder: bool = Field(False, description="Warm-start a model.path folder too (off: RL starts from the folder "
-                                                  "as it is). Cached by data, folder contents and recipe.")
-    target_acc: float = Field(0.65, gt=0, le=1, description="Stop SFT when the held-out metric (the one RL reports: "
-                                                            "exact match, accuracy, mean reward or eval.metric) "
-                                                            "reaches this.")
-    cache_dir: str = Field("~/.cache/asyncflow/warmstart", description="Warm-started models are cached here.")
-    warmup_steps: int = Field(0, ge=0, description="SFT learning-rate warmup steps (0 = none). 200 makes the "
-                                                   "warm-start's length steadier across seeds; see docs/benchmarks.md.")
-    near_every: int | None = Field(None, gt=0, description="Evaluate every N SFT steps once an evaluation reached half "
-                                                           "the target, to stop closer to it (None = every 50).")
-    land_every: int | None = Field(1, gt=0, description="An evaluation > 3 points past the target rewinds to the one "
-                                   "before and replays, checking every N steps (None = stop where it overshot).")
-    lr: float | None = Field(None, gt=0, description="SFT learning rate (None = the built-in recipe's, 1e-3).")
-
 
 class RolloutConfig(_Section):
     group_size: int = Field(8, ge=2, description="Answers sampled per prompt (GRPO group).")
