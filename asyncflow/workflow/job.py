@@ -129,10 +129,15 @@ class Job:
         whole, the other ranks' RNGs and versions; not ``sync``: with rollout's groups not trained
         once ``done`` steps are (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``)."""
         self.watch.waiting("taking a checkpoint snapshot")
+        asked = {n: self.launcher.submit(self.workers[n], "rollout_snapshot", RESUME_TIMEOUT_S, done)
+                 for n in (self._rollouts() if self.cfg.mode != "sync" else [])}  # (beside the trainer's)
         tensors, meta = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
-        for n in self._rollouts() if self.cfg.mode != "sync" else []:
-            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S, done,
-                                                 timeout=RESUME_TIMEOUT_S + 15)  # (after rollout's own deadline)
+        wait = RESUME_TIMEOUT_S + 15  # (after rollout's own deadline: its error, not our timeout, names a cause)
+        for n, fut in asked.items():
+            try:
+                rt, meta["rollout"] = self.launcher.result(fut, wait)
+            except Exception as e:
+                raise self.watch.blame(n, e, "rollout_snapshot", wait) from None
             tensors.update(rt)
         return tensors, meta
 
