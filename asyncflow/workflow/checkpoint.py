@@ -42,6 +42,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -187,14 +188,17 @@ class CheckpointWriter:
         self._last: Future | None = None
         self._lock = threading.Lock()
 
-    def write(self, step: int, snap: Snapshot) -> None:
-        """Queue ``snap`` as ``step-<step>`` (raises the previous write's error, if any)."""
+    def write(self, step: int, snap: Snapshot, finish: Callable[[Snapshot], Snapshot] | None = None) -> None:
+        """Queue ``snap`` as ``step-<step>``, completed by ``finish`` first in the writer's thread
+        (raises the previous write's error, if any)."""
         with self._lock:
             if self._last is not None and self._last.done():
                 self._last.result()
-            self._last = self._pool.submit(self._write, step, snap)
+            self._last = self._pool.submit(self._write, step, snap, finish)
 
-    def _write(self, step: int, snap: Snapshot) -> None:
+    def _write(self, step: int, snap: Snapshot, finish: Callable[[Snapshot], Snapshot] | None = None) -> None:
+        if finish is not None:
+            snap = finish(snap)
         tmp, final = self.folder / f".tmp-{step}", self.folder / f"step-{step}"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -292,11 +296,20 @@ class Checkpoints:
     def save(self, done: int, fed: int) -> None:
         assert self.writer is not None  # (due() is False without one)
         t = time.perf_counter()
-        tensors, meta = self.job.snapshot(done)
+        (tensors, meta), rollout = self.job.snapshot(done)
         self.pauses.append(time.perf_counter() - t)
         meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0,
-                          "trained": pack(self.trained), "in_flight": self.job.in_flight(done, meta)}
-        self.writer.write(done, (tensors, meta))
+                          "trained": pack(self.trained)}
+
+        def finish(snap: Snapshot) -> Snapshot:  # (the writer's thread: rollout's part, taken meanwhile)
+            if rollout is not None:
+                more = rollout()
+                snap[0].update(more[0])
+                snap[1].update(more[1])
+            snap[1]["driver"]["in_flight"] = self.job.in_flight(done, snap[1])
+            return snap
+
+        self.writer.write(done, (tensors, meta), finish)
 
     def resume(self, snap: Snapshot | None, evaluate: bool) -> tuple[int, float | None]:
         """The first step to run and the held-out metric before training: a fresh run evaluates

@@ -17,6 +17,12 @@ It holds
 Stored as safetensors arrays ``rollout/<j>/{prompt,response,logprobs,versions,answer}`` and
 one JSON record per answer (no pickle).
 
+The request is made at the step boundary and served at rollout's next poll, while the
+trainer may already train the next step: any moment before rollout forgets that step's
+groups is consistent with the checkpoint (a group trained meanwhile is still saved as placed;
+the checkpoint has not trained it). A group with a token of weights newer than the restored
+version (the snapshot came late) is not kept.
+
 On resume (:func:`resume`, before rollout's loop starts) a placed group goes back into its
 step (the placement the original run made: ``step <= start version + k``, so the bound holds
 as before; whatever the engine). A running group **continues** when
@@ -155,7 +161,11 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
     groups = saved_groups(tensors, meta)
     can = getattr(role.batch, "resume", None) is not None
     k, kept = role.placer.k, []
-    for gid, (part, answers) in sorted((g, v) for g, v in groups.items() if v[0] is not None and v[0] >= step):
+    def restored(answers: list[Saved]) -> bool:  # (no token of weights newer than the restored version)
+        return all(v <= step for _, p, _, _ in answers for v in p.token_versions)
+
+    for gid, (part, answers) in sorted((g, v) for g, v in groups.items()
+                                       if v[0] is not None and v[0] >= step and restored(v[1])):
         assert part is not None  # (filtered above)
         kept.append(gid)
         role.placer.refill(part)
@@ -174,7 +184,7 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
         w = min(p.version for _, p, _, _ in answers)
         one_version = role.on_swap == "continue" or all(v == role.version for _, p, _, _ in answers
                                                          for v in p.token_versions)
-        if not (can and len(answers) == role.group_size and w + k >= step and one_version
+        if not (can and len(answers) == role.group_size and w + k >= step and one_version and restored(answers)
                 and role.placer.adopt(gid, w)):
             continue
         kept.append(gid)

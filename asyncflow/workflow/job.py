@@ -25,6 +25,7 @@ not ask it, so a failed evaluator ends the evaluations (the driver's one line), 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from asyncflow.config import RunConfig
@@ -163,17 +164,31 @@ class Job:
         self.watch.waiting("saving")
         return self.watch.ask(self.trainer, "save", path)
 
-    def snapshot(self, done: int = 0) -> Snapshot:
+    def snapshot(self, done: int = 0) -> tuple[Snapshot, Callable[[], Snapshot] | None]:
         """The trainer's state in host memory (:mod:`asyncflow.workflow.checkpoint`): rank 0's
-        whole, the other ranks' RNGs and versions; not ``sync``: with rollout's groups not trained
-        once ``done`` steps are (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``)."""
+        whole, the other ranks' RNGs and versions; not ``sync``: also a call that returns rollout's
+        groups not trained once ``done`` steps are (:mod:`asyncflow.workflow.inflight`: tensors
+        ``rollout/...``, JSON ``rollout``), asked now and taken by rollout's loop meanwhile (any
+        time before step ``done`` is trained is consistent with the trainer's state: the caller
+        need not wait for it before the next step)."""
         self.watch.waiting("taking a checkpoint snapshot")
-        tensors, meta = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
-        for n in self._rollouts() if self.cfg.mode != "sync" else []:
-            rt, meta["rollout"] = self.watch.ask(n, "rollout_snapshot", RESUME_TIMEOUT_S, done,
-                                                 timeout=RESUME_TIMEOUT_S + 15)  # (after rollout's own deadline)
-            tensors.update(rt)
-        return tensors, meta
+        asked = {n: self.launcher.submit(self.workers[n], "rollout_snapshot", RESUME_TIMEOUT_S, done)
+                 for n in (self._rollouts() if self.cfg.mode != "sync" else [])}
+        snap = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
+        wait = RESUME_TIMEOUT_S + 15  # (after rollout's own deadline: its error, not our timeout, names a cause)
+
+        def rollout() -> Snapshot:
+            tensors: dict = {}
+            meta: dict = {}
+            for n, fut in asked.items():
+                try:
+                    rt, meta["rollout"] = self.launcher.result(fut, wait)
+                except Exception as e:
+                    raise self.watch.blame(n, e, "rollout_snapshot", wait) from None
+                tensors.update(rt)
+            return tensors, meta
+
+        return snap, rollout if asked else None
 
     def restore(self, snap: Snapshot, step: int) -> list[int]:
         """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then
