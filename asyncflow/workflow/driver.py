@@ -232,9 +232,10 @@ def _open_evals(cfg: RunConfig, job: Job, model_dir: str) -> BesideEvals | None:
 class BesideEvals:
     """The driver's side of evaluations beside training (:mod:`asyncflow.workflow.evaluator`).
 
-    Each step: request the due version (skipped by the evaluator while one runs), then put the
-    newest result finished by now on the step's line (``heldout_acc``, ``heldout_version``: the
-    weights after that many steps, ``heldout_eval_s``). The last step waits for an evaluation
+    Each step: see what finished (a due step only), request the due version (skipped by the
+    evaluator while one runs; none after a failure), then put the newest result finished by now
+    on the step's line (``heldout_acc``, ``heldout_version``: the weights after that many steps,
+    ``heldout_eval_s``). The last step waits for an evaluation
     in flight at most ``finish_wait_s`` (else it is ``abandoned``). An evaluator failure is one
     line on stderr and ends the periodic evaluations (``failed``); training goes on."""
 
@@ -247,6 +248,10 @@ class BesideEvals:
     def step(self, m: dict, due: int | None, last: bool) -> None:
         results: list[dict] = []
         try:
+            if self.pending and due is not None:  # first what finished since: a failure ends the requests
+                got = self.job.eval_poll()
+                results, self.pending = got["done"], got["busy"]
+                self.on = self.on and not any(r.get("error") for r in results)
             if due is not None and self.on:
                 self.pending = self.job.eval_request(due) or self.pending
             deadline = time.monotonic() + self.finish_wait_s
