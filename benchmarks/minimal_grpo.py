@@ -48,7 +48,7 @@ PROMPTS, STEPS = 64, 8  # the issue's workload: 64 prompts x 8 answers a step, 8
 
 def base_overrides(prompts: int, steps: int, run_dir: str, extra: list[str]) -> list[str]:
     return [f"train.prompts_per_step={prompts}", f"train.steps={steps}", "train.eval_every=0", "progress=false",
-            f"run_dir={run_dir}", *extra]
+            "train.lr=1e-4", f"run_dir={run_dir}", *extra]  # (lr: as vs_trl.py, the workload)
 
 
 # ---------------------------------------------------------------------------------------------- the plain loop

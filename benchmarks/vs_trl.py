@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
         args.run_dir = tmp.name
     cores = os.cpu_count() or 1
     base = [f"train.prompts_per_step={args.prompts}", f"train.steps={args.steps}", "train.eval_every=0",
-            "progress=false", f"run_dir={args.run_dir}", *args.overrides]
+            "train.lr=1e-4", "progress=false", f"run_dir={args.run_dir}", *args.overrides]  # (the lr)
     cfg = load_config(None, base)  # a bad override fails here
     model_dir, _ = prepare_model(cfg, Path(args.run_dir))  # the cached warm-start
     r = cfg.rollout
