@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_resume_async import TINY, check_every_group_once
+from test_resume_async import TINY, check_every_group_once, kill_after_checkpoint
 
 from asyncflow.cli import main
 from asyncflow.workflow import checkpoint as C
@@ -45,24 +45,6 @@ def _start(args: list[str], out: Path) -> subprocess.Popen:
     with out.open("ab") as fh:
         return subprocess.Popen([sys.executable, "-m", "asyncflow.cli", "train", *args], stdout=fh,
                                 stderr=subprocess.DEVNULL, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-
-
-def _kill_later(proc: subprocess.Popen, run: Path, after: int, delay: float) -> bool:
-    """``kill -9`` the driver ``delay`` s after a checkpoint beyond step ``after`` (False: it ended first)."""
-    t = time.time()
-    try:
-        while not any(int(p.name[5:]) > after for p in C.complete(run / C.CKPT_DIR)):
-            if proc.poll() is not None:
-                return False
-            assert time.time() - t < 300, "no checkpoint appeared"
-            time.sleep(0.01)
-        time.sleep(delay)
-        if proc.poll() is not None:
-            return False
-        os.kill(proc.pid, signal.SIGKILL)
-        return True
-    finally:
-        proc.wait()
 
 
 def _resumes(text: str) -> list[tuple[int, int, int]]:
@@ -81,7 +63,7 @@ def test_the_driver_killed_at_5_random_points_and_resumed_trains_every_group_onc
     run, kills, after = next(runs.iterdir()), 0, -1
     for _ in range(5):
         # (a tiny step takes ~70 ms on a quiet machine: a kill within ~2 steps of a checkpoint)
-        if not _kill_later(proc, run, after, rng.uniform(0, 0.15)):
+        if not kill_after_checkpoint(proc, run, after, rng.uniform(0, 0.15)):
             break
         kills += 1
         after = C.read(C.latest(run))[1]["driver"]["step"]
