@@ -13,12 +13,14 @@ Both warm-started models are right when greedy but unsure: sampled at temperatur
 ~2% of uppercase's answers and 0.3% of word_order_hf's are exact, so GRPO groups scored all
 0 and RL drifted (lr 3e-4: uppercase +7 to +23 in 600 steps and -12 to -33 in 60 sync steps;
 word_order_hf 48.6% -> 27.4% in 200 steps). Both examples now sample at 0.5 with lr 1e-4.
-Measured 2026-11-25 on 2 CPU cores under load (load average 8-25 from other sessions),
-async as this test runs them: uppercase (200 steps) seed 0 51.4% -> 68.8% (+17.4, 247 s of
-RL) and 65.6% (+14.2, 40 s, in this test), seed 1 50.8% -> 68.4% (+17.6, 173 s), seed 2
-53.4% -> 98.4% (+45.0, 140 s); word_order_hf (100 steps) 48.6% -> 100.0% (+51.4, 21 s of RL,
-46 s with the cached warm-start, in this test; 92.4% at step 50). Both together: 162 s with
-the warm-starts cached (238 s before, with 600 steps each).
+Measured 2026-11-25 on 2 CPU cores under load (load average 8-30 from other sessions),
+async as this test runs them: uppercase 300 steps, seed 0 51.4% -> 75.0% (+23.6, 147 s of
+RL), seed 1 50.8% -> 85.4% (+34.6, 111 s), seed 2 53.4% -> 98.0% (+44.6, 109 s); at 200
+steps +14.2 to +17.6 on seeds 0-1 (four runs), +45.0 on seed 2, hence 300. word_order_hf
+(100 steps) 48.6% -> 100.0% (+51.4, 21 s of RL, 46 s with the cached warm-start, in this
+test; 92.4% at step 50). This test, warm-starts cached, load ~15: uppercase 51.4% -> 74.4%
+(+23.0) in 73 s of RL (run 121 s), word_order_hf 48.6% -> 100.0% in 19 s (run 57 s); 189 s in
+all (600 steps each before: ~2 min each).
 """
 
 from __future__ import annotations
