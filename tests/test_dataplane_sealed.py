@@ -209,3 +209,48 @@ def test_a_message_of_more_frames_than_a_nonce_can_number_is_refused(monkeypatch
     monkeypatch.setattr(sealed, "MAX_FRAMES", 3)
     with pytest.raises(SealError, match="at most 3"):
         server.open(frames)
+
+
+class _Calls:
+    """A stand-in for :class:`SealedLink` in :meth:`SealedLink.pipeline`: counts requests
+    unanswered at once; each answers after yielding to the loop ``delay`` times."""
+
+    def __init__(self, fail: int = -1, delay: int = 3) -> None:
+        self.open = self.most = 0
+        self.done: list[int] = []
+        self.fail, self.delay = fail, delay
+
+    async def call(self, op: str, args: dict, buffers=()) -> tuple[None, list]:
+        import asyncio  # reason: only this stand-in needs the loop's sleep
+        self.open += 1
+        self.most = max(self.most, self.open)
+        for _ in range(self.delay + args["k"] % 2):  # uneven answers: the window, not the order, bounds
+            await asyncio.sleep(0)
+        self.open -= 1
+        self.done.append(args["k"])
+        if args["k"] == self.fail:
+            raise ValueError(f"request {args['k']} failed")
+        return None, []
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_puts_pipeline_keeps_at_most_its_window_unanswered(window):
+    import asyncio  # reason: the pipeline is a coroutine
+    from asyncflow.dataplane.transport.link_sealed import PUT_WINDOW, SealedLink
+
+    assert PUT_WINDOW == 3  # one message per stage: sealed, carried, opened
+    fake = _Calls()
+    asyncio.run(SealedLink.pipeline(fake, (("write", {"k": k}, ()) for k in range(10)), window))  # type: ignore[arg-type]
+    assert fake.most == window and sorted(fake.done) == list(range(10))
+
+
+def test_a_failed_request_of_a_pipeline_is_raised_after_every_sent_one_answered():
+    import asyncio  # reason: the pipeline is a coroutine
+    from asyncflow.dataplane.transport.link_sealed import SealedLink
+
+    fake = _Calls(fail=1)
+    with pytest.raises(ValueError, match="request 1 failed"):
+        asyncio.run(SealedLink.pipeline(fake, (("write", {"k": k}, ()) for k in range(10)), 3))
+    # 0, 1, 2 sent; 0 answered, 3 sent; waiting on 1, its error stops the generator, and
+    # 2 and 3 (sent) are still awaited: 0-3 answered, nothing more sent.
+    assert sorted(fake.done) == [0, 1, 2, 3] and fake.open == 0
