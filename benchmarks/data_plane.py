@@ -31,7 +31,10 @@ prints what the client's handshake chose per storage unit):
   the cross-host path as it was before the bulk ports;
 * ``tcp-plain`` / ``tcp+shm-plain``: CURVE off (``launch(secure=False)``, loopback only,
   nothing authenticated or encrypted): the same paths without any cipher, to separate the
-  cost of authentication and encryption from the transport's (printed as ratios at the end).
+  cost of authentication and encryption from the transport's (printed as ratios at the end,
+  and, for payloads of 0.1 GB or more, as CPU seconds per GB of the client process and of the
+  server processes, every thread, with each secure path's extra CPU over its plain twin:
+  what a loaded machine distorts less than wall time).
 First, ``get_meta`` latency of a client in this process against the controller process
 (non-blocking, 1 row, 2000 calls): p50/p99, measured before any throughput run, while no
 Ray is running (TransferQueue's Ray start-up, measured, doubles it for ~20 s).
