@@ -13,6 +13,7 @@ whole client (put/get through ``launch``) is in tests/test_dataplane_fetch.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from asyncflow.dataplane import Field, Schema
 from asyncflow.dataplane.transport import bulk
 from asyncflow.dataplane.transport.auth import Credentials, secure_client
+from asyncflow.dataplane.transport.link_sealed import PUT_WINDOW, SealedLink
 from asyncflow.dataplane.transport.protocol import encode_columns, pack_header, unpack_header
 from asyncflow.dataplane.transport.sealed import TAG, TO_CLIENT, TO_SERVER, SealError, Session
 from asyncflow.dataplane.transport.storage_server import StorageServer
@@ -221,7 +223,6 @@ class _Calls:
         self.fail, self.delay = fail, delay
 
     async def call(self, op: str, args: dict, buffers=()) -> tuple[None, list]:
-        import asyncio  # reason: only this stand-in needs the loop's sleep
         self.open += 1
         self.most = max(self.most, self.open)
         for _ in range(self.delay + args["k"] % 2):  # uneven answers: the window, not the order, bounds
@@ -235,9 +236,6 @@ class _Calls:
 
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_a_puts_pipeline_keeps_at_most_its_window_unanswered(window):
-    import asyncio  # reason: the pipeline is a coroutine
-    from asyncflow.dataplane.transport.link_sealed import PUT_WINDOW, SealedLink
-
     assert PUT_WINDOW == 3  # one message per stage: sealed, carried, opened
     fake = _Calls()
     asyncio.run(SealedLink.pipeline(fake, (("write", {"k": k}, ()) for k in range(10)), window))  # type: ignore[arg-type]
@@ -245,9 +243,6 @@ def test_a_puts_pipeline_keeps_at_most_its_window_unanswered(window):
 
 
 def test_a_failed_request_of_a_pipeline_is_raised_after_every_sent_one_answered():
-    import asyncio  # reason: the pipeline is a coroutine
-    from asyncflow.dataplane.transport.link_sealed import SealedLink
-
     fake = _Calls(fail=1)
     with pytest.raises(ValueError, match="request 1 failed"):
         asyncio.run(SealedLink.pipeline(fake, (("write", {"k": k}, ()) for k in range(10)), 3))

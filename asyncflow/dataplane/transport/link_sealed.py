@@ -15,7 +15,8 @@ message to message) and sent without a copy; a put's messages go out :data:`PUT_
 time (:meth:`SealedLink.pipeline`), so the pool holds about four messages, not the whole put.
 Three, not two: a message passes three stages (sealed here, carried by the kernel, opened by
 the unit), and with two in flight the unit sat idle while the client sealed the next one
-(a put of 0.28 GB in 19 MB messages: ~15-20% faster with three, interleaved A/B).
+(a put of 0.28 GB in 19 MB messages: best of rounds 10-25% faster with three, interleaved A/B on
+a loaded machine; docs/benchmarks.md).
 """
 
 from __future__ import annotations
