@@ -31,7 +31,10 @@ prints what the client's handshake chose per storage unit):
   the cross-host path as it was before the bulk ports;
 * ``tcp-plain`` / ``tcp+shm-plain``: CURVE off (``launch(secure=False)``, loopback only,
   nothing authenticated or encrypted): the same paths without any cipher, to separate the
-  cost of authentication and encryption from the transport's (printed as ratios at the end).
+  cost of authentication and encryption from the transport's (printed as ratios at the end,
+  and, for payloads of 0.1 GB or more, as CPU seconds per GB of the client process and of the
+  server processes, every thread, with each secure path's extra CPU over its plain twin:
+  what a loaded machine distorts less than wall time).
 First, ``get_meta`` latency of a client in this process against the controller process
 (non-blocking, 1 row, 2000 calls): p50/p99, measured before any throughput run, while no
 Ray is running (TransferQueue's Ray start-up, measured, doubles it for ~20 s).
@@ -44,13 +47,17 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
+import resource
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
 from asyncflow.dataplane import DataPlane, Field, Schema
 from asyncflow.dataplane.transport.deploy import launch
 
+_TICKS = os.sysconf("SC_CLK_TCK")
 SHAPES = {"tq-perf": (1024, 9, 8192), "small": (128, 4, 1024)}
 
 
@@ -63,21 +70,42 @@ def gbytes(data: dict[str, np.ndarray]) -> float:
     return sum(v.nbytes for v in data.values()) / 2**30
 
 
-def bench_ours(plane, data: dict[str, np.ndarray], iters: int) -> tuple[float, float, float]:
+def cpu_s(pids: Sequence[int]) -> tuple[float, float]:
+    """CPU seconds (user + system, every thread) of this process and of ``pids`` (the
+    servers; read from ``/proc``, so 0 where there is none)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    servers = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            servers += (int(fields[11]) + int(fields[12])) / _TICKS  # utime, stime
+        except (OSError, IndexError, ValueError):
+            pass
+    return me.ru_utime + me.ru_stime, servers
+
+
+def bench_ours(plane, data: dict[str, np.ndarray], iters: int,
+               pids: Sequence[int] = ()) -> tuple[float, float, float, list[float]]:
+    """Best put and get times, the first put, and the median CPU seconds of a put and a get
+    ``[put client, put servers, get client, get servers]`` (busy time of every thread)."""
     fields, n = list(data), len(next(iter(data.values())))
-    put_t, get_t = [], []
+    put_t, get_t, cpu = [], [], []
     for i in range(iters):
-        t = time.perf_counter()
+        c0, t = cpu_s(pids), time.perf_counter()
         plane.put(data, partition=f"b{i}")
-        put_t.append(time.perf_counter() - t)
+        c1, put_t_i = cpu_s(pids), time.perf_counter() - t
         t = time.perf_counter()
         meta, got = plane.get_batch("bench", fields, n=n, partition=f"b{i}")
         get_t.append(time.perf_counter() - t)
+        c2 = cpu_s(pids)
+        put_t.append(put_t_i)
+        cpu.append([c1[0] - c0[0], c1[1] - c0[1], c2[0] - c1[0], c2[1] - c1[1]])
         assert len(meta.rows) == n and got[fields[0]].shape == data[fields[0]].shape
         del got
         plane.clear(f"b{i}")
         gc.collect()
-    return min(put_t), min(get_t), put_t[0]
+    return min(put_t), min(get_t), put_t[0], [float(np.median(c)) for c in zip(*cpu)]
 
 
 def bench_tq(data: dict[str, np.ndarray], iters: int) -> tuple[float, float, float] | str:
@@ -136,6 +164,28 @@ def cost_lines(shape: str, results: dict) -> list[str]:
     return out
 
 
+def cpu_lines(shape: str, gb: float, results: dict) -> list[str]:
+    """CPU per GB moved (median run; client process / server processes, every thread):
+    what the machine pays per path, which a load on the machine changes less than it
+    changes wall times; and each secure path's extra CPU over its ``-plain`` twin. Only for
+    payloads of 0.1 GB or more: the servers' CPU is read in clock ticks (10 ms)."""
+    out: list[str] = []
+    if gb < 0.1:
+        return out
+    for system, r in results.items():
+        if isinstance(r, tuple) and len(r) > 3 and system != "in-process":
+            pc, ps, gc_, gs = (x / gb for x in r[3])
+            out.append(f"{shape}: CPU s/GB {system}: put {pc:.3f} client + {ps:.3f} servers = {pc + ps:.3f}, "
+                       f"get {gc_:.3f} + {gs:.3f} = {gc_ + gs:.3f}")
+    for secure, plain in (("tcp", "tcp-plain"), ("tcp-curve", "tcp-plain"), ("tcp+shm", "tcp+shm-plain")):
+        a, b = results.get(secure), results.get(plain)
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            put, get = (sum(a[3][k:k + 2]) - sum(b[3][k:k + 2]) for k in (0, 2))
+            out.append(f"{shape}: extra CPU of auth+encryption, {secure} over {plain}: put {put / gb:+.3f} s/GB, "
+                       f"get {get / gb:+.3f} s/GB (both ends)")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="only the small shape")
@@ -169,7 +219,7 @@ def main() -> None:
                 if args.shm_min is not None:
                     client._core.shm_min_bytes = args.shm_min
                 via[system] = ",".join(client.transports())
-                results[system] = bench_ours(client, data, args.iters)
+                results[system] = bench_ours(client, data, args.iters, [p.pid for p in dep.processes])
             finally:
                 dep.shutdown()
         results["transferqueue"] = "skipped (--no-tq)" if args.no_tq else bench_tq(data, args.iters)
@@ -181,10 +231,10 @@ def main() -> None:
                       f"  {via.get(system, '')}", flush=True)
         if not isinstance(results["transferqueue"], str):
             for system in systems:
-                (dp_, dg, dc), (tp, tg, tc) = results[system], results["transferqueue"]
+                (dp_, dg, dc), (tp, tg, tc) = results[system][:3], results["transferqueue"]
                 ratios.append(f"{name}: {system}/transferqueue put x{tp / dp_:.2f}, get x{tg / dg:.2f}"
                               f" (cold put x{tc / dc:.2f})")
-        costs += cost_lines(name, results)
+        costs += cost_lines(name, results) + cpu_lines(name, gb, results)
         del data
         gc.collect()
     for line in ratios:

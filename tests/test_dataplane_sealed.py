@@ -13,6 +13,7 @@ whole client (put/get through ``launch``) is in tests/test_dataplane_fetch.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 
@@ -25,6 +26,7 @@ from hypothesis import strategies as st
 from asyncflow.dataplane import Field, Schema
 from asyncflow.dataplane.transport import bulk
 from asyncflow.dataplane.transport.auth import Credentials, secure_client
+from asyncflow.dataplane.transport.link_sealed import PUT_WINDOW, SealedLink
 from asyncflow.dataplane.transport.protocol import encode_columns, pack_header, unpack_header
 from asyncflow.dataplane.transport.sealed import TAG, TO_CLIENT, TO_SERVER, SealError, Session
 from asyncflow.dataplane.transport.storage_server import StorageServer
@@ -209,3 +211,41 @@ def test_a_message_of_more_frames_than_a_nonce_can_number_is_refused(monkeypatch
     monkeypatch.setattr(sealed, "MAX_FRAMES", 3)
     with pytest.raises(SealError, match="at most 3"):
         server.open(frames)
+
+
+class _Calls:
+    """A stand-in for :class:`SealedLink` in :meth:`SealedLink.pipeline`: counts requests
+    unanswered at once; each answers after yielding to the loop ``delay`` times."""
+
+    def __init__(self, fail: int = -1, delay: int = 3) -> None:
+        self.open = self.most = 0
+        self.done: list[int] = []
+        self.fail, self.delay = fail, delay
+
+    async def call(self, op: str, args: dict, buffers=()) -> tuple[None, list]:
+        self.open += 1
+        self.most = max(self.most, self.open)
+        for _ in range(self.delay + args["k"] % 2):  # uneven answers: the window, not the order, bounds
+            await asyncio.sleep(0)
+        self.open -= 1
+        self.done.append(args["k"])
+        if args["k"] == self.fail:
+            raise ValueError(f"request {args['k']} failed")
+        return None, []
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_a_puts_pipeline_keeps_at_most_its_window_unanswered(window):
+    assert PUT_WINDOW == 3  # one message per stage: sealed, carried, opened
+    fake = _Calls()
+    asyncio.run(SealedLink.pipeline(fake, (("write", {"k": k}, ()) for k in range(10)), window))  # type: ignore[arg-type]
+    assert fake.most == window and sorted(fake.done) == list(range(10))
+
+
+def test_a_failed_request_of_a_pipeline_is_raised_after_every_sent_one_answered():
+    fake = _Calls(fail=1)
+    with pytest.raises(ValueError, match="request 1 failed"):
+        asyncio.run(SealedLink.pipeline(fake, (("write", {"k": k}, ()) for k in range(10)), 3))
+    # 0, 1, 2 sent; 0 answered, 3 sent; waiting on 1, its error stops the generator, and
+    # 2 and 3 (sent) are still awaited: 0-3 answered, nothing more sent.
+    assert sorted(fake.done) == [0, 1, 2, 3] and fake.open == 0

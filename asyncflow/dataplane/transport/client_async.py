@@ -21,7 +21,7 @@ loop's reader hands each reply to the coroutine waiting for it, so any number of
 at connect; ``use_shm=False`` or ``ASYNCFLOW_PLANE_SHM=0`` turns it off). Otherwise each
 slice is one message of frames: with credentials, on the unit's sealed bulk port
 (AES-256-GCM, :mod:`~.sealed`, :mod:`~.link_sealed`; ``sealed=False``: on its CURVE socket),
-a put's slices two at a time, a get's fixed columns decrypted straight into place.
+a put's slices three at a time, a get's fixed columns decrypted straight into place.
 
 Invariants:
 
@@ -245,7 +245,7 @@ class AsyncZmqDataPlane(ClientAcks):
                 finally:
                     shm.unlink(name)  # a no-op once the unit adopted (renamed) it
                 return
-        if (sealed := self._bulk[unit]) is not None:  # two spans in flight: sealing k+1 overlaps sending k
+        if (sealed := self._bulk[unit]) is not None:  # spans in flight: seal, carry, open overlap
             await sealed.pipeline(("write", {"rows": rows[i:j], "cols": s[0]}, s[1]) for i, j in spans
                                   for s in [encode_columns({k: v[i:j] for k, v in columns.items()})])
             return
