@@ -163,6 +163,6 @@ def test_a_killed_actor_or_controller_ends_the_run_within_60_s_with_one_line_nam
     assert killed, (rc, err)  # (the run was going when the kill came)
     took = time.monotonic() - killed[0]
     assert rc == 1 and len(err) == 1 and err[0].startswith("asyncflow: error: "), err
-    assert {"actor": "worker 'actor'", "controller": "(the data plane's controller)",
+    assert {"actor": "worker 'actor'", "controller": "the data plane's controller",
             "storage unit": "storage unit 0 ("}[target] in err[0], err
     assert took < 60, took

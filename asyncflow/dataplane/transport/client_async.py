@@ -136,7 +136,7 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
                                "(copy.copy or pickle) per loop")
         if self._schema is None:
             if self._hello is None:
-                self._ctrl = self._link(self.endpoint, loop)
+                self._ctrl = self._link(self.endpoint, loop, f"the data plane's controller {self.endpoint}")
                 self._hello = loop.create_task(self._connect(loop))
             try:
                 await asyncio.shield(self._hello)
@@ -148,7 +148,8 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
         """``hello`` to the controller, then connect every storage unit (and probe shared memory);
-        a unit's links name it in their errors (``storage unit <i> (<endpoint>)``)."""
+        every link names its server in its errors (``the data plane's controller <endpoint>``,
+        ``storage unit <i> (<endpoint>)``), whichever process's call meets the failure."""
         assert self._ctrl is not None  # created with the hello task
         hello, _ = await self._ctrl.call("hello", {})
         units = [self._link(ep, loop, f"storage unit {i} ({ep})") for i, ep in enumerate(hello["storage"])]
