@@ -23,6 +23,7 @@ from asyncflow.cli import main
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.workflow import checkpoint as C
+from asyncflow.workflow import hostcopy
 
 STEPS = 6
 TINY = ["mode=sync", "launcher=local", "warmstart.enabled=false", "progress=false", f"train.steps={STEPS}",
@@ -108,6 +109,42 @@ def test_capture_then_restore_continues_the_same_steps(tmp_path):
     assert b.version == a.version == 5 and b.opt.param_groups[0]["lr"] == a.opt.param_groups[0]["lr"]
     for (n, p), q in zip(a.model.named_parameters(), b.model.parameters()):
         assert torch.equal(p, q), n
+
+
+def _copied_beside_a_step(engine: TrainEngine, monkeypatch, delay: float) -> tuple[C.Snapshot, dict]:
+    """A :class:`HostCopy` slowed by ``delay`` s, then one step at once; the copy and the step's metrics."""
+    def slow(live):
+        time.sleep(delay)
+        return C.host_all(live)
+
+    monkeypatch.setattr(hostcopy, "host_all", slow)
+    live, small = C.capture_parts(engine.model, engine, None)
+    copy = hostcopy.HostCopy(live, small, [engine], timeout=30)
+    engine.forward_backward([[3, 4, 5]], [[5, 6, 7]], {}, lambda out, b, x: (-(out * b.mask).sum(), {}))
+    step = engine.optimizer_step()  # (the first in-place change of the weights and AdamW's state)
+    return copy.result(10), step
+
+
+def test_a_snapshot_copied_beside_the_next_step_is_bitwise_the_blocking_one(monkeypatch):
+    """The weights and AdamW's state are copied beside the next step: its optimizer step waits for
+    the copy, so the snapshot is the state at the boundary, bit for bit (without the wait it is not)."""
+    torch.manual_seed(1), np.random.seed(1), random.seed(1)
+    a = _engine()
+    _train(a, 2)
+    blocking = C.capture(a.model, a, None)
+    (tensors, meta), step = _copied_beside_a_step(a, monkeypatch, 0.3)
+    assert step["checkpoint_wait_s"] >= 0 and a.version == 3  # its optimizer step waited for the copy
+    assert tensors.keys() == blocking[0].keys() and any(k.startswith("optim/") for k in tensors)
+    for k, v in blocking[0].items():
+        assert v.dtype == tensors[k].dtype and v.tobytes() == tensors[k].tobytes(), k
+    assert meta == json.loads(json.dumps(blocking[1]))
+    assert not np.array_equal(C.capture(a.model, a, None)[0]["model/lm_head.weight"], tensors["model/lm_head.weight"])
+
+    monkeypatch.setattr(TrainEngine, "defer_updates", lambda self, done, timeout: None)  # no wait: not the boundary
+    before = C.capture(a.model, a, None)[0]
+    (torn, _), step = _copied_beside_a_step(a, monkeypatch, 1.5)  # (copied after the step, certainly)
+    assert "checkpoint_wait_s" not in step
+    assert any(not np.array_equal(v, torn[k]) for k, v in before.items() if not k.startswith("rng/"))
 
 
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240.0) -> None:

@@ -6,8 +6,8 @@
 * under Ray, one run whose rollout, actor, a storage unit, the controller and rollout again are
   killed in turn (``kill -9``, each a random while after a checkpoint of that incarnation),
   each time restarted automatically (``train.max_restarts``);
-* with ``train.max_restarts=0`` a killed actor or controller ends the run non-zero within 60 s
-  with one line naming it.
+* with ``train.max_restarts=0`` a killed actor, controller or storage unit ends the run
+  non-zero within 60 s with one line naming it.
 
 Every run must train every prompt group of steps ``0..N-1`` exactly once (each step's
 ``groups`` in ``metrics.jsonl``), never break the staleness bound (the actor raises
@@ -139,7 +139,7 @@ def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_ever
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("target", ["actor", "controller"])
+@pytest.mark.parametrize("target", ["actor", "controller", "storage unit"])
 def test_a_killed_actor_or_controller_ends_the_run_within_60_s_with_one_line_naming_it(
         tmp_path, capsys, monkeypatch, target):
     killed: list[float] = []
@@ -163,5 +163,6 @@ def test_a_killed_actor_or_controller_ends_the_run_within_60_s_with_one_line_nam
     assert killed, (rc, err)  # (the run was going when the kill came)
     took = time.monotonic() - killed[0]
     assert rc == 1 and len(err) == 1 and err[0].startswith("asyncflow: error: "), err
-    assert ("worker 'actor'" if target == "actor" else "(the data plane's controller)") in err[0], err
+    assert {"actor": "worker 'actor'", "controller": "the data plane's controller",
+            "storage unit": "storage unit 0 ("}[target] in err[0], err
     assert took < 60, took

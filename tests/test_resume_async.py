@@ -141,8 +141,8 @@ def test_a_lost_worker_restarts_the_run_from_its_checkpoint_or_ends_it_with_the_
     as the launcher reports a dead process; tests/test_failures.py kills real Ray processes.)"""
     train_step, die_at, died = Worker.train_step, random.randrange(3, N - 1), []
 
-    def lost_once(self, v, prefetch_next=False):
-        out = train_step(self, v, prefetch_next)
+    def lost_once(self, v, prefetch_next=False, snapshot=False):
+        out = train_step(self, v, prefetch_next, snapshot)
         if v == die_at and not died:  # (after the step: the worker's next call runs, then sees the plane closed)
             died.append(v)
             raise WorkerLost("the process died (test)")

@@ -44,6 +44,11 @@ warm-start answers in passes of 32: 2,400 tokens run instead of 2,560 in arrival
 of them real; 0.93x the thread CPU). Exact for the same reason. Not with FSDP (ranks must
 run the same passes).
 
+Background readers (``defer_updates``): a checkpoint's host copy of the weights and AdamW's
+state runs beside the next step (:mod:`asyncflow.workflow.hostcopy`); ``optimizer_step``, the
+first in-place change of either after a step boundary, waits for it first (gradients are not
+read by it: ``forward_backward`` need not wait) and reports the wait (``checkpoint_wait_s``).
+
 Precision (``dtype``): ``float32``, or ``bfloat16`` as mixed precision: the parameters,
 their gradients and the AdamW states stay float32 (master weights), the forward runs under
 ``torch.autocast(bfloat16)``, and log-softmax is taken in float32. Exported weights are
@@ -55,6 +60,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -276,6 +283,7 @@ class TrainEngine:
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         self.version = 0
+        self._readers: list[tuple[threading.Event, float]] = []  # (see defer_updates)
 
     @torch.no_grad()
     def logprobs(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]]) -> list[np.ndarray]:
@@ -338,12 +346,28 @@ class TrainEngine:
                                lambda t: torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM))
         norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
+        held = self.settle() if self._readers else None  # (only gradients changed so far)
         self.opt.step()
         if self.sched is not None:
             self.sched.step()
         self.opt.zero_grad(set_to_none=True)
         self.version += 1
-        return {"grad_norm": float(_full(norm)), "lr": lr}
+        out = {"grad_norm": float(_full(norm)), "lr": lr}
+        return out if held is None else {**out, "checkpoint_wait_s": held}
+
+    def defer_updates(self, done: threading.Event, timeout: float) -> None:
+        """The next change of the weights or AdamW's state waits for ``done`` first (at most
+        ``timeout`` s): a background reader of them, a checkpoint's host copy (module doc)."""
+        self._readers.append((done, timeout))
+
+    def settle(self) -> float:
+        """Wait for the background readers (:meth:`defer_updates`); the seconds waited."""
+        t = time.perf_counter()
+        for done, timeout in self._readers:
+            if not done.wait(timeout):
+                raise TimeoutError(f"a checkpoint's host copy of the weights did not finish within {timeout:.0f} s")
+        self._readers.clear()
+        return time.perf_counter() - t
 
     @torch.no_grad()
     def export_weights(self) -> dict[str, np.ndarray]:

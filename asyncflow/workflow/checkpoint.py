@@ -1,9 +1,10 @@
 """Resumable checkpoints, written in the background, atomically.
 
-At a step boundary (every ``train.save_every`` steps and after the last) the driver asks the
-trainer worker for a host snapshot (:func:`capture`, on its compute thread: the only pause
-the run sees, ``checkpoint_pause_s`` in the summary) and hands it to a
-:class:`CheckpointWriter`, whose thread writes ``RUN_DIR/checkpoints/.tmp-<step>`` and
+After a due step (every ``train.save_every`` steps and the last) the trainer's worker starts a
+snapshot (:mod:`asyncflow.workflow.role_state`): its small part copied at once, the weights
+and AdamW's state copied to host memory beside the next step, whose optimizer step waits for
+that copy (:mod:`asyncflow.workflow.hostcopy`; the summary's ``checkpoint_pause_s``). A
+:class:`CheckpointWriter` thread collects it, writes ``RUN_DIR/checkpoints/.tmp-<step>`` and
 renames it to ``step-<step>`` once complete: a crash mid-write leaves the previous
 checkpoint whole (a ``.tmp-*`` folder is never read). Then checkpoints beyond
 ``train.keep_checkpoints`` (the oldest) are deleted.
@@ -52,7 +53,6 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from asyncflow.config import ConfigError, RunConfig, load_config
-from asyncflow.weights.store import seal
 
 CKPT_DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -63,74 +63,52 @@ def _host(t: torch.Tensor) -> np.ndarray:
     return t.detach().to("cpu", copy=True).contiguous().numpy()
 
 
+def host_all(live: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Host copies of ``live`` tensors (what :func:`capture_parts` left to copy)."""
+    return {k: _host(v) for k, v in live.items()}
+
+
 def capture(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, full: bool = True) -> Snapshot:
     """The trainer's state in host memory: weights, AdamW, LR schedule, version, RNGs
     (not ``full``: the RNGs and the version only, what differs between data-parallel ranks)."""
+    live, (tensors, meta) = capture_parts(model, engine, generator, full)
+    tensors.update(host_all(live))
+    return tensors, meta
+
+
+def capture_parts(model: torch.nn.Module, engine: Any, generator: torch.Generator | None,
+                  full: bool = True) -> tuple[dict[str, torch.Tensor], Snapshot]:
+    """:func:`capture` in two parts: the live tensors it holds by reference (the weights and
+    AdamW's per-parameter tensors: changed in place by the next optimizer step, so copied
+    before it, :mod:`asyncflow.workflow.hostcopy`), and the rest copied now (RNGs, JSON)."""
+    live: dict[str, torch.Tensor] = {}
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"version": engine.version}
     if full:
-        tensors.update({f"model/{k}": _host(v) for k, v in model.state_dict().items()})
+        live.update({f"model/{k}": v for k, v in model.state_dict().items()})
         opt = engine.opt.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
         for idx, st in opt["state"].items():
             for key, val in st.items():
                 if isinstance(val, torch.Tensor):
-                    tensors[f"optim/{idx}/{key}"] = _host(val)
+                    live[f"optim/{idx}/{key}"] = val
                 else:
                     scalars.setdefault(str(idx), {})[key] = val
         sched = engine.sched.state_dict() if engine.sched is not None else None
-        meta.update(optim_groups=opt["param_groups"], optim_scalars=scalars,
-                    sched={k: v for k, v in sched.items() if k != "lr_lambdas"} if sched is not None else None)
+        # (a JSON round trip: the next step changes these dicts' values, not this copy)
+        meta.update(json.loads(json.dumps({
+            "optim_groups": opt["param_groups"], "optim_scalars": scalars,
+            "sched": {k: v for k, v in sched.items() if k != "lr_lambdas"} if sched is not None else None})))
     tensors["rng/torch"] = _host(torch.get_rng_state())
     if generator is not None:
         tensors["rng/generator"] = _host(generator.get_state())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         tensors.update({f"rng/cuda/{i}": _host(st) for i, st in enumerate(torch.cuda.get_rng_state_all())})
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    tensors["rng/numpy"] = np.asarray(keys)
+    tensors["rng/numpy"] = np.array(keys)
     py = random.getstate()
     meta.update(numpy_rng=[name, int(pos), int(has_gauss), float(cached)], python_rng=[py[0], list(py[1]), py[2]])
-    return tensors, meta
-
-
-def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = True) -> Snapshot:
-    """:func:`capture` of a colocated ``sync`` worker's roles: the actor's engine on ``model``, the
-    rollout's sampling generator and version, and PPO's critic (its own model, under ``critic/``)."""
-    if "rollout" not in roles:  # stream/async: the trainer's worker (rollout restarts from the prompts)
-        return capture(model, roles["actor"].engine, None, full)
-    rollout = roles["rollout"]
-    tensors, meta = capture(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), full)
-    meta["rollout_version"] = rollout.version
-    if full and "critic" in roles:
-        engine = roles["critic"].engine
-        ct, meta["critic"] = capture(engine.model, engine, None)
-        tensors.update({f"critic/{k}": v for k, v in ct.items() if not k.startswith("rng/")})
-    return tensors, meta
-
-
-def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
-    """Put a :func:`snapshot_roles` back, and set the roles' counters to ``step`` steps done."""
-    tensors, meta = snap
-    if "rollout" not in roles:  # stream/async: the trainer; rollout takes the weights it republishes
-        actor = roles["actor"]
-        restore(model, actor.engine, None, snap)
-        if actor.publish is not None:
-            actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
-        return
-    rollout = roles["rollout"]
-    if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
-        engine, critic = roles["critic"].engine, roles["critic"]
-        own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
-        restore(engine.model, engine, None, ({**own, **{k: v for k, v in tensors.items() if k.startswith("rng/")}},
-                                            meta["critic"]))
-        critic.step, critic.items = step, step * critic.batch_size
-    restore(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
-    rollout.set_version(meta["rollout_version"])
-    rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows
-    rollout.placer.started, rollout.placer.lowest = step * rollout.prompts_per_step, step
-    for name in ("reward", "reference"):  # their counters of rows done (see Worker._sync_step)
-        if name in roles:
-            roles[name].items = step * rollout.batch_rows
+    return live, (tensors, meta)
 
 
 def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
@@ -282,7 +260,7 @@ class Checkpoints:
         self.cfg, self.job, self.run_dir = cfg, job, Path(run_dir)  # job: a workflow.job.Job
         self.on = not_resumable(cfg) is None
         self.writer = CheckpointWriter(self.run_dir / CKPT_DIR, cfg.train.keep_checkpoints) if self.on else None
-        self.pauses: list[float] = []  # seconds the driver waited for each snapshot
+        self.pauses: list[float] = []  # per snapshot: the driver's seconds + the next optimizer step's wait
         self.trained: set[int] = set()  # the prompt groups trained so far (the actor's 'groups' of each step)
         self.restarted = 0  # answers in flight at the checkpoint resumed from: restarted from their prompts
         self.continued: list[int] = []  # ... and the groups that continued from their saved tokens
@@ -293,23 +271,27 @@ class Checkpoints:
         every = self.cfg.train.save_every
         return self.on and (done == self.cfg.train.steps or (every > 0 and done % every == 0))
 
+    def saw(self, m: dict) -> None:
+        """A step's metrics: the prompt groups it trained; the wait of its optimizer step for the
+        last checkpoint's host copy (``checkpoint_wait_s``), part of that checkpoint's pause."""
+        self.trained.update(m.get("groups", ()))
+        if "checkpoint_wait_s" in m and self.pauses:
+            self.pauses[-1] += float(m["checkpoint_wait_s"])
+
     def save(self, done: int, fed: int) -> None:
+        """Checkpoint ``done`` steps (step ``done - 1`` was submitted with ``snapshot=due(done)``)."""
         assert self.writer is not None  # (due() is False without one)
         t = time.perf_counter()
-        (tensors, meta), rollout = self.job.snapshot(done)
+        collect = self.job.snapshot(done)
+        driver = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0, "trained": pack(self.trained)}
+
+        def finish(_: Snapshot) -> Snapshot:  # (the writer's thread: the host copies, taken meanwhile)
+            tensors, meta = collect()
+            meta["driver"] = {**driver, "in_flight": self.job.in_flight(done, meta)}
+            return tensors, meta
+
+        self.writer.write(done, ({}, {}), finish)
         self.pauses.append(time.perf_counter() - t)
-        meta["driver"] = {"step": done, "fed": fed, "metrics_lines": done, "acc0": self.acc0,
-                          "trained": pack(self.trained)}
-
-        def finish(snap: Snapshot) -> Snapshot:  # (the writer's thread: rollout's part, taken meanwhile)
-            if rollout is not None:
-                more = rollout()
-                snap[0].update(more[0])
-                snap[1].update(more[1])
-            snap[1]["driver"]["in_flight"] = self.job.in_flight(done, snap[1])
-            return snap
-
-        self.writer.write(done, (tensors, meta), finish)
 
     def resume(self, snap: Snapshot | None, evaluate: bool) -> tuple[int, float | None]:
         """The first step to run and the held-out metric before training: a fresh run evaluates

@@ -184,7 +184,8 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
               evaluate: bool, ckpt: Checkpoints, start: int = 0, evals: BesideEvals | None = None) -> None:
     """The RL steps from ``start``: feed prompts far enough ahead for the staleness bound, train,
     evaluate every ``train.eval_every`` steps, ``log`` each step's metrics, snapshot a checkpoint
-    every ``train.save_every`` (the next step is not queued behind an evaluation or a snapshot).
+    every ``train.save_every`` (the next step is not queued behind an evaluation; a snapshot is
+    copied beside it: :mod:`asyncflow.workflow.hostcopy`).
     With ``evals`` an evaluation is only requested (it runs beside the next steps) and the
     results finished by then go on each step's line."""
     steps, every = cfg.train.steps, cfg.train.eval_every if evaluate else 0
@@ -193,17 +194,17 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
     def submit(v: int) -> list | None:  # feed prompts for every admissible step, then queue step v on the trainer
         if not cfg.algorithm.dynamic_sampling:  # (with it, rollout feeds itself)
             feeder.fill(v + ahead)  # (over-provisioned groups reach further ahead)
-        return job.submit(v) if v < steps else None
+        return job.submit(v, ckpt.due(v + 1)) if v < steps else None  # (the trainer snapshots after a due step)
 
     fut = submit(start)
     for v in range(start, steps):
         eval_now = every and (v + 1) % every == 0 and v + 1 < steps
-        pause = (eval_now and evals is None) or ckpt.due(v + 1)
+        pause = eval_now and evals is None
         # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
         nxt = submit(v + 1) if not pause else None
         assert fut is not None  # v < steps: submitted
         m = meter.step(job.result(fut, v))
-        ckpt.trained.update(m.get("groups", ()))  # (the prompt groups step v trained)
+        ckpt.saw(m)  # (the prompt groups step v trained; its wait for the last checkpoint's host copy)
         if evals is not None:  # (weights v + 1 are published: step v returned)
             evals.step(m, v + 1 if eval_now else None, last=v + 1 == steps)
         elif eval_now:

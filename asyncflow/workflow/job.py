@@ -82,13 +82,14 @@ class Job:
                 if name != self.trainer:
                     self.watch.ask(name, "start")
 
-    def submit(self, v: int) -> list[Any]:
+    def submit(self, v: int, snapshot: bool = False) -> list[Any]:
         """Queue training of version ``v`` on the trainer (it runs after any step queued
-        before it: the trainer's one compute thread takes calls in order); a future."""
+        before it: the trainer's one compute thread takes calls in order); a future.
+        ``snapshot``: the trainer starts a checkpoint's snapshot right after the step (:meth:`snapshot`)."""
         if self.cfg.mode == "sync":  # every rank generates its share, then all train together
-            return [self.launcher.submit(self.workers[n], "sync_step", v) for n in self.ranks]
+            return [self.launcher.submit(self.workers[n], "sync_step", v, snapshot) for n in self.ranks]
         # the trainer starts fetching step v + 1 as soon as v's rows are in hand
-        return [self.launcher.submit(self.workers[n], "train_step", v, v + 1 < self.cfg.train.steps)
+        return [self.launcher.submit(self.workers[n], "train_step", v, v + 1 < self.cfg.train.steps, snapshot)
                 for n in self.ranks]
 
     def result(self, futs: list, v: int) -> dict:
@@ -164,31 +165,36 @@ class Job:
         self.watch.waiting("saving")
         return self.watch.ask(self.trainer, "save", path)
 
-    def snapshot(self, done: int = 0) -> tuple[Snapshot, Callable[[], Snapshot] | None]:
-        """The trainer's state in host memory (:mod:`asyncflow.workflow.checkpoint`): rank 0's
-        whole, the other ranks' RNGs and versions; not ``sync``: also a call that returns rollout's
-        groups not trained once ``done`` steps are (:mod:`asyncflow.workflow.inflight`: tensors
-        ``rollout/...``, JSON ``rollout``), asked now and taken by rollout's loop meanwhile (any
-        time before step ``done`` is trained is consistent with the trainer's state: the caller
-        need not wait for it before the next step)."""
-        self.watch.waiting("taking a checkpoint snapshot")
+    def snapshot(self, done: int) -> Callable[[], Snapshot]:
+        """Ask for the checkpoint of ``done`` steps (step ``done - 1`` was submitted with ``snapshot``
+        and returned); a call that returns it (:mod:`asyncflow.workflow.checkpoint`), for the
+        checkpoint writer's thread: the trainer's state, rank 0's whole and the other ranks' RNGs
+        and versions, copied to host memory beside the next step (:mod:`asyncflow.workflow.hostcopy`);
+        not ``sync``: also rollout's groups not trained once ``done`` steps are
+        (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``), asked now
+        and taken by rollout's loop meanwhile (any time before step ``done`` is trained is
+        consistent with the trainer's state). Nothing here waits: the next step runs meanwhile."""
         asked = {n: self.launcher.submit(self.workers[n], "rollout_snapshot", RESUME_TIMEOUT_S, done)
                  for n in (self._rollouts() if self.cfg.mode != "sync" else [])}
-        snap = merge_ranks([self.watch.ask(n, "snapshot", i == 0) for i, n in enumerate(self.ranks)])
+        copy_wait = self.cfg.train.step_timeout_s
+        copies = {n: self.launcher.submit(self.workers[n], "taken_snapshot", done, copy_wait) for n in self.ranks}
         wait = RESUME_TIMEOUT_S + 15  # (after rollout's own deadline: its error, not our timeout, names a cause)
 
-        def rollout() -> Snapshot:
-            tensors: dict = {}
-            meta: dict = {}
+        def collect() -> Snapshot:
+            snaps = [self._answer(n, fut, "taken_snapshot", copy_wait + 15) for n, fut in copies.items()]
+            tensors, meta = merge_ranks(snaps)
             for n, fut in asked.items():
-                try:
-                    rt, meta["rollout"] = self.launcher.result(fut, wait)
-                except Exception as e:
-                    raise self.watch.blame(n, e, "rollout_snapshot", wait) from None
+                rt, meta["rollout"] = self._answer(n, fut, "rollout_snapshot", wait)
                 tensors.update(rt)
             return tensors, meta
 
-        return snap, rollout if asked else None
+        return collect
+
+    def _answer(self, name: str, fut: Any, method: str, wait: float) -> Any:
+        try:
+            return self.launcher.result(fut, wait)
+        except Exception as e:
+            raise self.watch.blame(name, e, method, wait) from None
 
     def restore(self, snap: Snapshot, step: int) -> list[int]:
         """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then

@@ -39,9 +39,11 @@ from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
-from asyncflow.workflow.checkpoint import Snapshot, restore_roles, snapshot_roles
+from asyncflow.workflow.checkpoint import Snapshot
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
+from asyncflow.workflow.hostcopy import HostCopy
+from asyncflow.workflow.role_state import restore_roles, snapshot_parts, snapshot_roles
 
 _T = TypeVar("_T")
 
@@ -66,6 +68,7 @@ class Worker:
         self._full: PreTrainedModel | None = None  # FSDP: rank 0's gathered copy of the whole weights
         self.ctx: RoleContext | None = None
         self.started = time.perf_counter()
+        self._copies: dict[int, HostCopy] = {}  # checkpoint snapshots by steps done (see train_step)
         # an error while building is kept and raised by health(): under Ray a constructor's
         # error would kill the actor and reach the driver as an ActorDiedError without its cause
         self._init_error: BaseException | None = None
@@ -188,18 +191,35 @@ class Worker:
             tag(e, f"worker '{self.name}' at step {v}")
             raise
 
-    def train_step(self, v: int, prefetch_next: bool = False) -> dict:
-        return self._in_order(v, self.roles["actor"].train_step, v, prefetch_next)
+    def train_step(self, v: int, prefetch_next: bool = False, snapshot: bool = False) -> dict:
+        """Train version ``v``; ``snapshot``: then start the checkpoint's snapshot of the state after
+        it (:meth:`taken_snapshot`), copied beside the next step (:mod:`asyncflow.workflow.hostcopy`)."""
+        return self._in_order(v, self._then_snapshot, snapshot, self.roles["actor"].train_step, v, prefetch_next)
+
+    def _then_snapshot(self, snapshot: bool, fn: Callable[..., dict], v: int, *args: Any) -> dict:
+        out = fn(v, *args)
+        if snapshot:  # (the compute thread, at the boundary: nothing runs between the step and this)
+            live, snap, engines = snapshot_parts(self.model, self.roles, self.rank == 0)
+            self._copies[v + 1] = HostCopy(live, snap, engines, self.cfg.train.step_timeout_s)
+        return out
+
+    def taken_snapshot(self, done: int, timeout: float) -> Snapshot:
+        """The snapshot started once step ``done - 1`` was trained (``train_step``/``sync_step`` with
+        ``snapshot``), once copied (within ``timeout``; not the compute thread: the next step runs)."""
+        copy = self._copies.pop(done, None)
+        if copy is None:
+            raise RuntimeError(f"worker '{self.name}' took no checkpoint snapshot after {done} steps")
+        return copy.result(timeout)
 
     def critic_metrics(self, v: int, timeout: float = 2.0) -> dict | None:
         """The critic's metrics of step ``v`` once its update is done (None if not within ``timeout``)."""
         return self.roles["critic"].wait_step(v, timeout)
 
     # ------------------------------------------------------------------ sync (colocated)
-    def sync_step(self, v: int) -> dict:
+    def sync_step(self, v: int, snapshot: bool = False) -> dict:
         """One colocated step: generate all, score all, reference all, value all and update the
-        critic (PPO), train, sync weights."""
-        return self._in_order(v, self._sync_step, v)
+        critic (PPO), train, sync weights (``snapshot``: as in :meth:`train_step`)."""
+        return self._in_order(v, self._then_snapshot, snapshot, self._sync_step, v)
 
     def _sync_step(self, v: int) -> dict:
         """(Data-parallel: this rank generates, scores and references its share of the step's

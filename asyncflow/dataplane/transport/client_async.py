@@ -63,6 +63,7 @@ from asyncflow.dataplane.core.schema import Schema, prepare_write, schema_from_m
 from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.client_acks import ClientAcks
+from asyncflow.dataplane.transport.client_ctrl import ControllerCalls
 from asyncflow.dataplane.transport.fetch import place, plan_requests
 from asyncflow.dataplane.transport.link import DEADLINE_S, gather_all
 from asyncflow.dataplane.transport.link import Link as _Link
@@ -79,7 +80,7 @@ from asyncflow.dataplane.transport.sealed import Sealed
 
 __all__ = ["AsyncZmqDataPlane"]
 
-class AsyncZmqDataPlane(ClientAcks):
+class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
     """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
 
     def __init__(self, endpoint: str, token: str | None = None, use_shm: bool = True,
@@ -135,7 +136,7 @@ class AsyncZmqDataPlane(ClientAcks):
                                "(copy.copy or pickle) per loop")
         if self._schema is None:
             if self._hello is None:
-                self._ctrl = self._link(self.endpoint, loop)
+                self._ctrl = self._link(self.endpoint, loop, f"the data plane's controller {self.endpoint}")
                 self._hello = loop.create_task(self._connect(loop))
             try:
                 await asyncio.shield(self._hello)
@@ -146,18 +147,23 @@ class AsyncZmqDataPlane(ClientAcks):
         self._raise_sent()
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> None:
-        """``hello`` to the controller, then connect every storage unit (and probe shared memory)."""
+        """``hello`` to the controller, then connect every storage unit (and probe shared memory);
+        every link names its server in its errors (``the data plane's controller <endpoint>``,
+        ``storage unit <i> (<endpoint>)``), whichever process's call meets the failure."""
         assert self._ctrl is not None  # created with the hello task
         hello, _ = await self._ctrl.call("hello", {})
-        units = [self._link(ep, loop) for ep in hello["storage"]]
+        units = [self._link(ep, loop, f"storage unit {i} ({ep})") for i, ep in enumerate(hello["storage"])]
         self._shm_prefix, self._bulk = await connect_units(
             units, shm.enabled(self.use_shm), self.sealed and self.credentials is not None, self.token or "", loop,
             self.deadline)
+        for i, bulk in enumerate(self._bulk):
+            if bulk is not None:
+                bulk.who = f"storage unit {i} (bulk port {bulk.endpoint})"
         self._unit_endpoints, self._units = list(hello["storage"]), units
         self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
 
-    def _link(self, endpoint: str, loop: asyncio.AbstractEventLoop) -> _Link:
-        return _Link(endpoint, self.token or "", loop, self.credentials, self.deadline)
+    def _link(self, endpoint: str, loop: asyncio.AbstractEventLoop, who: str | None = None) -> _Link:
+        return _Link(endpoint, self.token or "", loop, self.credentials, self.deadline, who)
 
     def _wait_limit(self, timeout: float | None) -> float | None:
         """The deadline of a request that waits server-side for up to ``timeout``."""
@@ -280,33 +286,6 @@ class AsyncZmqDataPlane(ClientAcks):
             await asyncio.wait(list(self._sent))
         self._raise_sent()
 
-    async def seal(self, partition: Hashable) -> None:
-        check_partition_name(partition)
-        await self._ctrl_call("seal", partition=partition)
-
-    async def clear(self, partition: Hashable) -> None:
-        await self._ctrl_call("clear", partition=partition)
-
-    async def clear_rows(self, rows: Sequence[int]) -> None:
-        await self._ctrl_call("clear_rows", rows=[int(r) for r in rows])
-
-    async def reset_consumption(self, task: str) -> None:
-        await self._ctrl_call("reset_consumption", task=task)
-
-    async def close(self) -> None:
-        """Close the data plane for every client (as :meth:`DataPlane.close`)."""
-        await self._ctrl_call("close")
-
-    async def save(self, path: str | os.PathLike) -> None:
-        """Save the whole state on the servers' file system (``index.msgpack`` + one npz per
-        unit) under ``path``: a name relative to the servers' state folder, fixed at launch
-        (``Deployment.state_dir``); a path outside it is refused."""
-        await self._ctrl_call("save", deadline=20 * self.deadline, path=os.fspath(path))  # waits for every unit
-
-    async def load(self, path: str | os.PathLike) -> None:
-        """Load a state saved by :meth:`save` (a name in the servers' state folder)."""
-        await self._ctrl_call("load", deadline=20 * self.deadline, path=os.fspath(path))
-
     # -- reads -------------------------------------------------------------------------
     async def get_meta(self, task: str, fields: Sequence[str], n: int, partition: Hashable | None = None,
                        sampler: Sampler | None = None, min_n: int | None = None, block: bool = True,
@@ -370,14 +349,6 @@ class AsyncZmqDataPlane(ClientAcks):
             if lease is not None:
                 assert self._ctrl is not None  # connected by _get_meta
                 self._ctrl.send("unpin", {"lease": lease}, noreply=True)
-
-    async def tags(self, rows: Sequence[int]) -> dict[str, list[int]]:
-        return await self._ctrl_call("tags", rows=[int(r) for r in rows])
-
-    async def stats(self) -> dict[str, Any]:
-        """As :meth:`DataPlane.stats`, plus ``storage_units``, ``waiting`` (parked requests)
-        and ``pinned`` (rows handed out by ``get_batch`` and not read yet)."""
-        return await self._ctrl_call("stats")
 
     # -- administration ----------------------------------------------------------------
     async def shutdown_servers(self) -> None:

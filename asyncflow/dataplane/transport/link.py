@@ -10,7 +10,8 @@ Failures never hang a caller: each call has a deadline (``deadline`` seconds by 
 timeout plus a margin when it has one). A socket monitor, read by the same loop, fails
 every waiting call at once with :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable`
 when the server refuses this client's credentials (``HANDSHAKE_FAILED_AUTH``) or an
-established connection is lost (its replies can no longer arrive); ZMTP heartbeats
+established connection is lost (its replies can no longer arrive), naming the server as ``who`` says (a client's
+storage-unit links: ``storage unit <i> (<endpoint>)``); ZMTP heartbeats
 notice a peer that went away silently. While the connection is lost, a request that
 would wait with no deadline gets the default one (a dead server is never reconnected, so
 no later event would fail it). With ``creds`` the socket is a CURVE client
@@ -49,8 +50,10 @@ class Link:
     wake-up per burst of replies, no task per receive)."""
 
     def __init__(self, endpoint: str, token: str, loop: asyncio.AbstractEventLoop,
-                 creds: Credentials | None = None, deadline: float | None = DEADLINE_S) -> None:
+                 creds: Credentials | None = None, deadline: float | None = DEADLINE_S,
+                 who: str | None = None) -> None:
         _check_ipc(endpoint)
+        self.who = who or f"data plane server {endpoint}"  # what its errors call the server
         # The process-wide context: never collected mid-run (a collected context with a
         # socket still open would hang in term()).
         self.sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
@@ -93,7 +96,7 @@ class Link:
         # server: nothing would ever fail it, since no new connection is made to be lost).
         limit = self.deadline if deadline is True or (deadline is None and self.lost) else deadline
         if self.trouble:  # the last handshake failed and none succeeded since: fail fast
-            raise DataPlaneUnavailable(f"data plane server {self.endpoint}{self.trouble}; request {op!r} not sent")
+            raise DataPlaneUnavailable(f"{self.who}{self.trouble}; request {op!r} not sent")
         fut = self.loop.create_future()
         rid = self.send(op, args, buffers)
         self.waiting[rid] = (op, fut)
@@ -103,7 +106,7 @@ class Link:
             header, frames = await fut
         except _Expired:
             raise DataPlaneUnavailable(
-                f"data plane server {self.endpoint} did not answer {op!r} within {limit:g}s"
+                f"{self.who} did not answer {op!r} within {limit:g}s"
                 f"{self.trouble or ''}; is it running, and is this the job's client (Deployment.client())?"
             ) from None
         finally:
@@ -126,13 +129,13 @@ class Link:
                 continue
             self.lost = self.lost or event == zmq.EVENT_DISCONNECTED
             if event == zmq.EVENT_DISCONNECTED and not self.trouble:
-                self._fail(f"connection to data plane server {self.endpoint} lost")
+                self._fail(f"connection to {self.who} lost")
                 continue
             self.trouble = (" (authentication refused: this client's key is not the job's; use Deployment.client())"
                             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else
                             " (authentication refused: the CURVE handshake failed, this client lacks the "
                             "job's credentials or the server runs without them)")
-            self._fail(f"data plane server {self.endpoint}{self.trouble}")
+            self._fail(f"{self.who}{self.trouble}")
 
     def _fail(self, why: str) -> None:
         for op, fut in list(self.waiting.values()):

@@ -1,0 +1,72 @@
+"""What each role of a trainer's worker puts in a checkpoint, and takes back from one.
+
+``stream``/``async``: the trainer's worker holds the actor alone (rollout restarts from the
+prompts or continues its saved groups: :mod:`asyncflow.workflow.inflight`); a restore
+republishes the weights. ``sync``: the colocated worker's actor engine, rollout's sampling
+generator and version, PPO's critic (its own model, AdamW and step, under ``critic/``), and
+the roles' counters set to the steps done. The live tensors (:func:`snapshot_parts`) are
+copied by :mod:`asyncflow.workflow.hostcopy`; :mod:`asyncflow.workflow.checkpoint` has the
+format and the capture of one engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from asyncflow.weights.store import seal
+from asyncflow.workflow.checkpoint import Snapshot, capture_parts, host_all, restore
+
+
+def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = True) -> Snapshot:
+    """:func:`~asyncflow.workflow.checkpoint.capture` of a worker's roles: the actor's engine on
+    ``model``; ``sync``: also rollout's sampling generator and version, and PPO's critic (its own
+    model, under ``critic/``)."""
+    live, (tensors, meta), _ = snapshot_parts(model, roles, full)
+    tensors.update(host_all(live))
+    return tensors, meta
+
+
+def snapshot_parts(model: torch.nn.Module, roles: dict[str, Any],
+                   full: bool = True) -> tuple[dict[str, torch.Tensor], Snapshot, list[Any]]:
+    """:func:`snapshot_roles` in the two parts of :func:`~asyncflow.workflow.checkpoint.capture_parts`,
+    and the engines whose next optimizer step must wait for the live part's copy."""
+    actor = roles["actor"].engine
+    if "rollout" not in roles:  # stream/async: the trainer's worker (rollout restarts from the prompts)
+        return (*capture_parts(model, actor, None, full), [actor])
+    rollout = roles["rollout"]
+    live, (tensors, meta) = capture_parts(model, actor, getattr(rollout.engine, "generator", None), full)
+    meta["rollout_version"] = rollout.version
+    engines = [actor]
+    if full and "critic" in roles:
+        engine = roles["critic"].engine
+        clive, (_, meta["critic"]) = capture_parts(engine.model, engine, None)  # (its RNGs: the actor's)
+        live.update({f"critic/{k}": v for k, v in clive.items()})
+        engines.append(engine)
+    return live, (tensors, meta), engines
+
+
+def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
+    """Put a :func:`snapshot_roles` back, and set the roles' counters to ``step`` steps done."""
+    tensors, meta = snap
+    if "rollout" not in roles:  # stream/async: the trainer; rollout takes the weights it republishes
+        actor = roles["actor"]
+        restore(model, actor.engine, None, snap)
+        if actor.publish is not None:
+            actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
+        return
+    rollout = roles["rollout"]
+    if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
+        engine, critic = roles["critic"].engine, roles["critic"]
+        own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
+        restore(engine.model, engine, None, ({**own, **{k: v for k, v in tensors.items() if k.startswith("rng/")}},
+                                            meta["critic"]))
+        critic.step, critic.items = step, step * critic.batch_size
+    restore(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
+    rollout.set_version(meta["rollout_version"])
+    rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows
+    rollout.placer.started, rollout.placer.lowest = step * rollout.prompts_per_step, step
+    for name in ("reward", "reference"):  # their counters of rows done (see Worker._sync_step)
+        if name in roles:
+            roles[name].items = step * rollout.batch_rows
