@@ -6,7 +6,10 @@
 * With a deterministic rollout (the fake engine, answers a function of the prompt), a
   2-rank sync run ends with the weights of the 1-rank sync run on the same rows (to 1e-5),
   on both ranks, and each rank generated (and referenced) only its own prompts: GRPO, with
-  the KL term, PPO (its critic on rank 0) and a batch-level estimator with token-mean.
+  the KL term, with token-mean (each rank trains its own rows: the token count must be the
+  step's, summed over the ranks), PPO (its critic on rank 0) and a batch-level estimator with
+  token-mean (token-balanced chunks of the whole step). Each group-level run's ranks trained
+  exactly their own shard's rows, and the step's metrics count every rank's.
 * A real 2-rank run (the built-in engine sampling with the rank's own model): both ranks end
   every step with identical weights, every sample trained once; and the same on Ray.
 """
@@ -132,8 +135,10 @@ def run(tmp_path, monkeypatch, dp: int, *extra: str) -> tuple[dict, list[Worker]
 
 
 @pytest.mark.parametrize("extra", [(), ("algorithm.kl_coef=0.1",), ("algorithm.name=ppo",),
+                                   ("algorithm.loss_agg=token-mean",),
                                    ("algorithm.name=reinforce_pp", "algorithm.loss_agg=token-mean")],
-                         ids=["grpo", "grpo+kl", "ppo (critic on rank 0)", "reinforce_pp token-mean"])
+                         ids=["grpo", "grpo+kl", "ppo (critic on rank 0)", "grpo token-mean (own rows)",
+                              "reinforce_pp token-mean"])
 def test_two_ranks_end_every_step_with_the_one_rank_weights(tmp_path, monkeypatch, extra):
     single, _, init, one = run(tmp_path, monkeypatch, 1, *extra)
     summary, ranks, _, two = run(tmp_path, monkeypatch, 2, *extra)
@@ -141,6 +146,9 @@ def test_two_ranks_end_every_step_with_the_one_rank_weights(tmp_path, monkeypatc
     for r, w in enumerate(ranks):
         # each rank generated (and referenced) only its share: prompts r, r + 2 of each step
         assert w.roles["rollout"].items == STEPS * sync_share(w.cfg, r) * GROUP
+        # and a group-level estimator trains just those rows on that rank (batch-level: half of the step's)
+        assert w.roles["actor"].items == STEPS * (sync_share(w.cfg, r) * GROUP if "reinforce_pp" not in
+                                                  " ".join(extra) else PROMPTS * GROUP)
         if "reference" in w.roles:
             assert w.roles["reference"].items == STEPS * sync_share(w.cfg, r) * GROUP
     assert sorted(one) == [(v, 0) for v in range(STEPS)] and sorted(two) == [(v, r) for v in range(STEPS)

@@ -14,7 +14,8 @@ FSDP) the actor fetches a step's rows in one request (the rows are all ready by 
 engine trains them in length-sorted passes of ``train.micro_prompts`` groups' rows
 (``rows_per_pass``): one data-plane round trip and one rank-0 broadcast a step instead of one
 a micro-batch, and less padding. Data-parallel ``sync`` (``train.dp = N``): rank ``r``'s
-rollout and reference take only shard ``r``'s prompts and rows (:func:`~asyncflow.workflow.plan.sync_share`).
+rollout and reference take only shard ``r``'s prompts and rows (:func:`~asyncflow.workflow.plan.sync_share`),
+and so does its actor (``shard_rows``; a batch-level estimator trains token-balanced chunks of the whole step).
 """
 
 from __future__ import annotations
@@ -107,8 +108,10 @@ def build_actor(ctx: RoleContext) -> Role:
                          rows_per_pass=t.micro_prompts * r.group_size if whole else None, **passes(cfg))
     publish = ctx.weights.publish if (ctx.weights is not None and cfg.mode != "sync" and ctx.rank == 0) else None
     fetch_prompts = -(-t.prompts_per_step // t.dp) if whole else t.micro_prompts
+    # data-parallel sync: each rank trains the rows of its own shard (those it generated and scored)
+    own = sync_share(cfg, ctx.rank) * r.group_size if whole and sync_ranks(cfg) > 1 else None
     return ActorRole(engine, ctx.plane, cfg.batch_size, r.group_size, fetch_prompts, cfg.effective_staleness,
-                     algorithm=algorithm(cfg), publish=publish, group=ctx.group)
+                     algorithm=algorithm(cfg), publish=publish, group=ctx.group, shard_rows=own)
 
 
 def _inference_engine(ctx: RoleContext) -> Any:

@@ -40,7 +40,15 @@ rank reaches once it has read them. Rank 0 alone publishes weights; the stalenes
 histogram, rewards and sample counts are over all rows on every rank (rank 0 reports
 them); loss metrics (``loss``, ``clip_frac``...) are over the reporting rank's rows.
 Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
-compute thread, each in the same order on every rank. FSDP (the engine's ``fsdp``)
+compute thread, each in the same order on every rank.
+Own rows (``shard_rows``: data-parallel ``sync``, not FSDP, a group-level estimator): each rank
+generated and scored whole groups of its own shard, so it trains exactly those
+(``ShardSampler(rank)``, one request a step, no rank-0 meta nor broadcast, and it starts as
+soon as its own rows are in, as the plain N-process loop does); ``token-mean`` all-reduces the
+step's token count; the metrics (samples, tokens, rewards, groups) are the rank's own, and
+the job sums them over the ranks (``dp_share`` in the metrics; :meth:`Job.result
+<asyncflow.workflow.job.Job.result>`). The optimizer step's gradient sum is every rank's
+sign that it read its rows, so the clear needs no barrier. FSDP (the engine's ``fsdp``)
 gathers and scatters inside every forward/backward and export: each rank runs one pass
 per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
 no rank empty; no token-budget chunks) and joins rank 0's export each step.
@@ -54,9 +62,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from asyncflow.algorithms.algorithm import Algorithm
-from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, ShardSampler, TokenBalancedSampler, chunk_sizes
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.dataplane.core.rules import Data
 from asyncflow.engines.collective import Collective
@@ -87,10 +96,13 @@ class ActorRole(Role):
     def __init__(self, engine: TrainEngine, plane: DataPlaneClient, batch_size: int, group_size: int,
                  micro_prompts: int, staleness: int, *, algorithm: Algorithm,
                  publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0,
-                 group: Collective | None = None):
+                 group: Collective | None = None, shard_rows: int | None = None):
         super().__init__()
         self.group = group  # data-parallel ranks (None: this role trains alone)
         self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
+        # own rows: this rank trains the shard_rows rows of its own shard a step (see the module docstring)
+        self.own = shard_rows is not None and self.world > 1 and not algorithm.batch_level
+        self.rows = shard_rows if self.own and shard_rows is not None else batch_size
         self.engine, self.plane, self.publish = engine, plane, publish
         self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
         self.staleness, self.algorithm = staleness, algorithm
@@ -107,7 +119,9 @@ class ActorRole(Role):
     def _fetcher_for(self, v: int) -> Callable[[int], Future]:
         """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
         sampler: Sampler = GroupSampler(self.group_size)  # (no staleness filter: see _check_staleness)
-        if self.world > 1:
+        if self.own:
+            sampler = ShardSampler(self.rank, inner=sampler)
+        elif self.world > 1:
             sampler = TokenBalancedSampler(self.world, sampler)
 
         def get(want: int) -> BatchMeta:
@@ -115,7 +129,7 @@ class ActorRole(Role):
                                     min_n=want, block=True, timeout=self.wait_timeout_s)
 
         def fetch(want: int) -> tuple[BatchMeta, Data]:
-            if self.world == 1:
+            if self.world == 1 or self.own:
                 return self.plane.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
                                          min_n=want, block=True, timeout=self.wait_timeout_s)
             assert self.group is not None  # world > 1
@@ -134,7 +148,7 @@ class ActorRole(Role):
 
     def _clear(self, v: int) -> None:
         """Free partition ``v`` once every rank has read its rows (on the prefetch thread)."""
-        if self.world > 1:
+        if self.world > 1 and not self.own:  # (own rows: the gradient sum came after every rank's read)
             assert self.group is not None
             self.group.barrier()
         if self.rank == 0:
@@ -142,6 +156,8 @@ class ActorRole(Role):
 
     def _mine(self, n: int) -> list[int]:
         """Positions, in a micro-batch of ``n`` rows, of the rows this rank trains."""
+        if self.own:
+            return list(range(n))
         sizes = chunk_sizes(n, self.world)
         start = sum(sizes[: self.rank])
         return list(range(start, start + sizes[self.rank]))
@@ -151,7 +167,9 @@ class ActorRole(Role):
         ``prefetch_next`` (``train_step(v + 1)`` comes next): once ``v``'s last rows are in hand,
         clear ``v`` and fetch ``v + 1``'s first micro-batch on the prefetch thread, so the
         step boundary (back to the driver, its call, the first fetch) leaves no idle trainer."""
-        micro = self.micro_prompts * self.group_size * self.world  # micro_prompts groups for each rank to train
+        # micro_prompts groups for each rank to train (own rows: of this rank's own)
+        micro = self.micro_prompts * self.group_size * (1 if self.own else self.world)
+        total = self.rows
         if self._next is not None:
             nv, submit, nxt, cleared = self._next
             self._next = None
@@ -160,20 +178,20 @@ class ActorRole(Role):
             cleared.result()  # the previous step's clear (raises its error, if any)
         else:
             submit = self._fetcher_for(v)
-            nxt = submit(min(micro, self.batch_size))
+            nxt = submit(min(micro, total))
         lengths: list[int]
         seen, metrics, rewards, lengths, pending, groups = 0, [], [], [], [], set[int]()
-        while seen < self.batch_size:
+        while seen < total:
             t = time.perf_counter()
             meta, data = nxt.result()
             self.wait_s += time.perf_counter() - t
             seen += len(meta.rows)
-            if seen < self.batch_size:  # the next micro-batch travels while this one computes
-                nxt = submit(min(micro, self.batch_size - seen))
+            if seen < total:  # the next micro-batch travels while this one computes
+                nxt = submit(min(micro, total - seen))
             elif prefetch_next:  # the step's rows are all here: clear it, start the next step
                 cleared = self._fetcher.submit(self._clear, v)
                 nsubmit = self._fetcher_for(v + 1)
-                self._next = (v + 1, nsubmit, nsubmit(min(micro, self.batch_size)), cleared)
+                self._next = (v + 1, nsubmit, nsubmit(min(micro, total)), cleared)
             if not meta.rows:
                 continue
             self._check_staleness(v, meta.rows, data["version"])
@@ -188,7 +206,7 @@ class ActorRole(Role):
         with self.work():
             if pending:
                 metrics.extend(self._accumulate_batch(v, pending))
-            tokens = sum(lengths)
+            tokens = self._step_tokens(sum(lengths))
             scale = 1.0 / max(tokens, 1) if self.loss.loss_agg == "token-mean" else 1.0
             # (an engine without grad_scale still serves every other aggregation)
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
@@ -205,7 +223,18 @@ class ActorRole(Role):
                    response_len=float(np.mean(lengths)) if lengths else 0.0,
                    samples=len(rewards), tokens=int(sum(lengths)), max_staleness=self.max_staleness,
                    groups=sorted(groups))
+        if self.own:
+            out["dp_share"] = True  # the rank's own rows: the job sums the ranks' metrics
         return out
+
+    def _step_tokens(self, mine: int) -> int:
+        """The step's response tokens (every rank's; own rows: summed over the ranks)."""
+        if not (self.own and self.loss.loss_agg == "token-mean"):
+            return mine
+        assert self.group is not None  # own rows: world > 1
+        n = torch.tensor([float(mine)], dtype=torch.float64)
+        self.group.all_reduce_sum([n])
+        return int(n.item())
 
     def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:
         """Advantages over the whole step (batch-level estimators), then train each part."""
