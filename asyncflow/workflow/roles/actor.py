@@ -48,7 +48,13 @@ soon as its own rows are in, as the plain N-process loop does); ``token-mean`` a
 step's token count; the metrics (samples, tokens, rewards, groups) are the rank's own, and
 the job sums them over the ranks (``dp_share`` in the metrics; :meth:`Job.result
 <asyncflow.workflow.job.Job.result>`). The optimizer step's gradient sum is every rank's
-sign that it read its rows, so the clear needs no barrier. FSDP (the engine's ``fsdp``)
+sign that it read its rows, so the clear needs no barrier.
+Greedy fetches (``greedy``: a lone trainer in ``stream``/``async``, whose engine trains a call's
+rows in length-sorted passes of ``micro_prompts`` groups' rows, ``rows_per_pass``): each fetch
+asks for the rest of the step and returns once at least a micro-batch of whole groups is ready,
+with every whole group ready by then, so a trainer that falls behind rollout (the usual
+bottleneck) trains big sorted calls with little padding, and one that waits still starts on
+the first micro-batch. FSDP (the engine's ``fsdp``)
 gathers and scatters inside every forward/backward and export: each rank runs one pass
 per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
 no rank empty; no token-budget chunks) and joins rank 0's export each step.
@@ -96,13 +102,15 @@ class ActorRole(Role):
     def __init__(self, engine: TrainEngine, plane: DataPlaneClient, batch_size: int, group_size: int,
                  micro_prompts: int, staleness: int, *, algorithm: Algorithm,
                  publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0,
-                 group: Collective | None = None, shard_rows: int | None = None):
+                 group: Collective | None = None, shard_rows: int | None = None, greedy: bool = False):
         super().__init__()
         self.group = group  # data-parallel ranks (None: this role trains alone)
         self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
         # own rows: this rank trains the shard_rows rows of its own shard a step (see the module docstring)
         self.own = shard_rows is not None and self.world > 1 and not algorithm.batch_level
         self.rows = shard_rows if self.own and shard_rows is not None else batch_size
+        # greedy (a lone trainer): each fetch takes every ready whole group of the step, at least a micro-batch's
+        self.greedy = greedy and self.world == 1
         self.engine, self.plane, self.publish = engine, plane, publish
         self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
         self.staleness, self.algorithm = staleness, algorithm
@@ -124,6 +132,8 @@ class ActorRole(Role):
         elif self.world > 1:
             sampler = TokenBalancedSampler(self.world, sampler)
 
+        least = self.micro_prompts * self.group_size  # (greedy: a lone trainer's micro-batch)
+
         def get(want: int) -> BatchMeta:
             return self.plane.get_meta("actor", self.fields, n=want, partition=v, sampler=sampler,
                                     min_n=want, block=True, timeout=self.wait_timeout_s)
@@ -131,7 +141,8 @@ class ActorRole(Role):
         def fetch(want: int) -> tuple[BatchMeta, Data]:
             if self.world == 1 or self.own:
                 return self.plane.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
-                                         min_n=want, block=True, timeout=self.wait_timeout_s)
+                                         min_n=min(least, want) if self.greedy else want, block=True,
+                                         timeout=self.wait_timeout_s)
             assert self.group is not None  # world > 1
             meta: BatchMeta | Exception | None = None
             if self.rank == 0:
@@ -170,6 +181,7 @@ class ActorRole(Role):
         # micro_prompts groups for each rank to train (own rows: of this rank's own)
         micro = self.micro_prompts * self.group_size * (1 if self.own else self.world)
         total = self.rows
+        micro = total if self.greedy else micro  # (asks for the rest of the step; gets what is ready)
         if self._next is not None:
             nv, submit, nxt, cleared = self._next
             self._next = None
