@@ -146,7 +146,9 @@ def test_two_ranks_end_every_step_with_the_one_rank_weights(tmp_path, monkeypatc
     for r, w in enumerate(ranks):
         # each rank generated (and referenced) only its share: prompts r, r + 2 of each step
         assert w.roles["rollout"].items == STEPS * sync_share(w.cfg, r) * GROUP
-        # and a group-level estimator trains just those rows on that rank (batch-level: half of the step's)
+        # rows handed to the rank's actor in memory where rollout writes all it reads (not with KL, PPO, batch-level)
+        assert (w.roles["actor"].local is not None) == (extra in [(), ("algorithm.loss_agg=token-mean",)])
+        # and a group-level estimator trains just those rows on that rank (batch-level: every row of the step)
         assert w.roles["actor"].items == STEPS * (sync_share(w.cfg, r) * GROUP if "reinforce_pp" not in
                                                   " ".join(extra) else PROMPTS * GROUP)
         if "reference" in w.roles:

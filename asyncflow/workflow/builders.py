@@ -186,3 +186,17 @@ BUILDERS: dict[str, Callable[[RoleContext], Role]] = {
     "critic": build_critic,
 }
 BUILD_ORDER = ("actor", "rollout", "reward", "reference", "critic")  # the actor's model first (see above)
+
+
+def link_local(cfg: RunConfig, roles: dict[str, Any]) -> None:
+    """``sync`` (not FSDP): when this worker's rollout writes every field its actor reads (rewards
+    in rollout, no reference, no critic), hand the step's rows over in memory
+    (:class:`~asyncflow.workflow.roles.rollout.RolloutRole` ``local``), not through the data plane."""
+    if not ({"rollout", "actor"} <= set(roles) and cfg.mode == "sync" and rewards_in_rollout(cfg)):
+        return
+    if set(roles) - {"rollout", "actor"} or (cfg.train.dp > 1 and cfg.train.strategy == "fsdp"):
+        return
+    if {"ref_logprobs", "advantages"} & set(roles["actor"].fields):  # (another role writes them: PPO's rank 1 too)
+        return
+    if roles["actor"].world == 1 or roles["actor"].own:  # (token-balanced chunks of the whole step need the plane)
+        roles["rollout"].local = roles["actor"].local = {}

@@ -49,6 +49,9 @@ step's token count; the metrics (samples, tokens, rewards, groups) are the rank'
 the job sums them over the ranks (``dp_share`` in the metrics; :meth:`Job.result
 <asyncflow.workflow.job.Job.result>`). The optimizer step's gradient sum is every rank's
 sign that it read its rows, so the clear needs no barrier.
+In-memory rows (``local``, ``sync`` where this worker's rollout writes every field the actor
+reads: :func:`~asyncflow.workflow.builders.link_local`): the step's rows are taken from
+rollout's hand-off, not fetched; everything after (staleness check, passes, clear) is the same.
 Greedy fetches (``greedy``: a lone trainer in ``stream``/``async``, whose engine trains a call's
 rows in length-sorted passes of ``micro_prompts`` groups' rows, ``rows_per_pass``): each fetch
 asks for the rest of the step and returns once at least a micro-batch of whole groups is ready,
@@ -111,6 +114,7 @@ class ActorRole(Role):
         self.rows = shard_rows if self.own and shard_rows is not None else batch_size
         # greedy (a lone trainer): each fetch takes every ready whole group of the step, at least a micro-batch's
         self.greedy = greedy and self.world == 1
+        self.local: dict[int, list[dict]] | None = None  # sync: the step's rows from rollout in memory (link_local)
         self.engine, self.plane, self.publish = engine, plane, publish
         self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
         self.staleness, self.algorithm = staleness, algorithm
@@ -182,7 +186,10 @@ class ActorRole(Role):
         micro = self.micro_prompts * self.group_size * (1 if self.own else self.world)
         total = self.rows
         micro = total if self.greedy else micro  # (asks for the rest of the step; gets what is ready)
-        if self._next is not None:
+        if self.local is not None:  # (sync: rollout of this worker put them here; no fetch)
+            submit, nxt = self._fetcher_for(v), Future()
+            nxt.set_result(self._take_local(v, total))
+        elif self._next is not None:
             nv, submit, nxt, cleared = self._next
             self._next = None
             if nv != v:
@@ -238,6 +245,17 @@ class ActorRole(Role):
         if self.own:
             out["dp_share"] = True  # the rank's own rows: the job sums the ranks' metrics
         return out
+
+    def _take_local(self, v: int, rows: int) -> tuple[BatchMeta, Data]:
+        """Step ``v``'s rows that this worker's rollout handed over in memory, as one batch."""
+        assert self.local is not None
+        parts = self.local.pop(v, [])
+        data: dict[str, Any] = {k: [x for d in parts for x in d[k]] if isinstance(parts[0][k], list)
+                                else np.concatenate([d[k] for d in parts]) for k in parts[0]} if parts else {}
+        n = len(data.get("version", ()))
+        if n != rows:
+            raise RuntimeError(f"step {v}: rollout handed the actor {n} rows in memory, expected {rows}")
+        return BatchMeta(v, list(range(n)), list(self.fields)), data
 
     def _step_tokens(self, mine: int) -> int:
         """The step's response tokens (every rank's; own rows: summed over the ranks)."""
