@@ -10,6 +10,7 @@
   step's, summed over the ranks), PPO (its critic on rank 0) and a batch-level estimator with
   token-mean (token-balanced chunks of the whole step). Each group-level run's ranks trained
   exactly their own shard's rows, and the step's metrics count every rank's.
+* The ranks' metrics summed by hand (``merge_shares``).
 * A real 2-rank run (the built-in engine sampling with the rank's own model): both ranks end
   every step with identical weights, every sample trained once; and the same on Ray.
 """
@@ -30,6 +31,7 @@ from asyncflow.dataplane.transport.protocol import sampler_from_msg, sampler_to_
 from asyncflow.engines.fake import FakeEngine
 from asyncflow.launch.local import LocalLauncher
 from asyncflow.tasks.addition import AdditionTask
+from asyncflow.workflow.job import merge_shares
 from asyncflow.workflow.plan import plan_workers, sync_share
 from asyncflow.workflow.worker import Worker
 
@@ -190,3 +192,14 @@ def test_ray_two_rank_sync_run(tmp_path):
     summary = train(config(tmp_path, 2, "launcher=ray"), evaluate=False)
     assert summary["samples"] == STEPS * PROMPTS * GROUP
     assert {"actor", "actor.1", "rollout", "rollout.1"} <= set(summary["busy"])
+
+
+def test_merge_shares_hand_computed():
+    r0 = {"samples": 2, "tokens": 5, "reward": 1.0, "response_len": 2.5, "max_staleness": 0, "groups": [4],
+          "loss": 0.5, "version": 3}
+    r1 = {"samples": 6, "tokens": 9, "reward": 0.5, "response_len": 1.5, "max_staleness": 1, "groups": [1, 7],
+          "loss": 9.0, "version": 3, "dp_share": True}
+    m = merge_shares([r0, r1])
+    # rewards (2 x 1.0 + 6 x 0.5) / 8 = 0.625; lengths (2 x 2.5 + 6 x 1.5) / 8 = 1.75; loss: rank 0's
+    assert m == {"samples": 8, "tokens": 14, "reward": 0.625, "response_len": 1.75, "max_staleness": 1,
+                 "groups": [1, 4, 7], "loss": 0.5, "version": 3}

@@ -182,22 +182,11 @@ class ActorRole(Role):
         ``prefetch_next`` (``train_step(v + 1)`` comes next): once ``v``'s last rows are in hand,
         clear ``v`` and fetch ``v + 1``'s first micro-batch on the prefetch thread, so the
         step boundary (back to the driver, its call, the first fetch) leaves no idle trainer."""
-        # micro_prompts groups for each rank to train (own rows: of this rank's own)
+        # micro_prompts groups for each rank to train (own rows: of this rank's own; greedy: the rest of the step)
         micro = self.micro_prompts * self.group_size * (1 if self.own else self.world)
         total = self.rows
-        micro = total if self.greedy else micro  # (asks for the rest of the step; gets what is ready)
-        if self.local is not None:  # (sync: rollout of this worker put them here; no fetch)
-            submit, nxt = self._fetcher_for(v), Future()
-            nxt.set_result(self._take_local(v, total))
-        elif self._next is not None:
-            nv, submit, nxt, cleared = self._next
-            self._next = None
-            if nv != v:
-                raise RuntimeError(f"train_step({v}) after prefetching step {nv}: steps must be consecutive")
-            cleared.result()  # the previous step's clear (raises its error, if any)
-        else:
-            submit = self._fetcher_for(v)
-            nxt = submit(min(micro, total))
+        micro = total if self.greedy else micro
+        submit, nxt = self._first(v, min(micro, total))
         lengths: list[int]
         seen, metrics, rewards, lengths, pending, groups = 0, [], [], [], [], set[int]()
         while seen < total:
@@ -245,6 +234,23 @@ class ActorRole(Role):
         if self.own:
             out["dp_share"] = True  # the rank's own rows: the job sums the ranks' metrics
         return out
+
+    def _first(self, v: int, want: int) -> tuple[Callable[[int], Future], Future]:
+        """Step ``v``'s fetcher and its first fetch: the rows in memory (``local``), the one
+        prefetched at the end of step ``v - 1``, or a new one."""
+        if self.local is not None:  # (sync: rollout of this worker put them here; no fetch)
+            done: Future = Future()
+            done.set_result(self._take_local(v, self.rows))
+            return self._fetcher_for(v), done
+        if self._next is None:
+            submit = self._fetcher_for(v)
+            return submit, submit(want)
+        nv, submit, nxt, cleared = self._next
+        self._next = None
+        if nv != v:
+            raise RuntimeError(f"train_step({v}) after prefetching step {nv}: steps must be consecutive")
+        cleared.result()  # the previous step's clear (raises its error, if any)
+        return submit, nxt
 
     def _take_local(self, v: int, rows: int) -> tuple[BatchMeta, Data]:
         """Step ``v``'s rows that this worker's rollout handed over in memory, as one batch."""
