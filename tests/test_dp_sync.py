@@ -6,7 +6,11 @@
 * With a deterministic rollout (the fake engine, answers a function of the prompt), a
   2-rank sync run ends with the weights of the 1-rank sync run on the same rows (to 1e-5),
   on both ranks, and each rank generated (and referenced) only its own prompts: GRPO, with
-  the KL term, PPO (its critic on rank 0) and a batch-level estimator with token-mean.
+  the KL term, with token-mean (each rank trains its own rows: the token count must be the
+  step's, summed over the ranks), PPO (its critic on rank 0) and a batch-level estimator with
+  token-mean (token-balanced chunks of the whole step). Each group-level run's ranks trained
+  exactly their own shard's rows, and the step's metrics count every rank's.
+* The ranks' metrics summed by hand (``merge_shares``).
 * A real 2-rank run (the built-in engine sampling with the rank's own model): both ranks end
   every step with identical weights, every sample trained once; and the same on Ray.
 """
@@ -27,6 +31,7 @@ from asyncflow.dataplane.transport.protocol import sampler_from_msg, sampler_to_
 from asyncflow.engines.fake import FakeEngine
 from asyncflow.launch.local import LocalLauncher
 from asyncflow.tasks.addition import AdditionTask
+from asyncflow.workflow.job import merge_shares
 from asyncflow.workflow.plan import plan_workers, sync_share
 from asyncflow.workflow.worker import Worker
 
@@ -132,8 +137,10 @@ def run(tmp_path, monkeypatch, dp: int, *extra: str) -> tuple[dict, list[Worker]
 
 
 @pytest.mark.parametrize("extra", [(), ("algorithm.kl_coef=0.1",), ("algorithm.name=ppo",),
+                                   ("algorithm.loss_agg=token-mean",),
                                    ("algorithm.name=reinforce_pp", "algorithm.loss_agg=token-mean")],
-                         ids=["grpo", "grpo+kl", "ppo (critic on rank 0)", "reinforce_pp token-mean"])
+                         ids=["grpo", "grpo+kl", "ppo (critic on rank 0)", "grpo token-mean (own rows)",
+                              "reinforce_pp token-mean"])
 def test_two_ranks_end_every_step_with_the_one_rank_weights(tmp_path, monkeypatch, extra):
     single, _, init, one = run(tmp_path, monkeypatch, 1, *extra)
     summary, ranks, _, two = run(tmp_path, monkeypatch, 2, *extra)
@@ -141,6 +148,11 @@ def test_two_ranks_end_every_step_with_the_one_rank_weights(tmp_path, monkeypatc
     for r, w in enumerate(ranks):
         # each rank generated (and referenced) only its share: prompts r, r + 2 of each step
         assert w.roles["rollout"].items == STEPS * sync_share(w.cfg, r) * GROUP
+        # rows handed to the rank's actor in memory where rollout writes all it reads (not with KL, PPO, batch-level)
+        assert (w.roles["actor"].local is not None) == (extra in [(), ("algorithm.loss_agg=token-mean",)])
+        # and a group-level estimator trains just those rows on that rank (batch-level: every row of the step)
+        assert w.roles["actor"].items == STEPS * (sync_share(w.cfg, r) * GROUP if "reinforce_pp" not in
+                                                  " ".join(extra) else PROMPTS * GROUP)
         if "reference" in w.roles:
             assert w.roles["reference"].items == STEPS * sync_share(w.cfg, r) * GROUP
     assert sorted(one) == [(v, 0) for v in range(STEPS)] and sorted(two) == [(v, r) for v in range(STEPS)
@@ -180,3 +192,14 @@ def test_ray_two_rank_sync_run(tmp_path):
     summary = train(config(tmp_path, 2, "launcher=ray"), evaluate=False)
     assert summary["samples"] == STEPS * PROMPTS * GROUP
     assert {"actor", "actor.1", "rollout", "rollout.1"} <= set(summary["busy"])
+
+
+def test_merge_shares_hand_computed():
+    r0 = {"samples": 2, "tokens": 5, "reward": 1.0, "response_len": 2.5, "max_staleness": 0, "groups": [4],
+          "loss": 0.5, "version": 3}
+    r1 = {"samples": 6, "tokens": 9, "reward": 0.5, "response_len": 1.5, "max_staleness": 1, "groups": [1, 7],
+          "loss": 9.0, "version": 3, "dp_share": True}
+    m = merge_shares([r0, r1])
+    # rewards (2 x 1.0 + 6 x 0.5) / 8 = 0.625; lengths (2 x 2.5 + 6 x 1.5) / 8 = 1.75; loss: rank 0's
+    assert m == {"samples": 8, "tokens": 14, "reward": 0.625, "response_len": 1.75, "max_staleness": 1,
+                 "groups": [1, 4, 7], "loss": 0.5, "version": 3}

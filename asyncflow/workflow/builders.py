@@ -12,9 +12,12 @@ weight copy); reference and critic take copies (a critic hosted alone takes the 
 Only the actor of rank 0 publishes weights, and only outside ``sync``. In ``sync`` (without
 FSDP) the actor fetches a step's rows in one request (the rows are all ready by then) and its
 engine trains them in length-sorted passes of ``train.micro_prompts`` groups' rows
-(``rows_per_pass``): one data-plane round trip and one rank-0 broadcast a step instead of one
-a micro-batch, and less padding. Data-parallel ``sync`` (``train.dp = N``): rank ``r``'s
-rollout and reference take only shard ``r``'s prompts and rows (:func:`~asyncflow.workflow.plan.sync_share`).
+(``rows_per_pass``): one data-plane round trip a step instead of one a micro-batch, and less
+padding. A lone trainer in ``stream``/``async`` fetches every whole group ready (at least a
+micro-batch's) and trains them in the same sorted passes (``greedy``). Data-parallel ``sync``
+(``train.dp = N``): rank ``r``'s rollout and reference take only shard ``r``'s prompts and rows
+(:func:`~asyncflow.workflow.plan.sync_share`), and so does its actor (``shard_rows``; a
+batch-level estimator trains token-balanced chunks of the whole step).
 """
 
 from __future__ import annotations
@@ -101,14 +104,18 @@ def build_actor(ctx: RoleContext) -> Role:
     # sync (not FSDP): the step's rows are all ready at once, so the actor fetches each rank's
     # share in one go and the engine cuts it into length-sorted passes of micro_prompts groups' rows
     whole = cfg.mode == "sync" and not fsdp
+    # a lone trainer outside sync: greedy fetches (every ready group) trained in the same sorted passes
+    greedy = not whole and t.dp == 1
     engine = TrainEngine(ctx.model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                          grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
                          collective=ctx.group, fsdp=fsdp,
-                         rows_per_pass=t.micro_prompts * r.group_size if whole else None, **passes(cfg))
+                         rows_per_pass=t.micro_prompts * r.group_size if whole or greedy else None, **passes(cfg))
     publish = ctx.weights.publish if (ctx.weights is not None and cfg.mode != "sync" and ctx.rank == 0) else None
     fetch_prompts = -(-t.prompts_per_step // t.dp) if whole else t.micro_prompts
+    # data-parallel sync: each rank trains the rows of its own shard (those it generated and scored)
+    own = sync_share(cfg, ctx.rank) * r.group_size if whole and sync_ranks(cfg) > 1 else None
     return ActorRole(engine, ctx.plane, cfg.batch_size, r.group_size, fetch_prompts, cfg.effective_staleness,
-                     algorithm=algorithm(cfg), publish=publish, group=ctx.group)
+                     algorithm=algorithm(cfg), publish=publish, group=ctx.group, shard_rows=own, greedy=greedy)
 
 
 def _inference_engine(ctx: RoleContext) -> Any:
@@ -179,3 +186,17 @@ BUILDERS: dict[str, Callable[[RoleContext], Role]] = {
     "critic": build_critic,
 }
 BUILD_ORDER = ("actor", "rollout", "reward", "reference", "critic")  # the actor's model first (see above)
+
+
+def link_local(cfg: RunConfig, roles: dict[str, Any]) -> None:
+    """``sync`` (not FSDP): when this worker's rollout writes every field its actor reads (rewards
+    in rollout, no reference, no critic), hand the step's rows over in memory
+    (:class:`~asyncflow.workflow.roles.rollout.RolloutRole` ``local``), not through the data plane."""
+    if not ({"rollout", "actor"} <= set(roles) and cfg.mode == "sync" and rewards_in_rollout(cfg)):
+        return
+    if set(roles) - {"rollout", "actor"} or (cfg.train.dp > 1 and cfg.train.strategy == "fsdp"):
+        return
+    if {"ref_logprobs", "advantages"} & set(roles["actor"].fields):  # (another role writes them: PPO's rank 1 too)
+        return
+    if roles["actor"].world == 1 or roles["actor"].own:  # (token-balanced chunks of the whole step need the plane)
+        roles["rollout"].local = roles["actor"].local = {}

@@ -8,7 +8,8 @@ The launcher supplies *where* things run (``data_plane``, ``weight_store``, ``sp
 A data-parallel trainer (``train.dp = N``) is N actor workers, ranks ``0 .. N-1``: the job
 joins them once (``launcher.dp_rendezvous`` on rank 0, then ``join_dp`` on every rank,
 concurrently), and ``submit(v)`` queues ``train_step(v)`` on every rank at once; ``result``
-returns rank 0's metrics. Rank 0 is *the* trainer for everything else (it evaluates, saves the
+returns rank 0's metrics (data-parallel ``sync``, where each rank trains its own rows: their sums,
+:func:`merge_shares`). Rank 0 is *the* trainer for everything else (it evaluates, saves the
 checkpoint and publishes weights): the driver's per-step protocol does not change. In
 ``sync`` the ranks are colocated workers (``colocated``, ``colocated.1``, ...) and ``submit(v)``
 queues ``sync_step(v)`` on each. With
@@ -95,7 +96,8 @@ class Job:
     def result(self, futs: list, v: int) -> dict:
         """Step ``v``'s metrics (rank 0's; PPO: with the critic's); while waiting, check that
         the other workers are alive."""
-        out = self._all(futs, f"step {v}")[0]
+        every = self._all(futs, f"step {v}")
+        out = merge_shares(every) if every[0].pop("dp_share", False) else every[0]
         if "critic" in self.workers:  # PPO: the critic's update on step v runs beside the actor's
             while (m := self.watch.ask("critic", "critic_metrics", v, timeout=HEALTH_TIMEOUT_S)) is None:
                 self.watch.beat()
@@ -268,3 +270,19 @@ class Job:
         evaluator = [self.evaluator] if self.evaluator is not None else []
         for obj in [*self.workers.values(), *evaluator, self.plane, self.weights]:
             self.launcher.release(obj)
+
+
+def merge_shares(ranks: list[dict]) -> dict:
+    """One step's metrics from every data-parallel rank's own rows (``dp_share``): samples and
+    tokens summed, reward and response length weighted by samples, the groups' union, the
+    worst staleness; the rest (loss, optimizer) rank 0's."""
+    out = dict(ranks[0])
+    n = sum(m["samples"] for m in ranks)
+    out.update(samples=n, tokens=sum(m["tokens"] for m in ranks),
+               reward=sum(m["reward"] * m["samples"] for m in ranks) / max(n, 1),
+               response_len=sum(m["response_len"] * m["samples"] for m in ranks) / max(n, 1),
+               max_staleness=max(m["max_staleness"] for m in ranks),
+               groups=sorted(g for m in ranks for g in m["groups"]))
+    for m in ranks[1:]:
+        m.pop("dp_share", None)
+    return out

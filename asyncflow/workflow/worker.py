@@ -38,7 +38,7 @@ from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
-from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext
+from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext, link_local
 from asyncflow.workflow.checkpoint import Snapshot
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
@@ -98,6 +98,7 @@ class Worker:
         for name in BUILD_ORDER:
             if name in roles and not (name == "actor" and cfg.train.dp > 1):  # dp > 1: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
+        link_local(cfg, self.roles)
 
     @property
     def group(self) -> Collective | None:
@@ -111,6 +112,7 @@ class Worker:
                                  "set launcher=ray, or train.strategy=ddp")
             self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
         self.roles["actor"] = BUILDERS["actor"](self._context())
+        link_local(self.cfg, self.roles)
 
     # ------------------------------------------------------------------ data-parallel trainer
     def dp_address(self) -> str:

@@ -40,7 +40,24 @@ rank reaches once it has read them. Rank 0 alone publishes weights; the stalenes
 histogram, rewards and sample counts are over all rows on every rank (rank 0 reports
 them); loss metrics (``loss``, ``clip_frac``...) are over the reporting rank's rows.
 Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
-compute thread, each in the same order on every rank. FSDP (the engine's ``fsdp``)
+compute thread, each in the same order on every rank.
+Own rows (``shard_rows``: data-parallel ``sync``, not FSDP, a group-level estimator): each rank
+generated and scored whole groups of its own shard, so it trains exactly those
+(``ShardSampler(rank)``, one request a step, no rank-0 meta nor broadcast, and it starts as
+soon as its own rows are in, as the plain N-process loop does); ``token-mean`` all-reduces the
+step's token count; the metrics (samples, tokens, rewards, groups) are the rank's own, and
+the job sums them over the ranks (``dp_share`` in the metrics; :meth:`Job.result
+<asyncflow.workflow.job.Job.result>`). The optimizer step's gradient sum is every rank's
+sign that it read its rows, so the clear needs no barrier.
+In-memory rows (``local``, ``sync`` where this worker's rollout writes every field the actor
+reads: :func:`~asyncflow.workflow.builders.link_local`): the step's rows are taken from
+rollout's hand-off, not fetched; everything after (staleness check, passes, clear) is the same.
+Greedy fetches (``greedy``: a lone trainer in ``stream``/``async``, whose engine trains a call's
+rows in length-sorted passes of ``micro_prompts`` groups' rows, ``rows_per_pass``): each fetch
+asks for the rest of the step and returns once at least a micro-batch of whole groups is ready,
+with every whole group ready by then, so a trainer that falls behind rollout (the usual
+bottleneck) trains big sorted calls with little padding, and one that waits still starts on
+the first micro-batch. FSDP (the engine's ``fsdp``)
 gathers and scatters inside every forward/backward and export: each rank runs one pass
 per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
 no rank empty; no token-budget chunks) and joins rank 0's export each step.
@@ -54,9 +71,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
+import torch
 
 from asyncflow.algorithms.algorithm import Algorithm
-from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, TokenBalancedSampler, chunk_sizes
+from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, ShardSampler, TokenBalancedSampler, chunk_sizes
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.dataplane.core.rules import Data
 from asyncflow.engines.collective import Collective
@@ -87,10 +105,16 @@ class ActorRole(Role):
     def __init__(self, engine: TrainEngine, plane: DataPlaneClient, batch_size: int, group_size: int,
                  micro_prompts: int, staleness: int, *, algorithm: Algorithm,
                  publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0,
-                 group: Collective | None = None):
+                 group: Collective | None = None, shard_rows: int | None = None, greedy: bool = False):
         super().__init__()
         self.group = group  # data-parallel ranks (None: this role trains alone)
         self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
+        # own rows: this rank trains the shard_rows rows of its own shard a step (see the module docstring)
+        self.own = shard_rows is not None and self.world > 1 and not algorithm.batch_level
+        self.rows = shard_rows if self.own and shard_rows is not None else batch_size
+        # greedy (a lone trainer): each fetch takes every ready whole group of the step, at least a micro-batch's
+        self.greedy = greedy and self.world == 1
+        self.local: dict[int, list[dict]] | None = None  # sync: the step's rows from rollout in memory (link_local)
         self.engine, self.plane, self.publish = engine, plane, publish
         self.batch_size, self.group_size, self.micro_prompts = batch_size, group_size, micro_prompts
         self.staleness, self.algorithm = staleness, algorithm
@@ -107,17 +131,22 @@ class ActorRole(Role):
     def _fetcher_for(self, v: int) -> Callable[[int], Future]:
         """``submit(n)``: fetch the next ``n`` rows of partition ``v`` on the prefetch thread."""
         sampler: Sampler = GroupSampler(self.group_size)  # (no staleness filter: see _check_staleness)
-        if self.world > 1:
+        if self.own:
+            sampler = ShardSampler(self.rank, inner=sampler)
+        elif self.world > 1:
             sampler = TokenBalancedSampler(self.world, sampler)
+
+        least = self.micro_prompts * self.group_size  # (greedy: a lone trainer's micro-batch)
 
         def get(want: int) -> BatchMeta:
             return self.plane.get_meta("actor", self.fields, n=want, partition=v, sampler=sampler,
                                     min_n=want, block=True, timeout=self.wait_timeout_s)
 
         def fetch(want: int) -> tuple[BatchMeta, Data]:
-            if self.world == 1:
+            if self.world == 1 or self.own:
                 return self.plane.get_batch("actor", self.fields, n=want, partition=v, sampler=sampler,
-                                         min_n=want, block=True, timeout=self.wait_timeout_s)
+                                         min_n=min(least, want) if self.greedy else want, block=True,
+                                         timeout=self.wait_timeout_s)
             assert self.group is not None  # world > 1
             meta: BatchMeta | Exception | None = None
             if self.rank == 0:
@@ -134,7 +163,7 @@ class ActorRole(Role):
 
     def _clear(self, v: int) -> None:
         """Free partition ``v`` once every rank has read its rows (on the prefetch thread)."""
-        if self.world > 1:
+        if self.world > 1 and not self.own:  # (own rows: the gradient sum came after every rank's read)
             assert self.group is not None
             self.group.barrier()
         if self.rank == 0:
@@ -142,6 +171,8 @@ class ActorRole(Role):
 
     def _mine(self, n: int) -> list[int]:
         """Positions, in a micro-batch of ``n`` rows, of the rows this rank trains."""
+        if self.own:
+            return list(range(n))
         sizes = chunk_sizes(n, self.world)
         start = sum(sizes[: self.rank])
         return list(range(start, start + sizes[self.rank]))
@@ -151,29 +182,24 @@ class ActorRole(Role):
         ``prefetch_next`` (``train_step(v + 1)`` comes next): once ``v``'s last rows are in hand,
         clear ``v`` and fetch ``v + 1``'s first micro-batch on the prefetch thread, so the
         step boundary (back to the driver, its call, the first fetch) leaves no idle trainer."""
-        micro = self.micro_prompts * self.group_size * self.world  # micro_prompts groups for each rank to train
-        if self._next is not None:
-            nv, submit, nxt, cleared = self._next
-            self._next = None
-            if nv != v:
-                raise RuntimeError(f"train_step({v}) after prefetching step {nv}: steps must be consecutive")
-            cleared.result()  # the previous step's clear (raises its error, if any)
-        else:
-            submit = self._fetcher_for(v)
-            nxt = submit(min(micro, self.batch_size))
+        # micro_prompts groups for each rank to train (own rows: of this rank's own; greedy: the rest of the step)
+        micro = self.micro_prompts * self.group_size * (1 if self.own else self.world)
+        total = self.rows
+        micro = total if self.greedy else micro
+        submit, nxt = self._first(v, min(micro, total))
         lengths: list[int]
         seen, metrics, rewards, lengths, pending, groups = 0, [], [], [], [], set[int]()
-        while seen < self.batch_size:
+        while seen < total:
             t = time.perf_counter()
             meta, data = nxt.result()
             self.wait_s += time.perf_counter() - t
             seen += len(meta.rows)
-            if seen < self.batch_size:  # the next micro-batch travels while this one computes
-                nxt = submit(min(micro, self.batch_size - seen))
+            if seen < total:  # the next micro-batch travels while this one computes
+                nxt = submit(min(micro, total - seen))
             elif prefetch_next:  # the step's rows are all here: clear it, start the next step
                 cleared = self._fetcher.submit(self._clear, v)
                 nsubmit = self._fetcher_for(v + 1)
-                self._next = (v + 1, nsubmit, nsubmit(min(micro, self.batch_size)), cleared)
+                self._next = (v + 1, nsubmit, nsubmit(min(micro, total)), cleared)
             if not meta.rows:
                 continue
             self._check_staleness(v, meta.rows, data["version"])
@@ -188,7 +214,7 @@ class ActorRole(Role):
         with self.work():
             if pending:
                 metrics.extend(self._accumulate_batch(v, pending))
-            tokens = sum(lengths)
+            tokens = self._step_tokens(sum(lengths))
             scale = 1.0 / max(tokens, 1) if self.loss.loss_agg == "token-mean" else 1.0
             # (an engine without grad_scale still serves every other aggregation)
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
@@ -205,7 +231,46 @@ class ActorRole(Role):
                    response_len=float(np.mean(lengths)) if lengths else 0.0,
                    samples=len(rewards), tokens=int(sum(lengths)), max_staleness=self.max_staleness,
                    groups=sorted(groups))
+        if self.own:
+            out["dp_share"] = True  # the rank's own rows: the job sums the ranks' metrics
         return out
+
+    def _first(self, v: int, want: int) -> tuple[Callable[[int], Future], Future]:
+        """Step ``v``'s fetcher and its first fetch: the rows in memory (``local``), the one
+        prefetched at the end of step ``v - 1``, or a new one."""
+        if self.local is not None:  # (sync: rollout of this worker put them here; no fetch)
+            done: Future = Future()
+            done.set_result(self._take_local(v, self.rows))
+            return self._fetcher_for(v), done
+        if self._next is None:
+            submit = self._fetcher_for(v)
+            return submit, submit(want)
+        nv, submit, nxt, cleared = self._next
+        self._next = None
+        if nv != v:
+            raise RuntimeError(f"train_step({v}) after prefetching step {nv}: steps must be consecutive")
+        cleared.result()  # the previous step's clear (raises its error, if any)
+        return submit, nxt
+
+    def _take_local(self, v: int, rows: int) -> tuple[BatchMeta, Data]:
+        """Step ``v``'s rows that this worker's rollout handed over in memory, as one batch."""
+        assert self.local is not None
+        parts = self.local.pop(v, [])
+        data: dict[str, Any] = {k: [x for d in parts for x in d[k]] if isinstance(parts[0][k], list)
+                                else np.concatenate([d[k] for d in parts]) for k in parts[0]} if parts else {}
+        n = len(data.get("version", ()))
+        if n != rows:
+            raise RuntimeError(f"step {v}: rollout handed the actor {n} rows in memory, expected {rows}")
+        return BatchMeta(v, list(range(n)), list(self.fields)), data
+
+    def _step_tokens(self, mine: int) -> int:
+        """The step's response tokens (every rank's; own rows: summed over the ranks)."""
+        if not (self.own and self.loss.loss_agg == "token-mean"):
+            return mine
+        assert self.group is not None  # own rows: world > 1
+        n = torch.tensor([float(mine)], dtype=torch.float64)
+        self.group.all_reduce_sum([n])
+        return int(n.item())
 
     def _accumulate_batch(self, v: int, parts: list[dict]) -> list[dict]:
         """Advantages over the whole step (batch-level estimators), then train each part."""

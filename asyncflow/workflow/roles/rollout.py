@@ -54,6 +54,11 @@ the batch and go on in the next phase.
 **Shards** (``shard = r``: rank ``r`` of a data-parallel ``sync`` run): rollout takes only the
 prompts tagged ``shard = r`` (``prompts_per_step`` is then its share) and tags its rows so,
 for the rank's reference role.
+
+**In-memory hand-off** (``local``, set by the worker: ``sync`` where rollout writes every field
+the actor of its own worker reads, i.e. rewards in rollout, no reference, no critic): a step's
+rows go to ``local[partition]`` instead of the data plane, and that actor takes them from there
+(:func:`~asyncflow.workflow.builders.link_local`): no put, no get, no copy between processes.
 """
 
 from __future__ import annotations
@@ -127,6 +132,7 @@ class RolloutRole(Role):
         self.prompt_fields = PROMPT_FIELDS + (["prompt_id"] if by_prompt_id else [])
         self.asked: inflight.SnapshotRequest | None = None  # a checkpoint's request for the groups in flight
         self.placed: dict[int, tuple[int, list[Completion], list[float] | None]] = {}  # placed, maybe not trained
+        self.local: dict[int, list[dict]] | None = None  # sync, the actor's every field from here: see the docstring
 
     # ------------------------------------------------------------------ policy version
     @property
@@ -368,7 +374,10 @@ class RolloutRole(Role):
                     "tokens": [len(c.prompt_ids) + len(c.response_ids) for c in cs]}
             if self.shard is not None:
                 tags["shard"] = [self.shard] * len(cs)
-            self.plane.put_nowait(data, partition=part, tags=tags)
+            if self.local is not None:  # (sync: handed to this worker's actor in memory)
+                self.local.setdefault(part, []).append(data)
+            else:
+                self.plane.put_nowait(data, partition=part, tags=tags)
             self.produced[part] += len(cs)
             self.items += len(cs)
         self.outbox.clear()
