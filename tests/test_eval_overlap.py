@@ -152,22 +152,25 @@ def _run(tmp_path: Path, launcher: str, *overrides: str) -> tuple[dict, list[dic
 
 @pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=[pytest.mark.ray, pytest.mark.slow])])
 def test_training_goes_on_during_an_evaluation_and_the_result_names_its_version(launcher, tmp_path):
-    steps = 40  # (tiny steps: evaluations finish within the run even on a busy machine)
-    summary, metrics, spans = _run(tmp_path, launcher, f"train.steps={steps}", "train.eval_every=4", "task.eval_n=8",
+    # tiny steps: enough that evaluations finish within the run on a busy machine (Ray: after its
+    # evaluator's process started, seconds; due steps before are not_ready)
+    steps, every = (40, 4) if launcher == "local" else (150, 10)
+    summary, metrics, spans = _run(tmp_path, launcher, f"train.steps={steps}", f"train.eval_every={every}",
+                                   "task.eval_n=8",
                                    _metric(tmp_path, "slow"))  # 8 x 20 ms asleep: >= 0.16 s an evaluation
     inside = [a for a in spans["actor"] for e in spans["evaluator"] if e[0] <= a[0] and a[1] <= e[1]]
     assert inside, (spans["evaluator"], spans["actor"])  # training steps computed during an evaluation
     lines = [m for m in metrics if "heldout_acc" in m]
     evals = summary["heldout_evals"]
     assert lines and evals["done"] == len(lines) and evals["failed"] == evals["paused"] == evals["off"] == 0
-    due = steps // 4 - 1  # after steps 4, 8, ... (the last one is the final evaluation)
+    due = steps // every - 1  # after steps every, 2 every, ... (the last one is the final evaluation)
     assert evals["due"] == due == sum(evals[k] for k in ("requested", "skipped", "not_ready", "superseded"))
     assert evals["requested"] == evals["done"] + evals["abandoned"] and evals["abandoned"] <= 1
     assert evals["idle"] == (launcher == "ray")  # SCHED_IDLE in a process of its own, not in the driver's
     for m in lines:  # measured no later than the line it is on
         assert m["heldout_version"] < m["step"], m
         assert m["heldout_acc"] == 0.25 and m["heldout_metric"] == "slow"
-    assert sum(m["heldout_version"] % 4 > 0 for m in lines) <= evals["late"]  # (not a due one: a later one came first)
+    assert sum(m["heldout_version"] % every > 0 for m in lines) <= evals["late"]  # (not a due one: a later one came first)
     assert evals["versions"] == [[m["heldout_version"], 0.25, round(m["heldout_eval_s"], 3)] for m in lines]
     assert summary["heldout_acc_before"] == summary["heldout_acc_after"] == 0.25  # the blocking ones, as before
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))

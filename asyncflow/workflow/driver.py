@@ -134,10 +134,11 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
          snap: Snapshot | None, history: dict) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
-    job, trackers = Job(cfg, launcher, model_dir), Trackers([])
+    beside = evaluate and _beside(cfg)  # (its evaluator is built beside the workers and the before-evaluation)
+    job, trackers = Job(cfg, launcher, model_dir, evaluator=beside), Trackers([])
     ckpt = Checkpoints(cfg, job, run_dir)
     try:
-        evals = _open_evals(cfg, job, model_dir) if evaluate else None  # (built beside the before-evaluation)
+        evals = BesideEvals(job) if beside else None
         start, acc0 = ckpt.resume(snap, evaluate)
         trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri,
                                  append=snap is not None)
@@ -215,14 +216,10 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
         fut = submit(v + 1) if pause else nxt
 
 
-def _open_evals(cfg: RunConfig, job: Job, model_dir: str) -> BesideEvals | None:
-    """Evaluations beside training where they apply (``train.eval_overlap``, not ``sync``: its one worker
-    computes on every core in every phase, so it pauses for each); the evaluator is built in the
-    background (:meth:`BesideEvals.beside`)."""
-    if not (cfg.train.eval_overlap and cfg.mode != "sync" and 0 < cfg.train.eval_every < cfg.train.steps):
-        return None
-    job.open_evaluator(model_dir)
-    return BesideEvals(job)
+def _beside(cfg: RunConfig) -> bool:
+    """Whether periodic evaluations run beside training (``train.eval_overlap``, not ``sync``: its one
+    worker computes on every core in every phase, so it pauses for each)."""
+    return cfg.train.eval_overlap and cfg.mode != "sync" and 0 < cfg.train.eval_every < cfg.train.steps
 
 
 class BesideEvals:

@@ -15,11 +15,12 @@ queues ``sync_step(v)`` on each. With
 ``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
 every rank gather the whole weights into rank 0's full copy (``gather_full``).
 
-Evaluation beside training (``open_evaluator``, outside ``sync``): an
+Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
 :class:`~asyncflow.workflow.evaluator.Evaluator` worker that asks for no CPU takes published
 weight versions from the weight store. It is built in the background (a thread of the driver
-spawns it and waits for its ``health`` within the step timeout) while the driver goes on with the
-before-evaluation and the first steps: nothing waits for it; ``evaluator_ready`` says whether it
+spawns it with the workers and waits for its ``health`` within the step timeout) while the
+driver goes on with the workers' build, the before-evaluation and the first steps (a Ray
+actor's process takes seconds to start): nothing waits for it; ``evaluator_ready`` says whether it
 is built yet (and raises its build error, or that it was not built in time). The job's
 ``eval_request`` / ``eval_poll`` (only once it is ready) never wait longer than ``HEALTH_TIMEOUT_S``.
 It is not one of ``workers``: the watchdog's heartbeat does not ask it, so a failed evaluator
@@ -48,7 +49,7 @@ RESUME_TIMEOUT_S = 60.0  # rollout waits this long for the weights the restored 
 
 
 class Job:
-    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str):
+    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str, evaluator: bool = False):
         self.cfg, self.launcher = cfg, launcher
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
@@ -66,16 +67,18 @@ class Job:
         self._closed = False
         self.watch = Watchdog(launcher, self.workers, cfg.train.step_timeout_s)  # every wait has a deadline
         try:
-            self._launch(model_dir)
+            self._launch(model_dir, evaluator)
         except BaseException:
             self.shutdown()  # the workers already built go too
             raise
 
-    def _launch(self, model_dir: str) -> None:
+    def _launch(self, model_dir: str, evaluator: bool) -> None:
         cfg, launcher = self.cfg, self.launcher
         for s in self.specs:
             self.workers[s.name] = launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights,
                                                   s.threads, s.rank, s.cores)
+        if evaluator:  # (its process starts beside the workers': nothing waits for it)
+            self.open_evaluator(model_dir)
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"
         # the trainer's workers, rank 0 first (sync: the colocated workers, every one an actor rank)
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles]
