@@ -134,7 +134,7 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
          snap: Snapshot | None, history: dict) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
-    beside = evaluate and _beside(cfg)  # (its evaluator is built beside the workers and the before-evaluation)
+    beside = evaluate and _beside(cfg)  # (its evaluator is built beside the before-evaluation)
     job, trackers = Job(cfg, launcher, model_dir, evaluator=beside), Trackers([])
     ckpt = Checkpoints(cfg, job, run_dir)
     try:

@@ -18,9 +18,10 @@ every rank gather the whole weights into rank 0's full copy (``gather_full``).
 Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
 :class:`~asyncflow.workflow.evaluator.Evaluator` worker that asks for no CPU takes published
 weight versions from the weight store. It is built in the background (a thread of the driver
-spawns it with the workers and waits for its ``health`` within the step timeout) while the
-driver goes on with the workers' build, the before-evaluation and the first steps (a Ray
-actor's process takes seconds to start): nothing waits for it; ``evaluator_ready`` says whether it
+spawns it once the workers are built, whose builds take every core, and waits for its
+``health`` within the step timeout) while the driver goes on with the before-evaluation and
+the first steps, which leave cores idle (a Ray actor's process takes seconds to start):
+nothing waits for it; ``evaluator_ready`` says whether it
 is built yet (and raises its build error, or that it was not built in time). The job's
 ``eval_request`` / ``eval_poll`` (only once it is ready) never wait longer than ``HEALTH_TIMEOUT_S``.
 It is not one of ``workers``: the watchdog's heartbeat does not ask it, so a failed evaluator
@@ -77,8 +78,6 @@ class Job:
         for s in self.specs:
             self.workers[s.name] = launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights,
                                                   s.threads, s.rank, s.cores)
-        if evaluator:  # (its process starts beside the workers': nothing waits for it)
-            self.open_evaluator(model_dir)
         self.trainer = "colocated" if cfg.mode == "sync" else "actor"
         # the trainer's workers, rank 0 first (sync: the colocated workers, every one an actor rank)
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles]
@@ -89,6 +88,8 @@ class Job:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
             self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
                       "joining the trainer's ranks")
+        if evaluator:  # (once the workers are built, whose builds take every core: nothing waits for it)
+            self.open_evaluator(model_dir)
 
     def start(self) -> None:
         if self.cfg.mode != "sync":
