@@ -170,7 +170,7 @@ def test_training_goes_on_during_an_evaluation_and_the_result_names_its_version(
     for m in lines:  # measured no later than the line it is on
         assert m["heldout_version"] < m["step"], m
         assert m["heldout_acc"] == 0.25 and m["heldout_metric"] == "slow"
-    assert sum(m["heldout_version"] % every > 0 for m in lines) <= evals["late"]  # (not a due one: a later one came first)
+    assert sum(m["heldout_version"] % every > 0 for m in lines) <= evals["late"]  # (a later one came first)
     assert evals["versions"] == [[m["heldout_version"], 0.25, round(m["heldout_eval_s"], 3)] for m in lines]
     assert summary["heldout_acc_before"] == summary["heldout_acc_after"] == 0.25  # the blocking ones, as before
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
