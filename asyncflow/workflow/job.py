@@ -66,6 +66,7 @@ class Job:
         self._eval_error: Exception | None = None
         self._eval_deadline = 0.0
         self._closed = False
+        self._eval_thread: threading.Thread | None = None
         self.watch = Watchdog(launcher, self.workers, cfg.train.step_timeout_s)  # every wait has a deadline
         try:
             self._launch(model_dir, evaluator)
@@ -147,7 +148,9 @@ class Job:
     def open_evaluator(self, model_dir: str) -> None:
         """Start building the evaluator worker (no CPU asked) in the background; returns at once."""
         self._eval_deadline = time.monotonic() + self.cfg.train.step_timeout_s
-        threading.Thread(target=self._build_evaluator, args=(model_dir,), name="evaluator-spawn", daemon=True).start()
+        self._eval_thread = threading.Thread(target=self._build_evaluator, args=(model_dir,), name="evaluator-spawn",
+                                             daemon=True)
+        self._eval_thread.start()
 
     def _build_evaluator(self, model_dir: str) -> None:
         handle: Any = None
@@ -155,11 +158,16 @@ class Job:
             spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
             handle = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
                                          os.getpid())
-            wait = max(0.0, self._eval_deadline - time.monotonic())
-            try:
-                self.launcher.result(self.launcher.submit(handle, "health"), wait)
-            except Exception as e:
-                raise self.watch.blame("evaluator", e, "health", self.cfg.train.step_timeout_s) from None
+            fut = self.launcher.submit(handle, "health")
+            while not self._closed:  # (short waits: a job shut down meanwhile stops waiting before its launcher)
+                try:
+                    self.launcher.result(fut, min(0.5, max(0.0, self._eval_deadline - time.monotonic())))
+                    break
+                except TimeoutError as e:
+                    if time.monotonic() >= self._eval_deadline:
+                        raise self.watch.blame("evaluator", e, "health", self.cfg.train.step_timeout_s) from None
+                except Exception as e:
+                    raise self.watch.blame("evaluator", e, "health") from None
         except Exception as e:
             self._eval_error = e
         with self._eval_lock:  # (a job shut down meanwhile, or a failed build: release it here)
@@ -287,6 +295,8 @@ class Job:
     def shutdown(self) -> None:
         with self._eval_lock:  # (an evaluator still being built is released by its builder)
             self._closed = True
+        if self._eval_thread is not None:
+            self._eval_thread.join(5.0)
         for name in self.workers:
             try:
                 self.watch.ask(name, "stop", timeout=HEALTH_TIMEOUT_S)
