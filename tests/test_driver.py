@@ -60,7 +60,11 @@ def test_next_step_is_queued_early_except_before_an_evaluation(tmp_path):
     assert summary["steps"] == 5
 
 
-def test_evaluations_beside_training_never_hold_the_next_step_back(tmp_path):
+def test_evaluations_beside_training_never_hold_the_next_step_back(tmp_path, monkeypatch):
+    from asyncflow.workflow.job import Job
+
+    ready = Job.evaluator_ready  # (built in the background: here the driver waits for it, so step 2 requests)
+    monkeypatch.setattr(Job, "evaluator_ready", lambda self: self._eval_built.wait(60) and ready(self))
     cfg = load_config(None, [*ORDER, f"run_dir={tmp_path}"])  # (train.eval_overlap: the default)
     launcher = OrderLauncher()
     summary = train(cfg, launcher=launcher, run_dir=tmp_path)

@@ -56,8 +56,11 @@ def test_default_async_job_on_ray_trains_and_leaves_a_run_folder(tmp_path, capsy
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, 17))
     beside = [m for m in metrics if "heldout_acc" in m]  # due after step 8, measured beside steps 9..16
-    assert [m["heldout_version"] for m in beside] == [8] and beside[0]["heldout_metric"] == "exact match"
-    assert summary["heldout_evals"]["done"] == 1 and beside[0]["step"] > 8
+    evals = summary["heldout_evals"]  # (unless its evaluator was still starting, or it ended after step 16)
+    assert len(beside) == evals["done"] and all(m["heldout_version"] == 8 or evals["late"] for m in beside)
+    assert all(m["step"] > m["heldout_version"] for m in beside)
+    assert all(m["heldout_metric"] == "exact match" for m in beside)
+    assert evals["due"] == 1 == evals["done"] + evals["not_ready"] + evals["abandoned"] + evals["superseded"]
     assert summary["heldout_metric"] == "exact match"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

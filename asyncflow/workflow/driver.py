@@ -58,8 +58,6 @@ from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.job import Job
 from asyncflow.workflow.launcher import Launcher
 
-FINISH_WAIT_S = 30.0  # the last step waits this long for an evaluation beside training still running
-
 
 def make_run_dir(cfg: RunConfig) -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -136,9 +134,11 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
          snap: Snapshot | None, history: dict) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
-    job, trackers = Job(cfg, launcher, model_dir), Trackers([])
+    beside = evaluate and _beside(cfg)  # (its evaluator is built beside the before-evaluation)
+    job, trackers = Job(cfg, launcher, model_dir, evaluator=beside), Trackers([])
     ckpt = Checkpoints(cfg, job, run_dir)
     try:
+        evals = BesideEvals(job) if beside else None
         start, acc0 = ckpt.resume(snap, evaluate)
         trackers = open_trackers(cfg.log.backends, run_dir, cfg.log.project, cfg.log.mlflow_uri,
                                  append=snap is not None)
@@ -152,7 +152,6 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
             print(f"asyncflow: resumed at step {start}; in-flight answers: {ckpt.continued_answers} continued, "
                   f"{ckpt.restarted} restarted", flush=True)
         progress.start(acc0)
-        evals = _open_evals(cfg, job, model_dir) if evaluate else None
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0)
         meter.steps = start
@@ -199,88 +198,122 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
     fut = submit(start)
     for v in range(start, steps):
         eval_now = every and (v + 1) % every == 0 and v + 1 < steps
-        pause = eval_now and evals is None
+        beside = evals is not None and evals.beside()  # (False once its evaluator failed to build)
+        pause = eval_now and not beside
         # step v + 1 queues behind v (no idle trainer between steps) unless an evaluation comes between
         nxt = submit(v + 1) if not pause else None
         assert fut is not None  # v < steps: submitted
         m = meter.step(job.result(fut, v))
         ckpt.saw(m)  # (the prompt groups step v trained; its wait for the last checkpoint's host copy)
-        if evals is not None:  # (weights v + 1 are published: step v returned)
-            evals.step(m, v + 1 if eval_now else None, last=v + 1 == steps)
+        if evals is not None and beside:  # (weights v + 1 are published: step v returned)
+            evals.step(m, v + 1 if eval_now else None, steps)
         elif eval_now:
             m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
+            if evals is not None:
+                evals.paused()
         log(m)  # (before the checkpoint: a checkpoint of step n means n metrics lines)
         if ckpt.due(v + 1):
             ckpt.save(v + 1, feeder.fed)
         fut = submit(v + 1) if pause else nxt
 
 
-def _open_evals(cfg: RunConfig, job: Job, model_dir: str) -> BesideEvals | None:
-    """Evaluations beside training where they apply (``train.eval_overlap``, not ``sync``: its one worker
-    computes on every core in every phase, so it pauses for each); an evaluator that cannot be built
-    is one line, and the evaluations pause training instead."""
-    if not (cfg.train.eval_overlap and cfg.mode != "sync" and 0 < cfg.train.eval_every < cfg.train.steps):
-        return None
-    try:
-        job.open_evaluator(model_dir)
-    except Exception as e:
-        print(f"asyncflow: the evaluator could not be built ({one_line(e)}); evaluations pause training instead",
-              file=sys.stderr, flush=True)
-        return None
-    return BesideEvals(job)
+def _beside(cfg: RunConfig) -> bool:
+    """Whether periodic evaluations run beside training (``train.eval_overlap``, not ``sync``: its one
+    worker computes on every core in every phase, so it pauses for each)."""
+    return cfg.train.eval_overlap and cfg.mode != "sync" and 0 < cfg.train.eval_every < cfg.train.steps
 
 
 class BesideEvals:
     """The driver's side of evaluations beside training (:mod:`asyncflow.workflow.evaluator`).
 
+    The evaluator is built in the background while the run starts: a due step before it is
+    built requests nothing (``not_ready``); one that cannot be built is one line on stderr and
+    the later evaluations pause training instead (``beside`` turns False; ``paused`` counts them).
     Each step: see what finished (a due step only), request the due version (skipped by the
-    evaluator while one runs; none after a failure), then put the newest result finished by now
-    on the step's line (``heldout_acc``, ``heldout_version``: the weights after that many steps,
-    ``heldout_eval_s``). The last step waits for an evaluation
-    in flight at most ``finish_wait_s`` (else it is ``abandoned``). An evaluator failure is one
-    line on stderr and ends the periodic evaluations (``failed``); training goes on."""
+    evaluator while one runs; none after a failure; none, ``superseded``, where the last evaluation
+    took longer than the steps left: the final evaluation, after the last step, measures a later
+    version), then put the newest result finished by now on the step's line (``heldout_acc``,
+    ``heldout_version``: the weights after that many steps, ``heldout_eval_s``). The last step
+    does not wait: an evaluation still in flight is ``abandoned`` (the final one measures the
+    last version). An evaluator failure is one line on stderr and ends the periodic evaluations
+    (``failed``); training goes on. Every due step is counted once: ``due`` = ``requested`` +
+    ``skipped`` + ``not_ready`` + ``superseded`` + ``paused`` + ``off`` (after a failure)."""
 
-    def __init__(self, job: Job, finish_wait_s: float = FINISH_WAIT_S):
-        self.job, self.finish_wait_s = job, finish_wait_s
-        self.on, self.failed, self.abandoned = True, 0, 0
+    def __init__(self, job: Job):
+        self.job = job
+        self.on, self.build_error = True, ""
+        self.n = dict.fromkeys(("due", "not_ready", "superseded", "paused", "off", "failed", "abandoned"), 0)
         self.pending = False  # one was started and its result not seen yet (else no call at all: a step
         self.done: list[dict] = []  # of the tiny example is ~0.2 s, a Ray call ~1 ms)
+        self._times: list[float] = []  # when each step was seen (the step time, for ``superseded``)
 
-    def step(self, m: dict, due: int | None, last: bool) -> None:
+    def beside(self) -> bool:
+        """Whether due evaluations go beside training (True while the evaluator is being built)."""
+        if not self.build_error:
+            try:
+                self.job.evaluator_ready()
+            except Exception as e:
+                self.build_error = one_line(e)
+                print(f"asyncflow: the evaluator could not be built ({self.build_error}); evaluations pause "
+                      "training instead", file=sys.stderr, flush=True)
+        return not self.build_error
+
+    def paused(self) -> None:
+        """A due evaluation ran on the trainer (the evaluator could not be built)."""
+        self.n["due"] += 1
+        self.n["paused"] += 1
+
+    def step(self, m: dict, due: int | None, steps: int) -> None:
+        """After step ``m["step"]`` of ``steps``: ``due`` the version to evaluate now (else None)."""
+        self._times = [*self._times[-10:], time.monotonic()]
         results: list[dict] = []
         try:
             if self.pending and due is not None:  # first what finished since: a failure ends the requests
                 got = self.job.eval_poll()
                 results, self.pending = got["done"], got["busy"]
                 self.on = self.on and not any(r.get("error") for r in results)
-            if due is not None and self.on:
-                self.pending = self.job.eval_request(due) or self.pending
-            deadline = time.monotonic() + self.finish_wait_s
-            while self.pending:
+            if due is not None:
+                self._request(due, steps)
+            if self.pending:
                 got = self.job.eval_poll()
                 results, self.pending = results + got["done"], got["busy"]
-                if not (last and self.pending and time.monotonic() < deadline):
-                    break
-                time.sleep(0.1)
-            self.abandoned += int(last and self.pending)
+            if m["step"] == steps and self.pending:  # (no wait: the final evaluation measures a later version)
+                self.n["abandoned"], self.pending = self.n["abandoned"] + 1, False
         except Exception as e:  # (the evaluator's process is gone, or does not answer)
             results = [{"error": one_line(e)}]
         for r in results:
             if r.get("error"):
-                self.failed, self.on, self.pending = self.failed + 1, False, False
+                self.n["failed"], self.on, self.pending = self.n["failed"] + 1, False, False
                 print(f"asyncflow: held-out evaluation failed: {r['error']}; no more periodic evaluations this run",
                       file=sys.stderr, flush=True)
             else:
                 self.done.append(r)
                 m.update(heldout_acc=r["heldout_acc"], heldout_version=r["version"], heldout_eval_s=r["eval_s"])
 
+    def _request(self, due: int, steps: int) -> None:
+        self.n["due"] += 1
+        t = self._times
+        step_s = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
+        try:
+            ready = self.job.evaluator_ready()
+        except Exception:  # (it could not be built: beside() says so in one line at the next step)
+            ready = False
+        if not self.on:
+            self.n["off"] += 1
+        elif not ready:
+            self.n["not_ready"] += 1
+        elif self.done and step_s and self.done[-1]["eval_s"] > (steps - due) * step_s:
+            self.n["superseded"] += 1  # (it would finish after the last step)
+        else:
+            self.pending = self.job.eval_request(due) or self.pending
+
     def summary(self) -> dict:
         try:
-            counts = self.job.eval_counts()
+            counts = self.job.eval_counts() if not self.build_error and self.job.evaluator_ready() else {}
         except Exception:
             counts = {}
-        return {"beside_training": True, **counts, "done": len(self.done), "failed": self.failed,
-                "abandoned": self.abandoned,
+        return {"beside_training": not self.build_error, "requested": 0, "skipped": 0, "late": 0, **counts,
+                **self.n, "done": len(self.done),
                 "versions": [[r["version"], r["heldout_acc"], round(r["eval_s"], 3)] for r in self.done]}
 
 

@@ -27,6 +27,12 @@ Invariants:
   thread is a daemon and its result is dropped);
 * ``spans`` (wall-clock start, seconds) of each evaluation, for the run's ``trace.json``.
 
+* the build (model, task, metric) runs on a thread of its own at nice 19 (in a process of its
+  own; the local launcher's build shares the GIL and stays at normal priority), so a build started
+  beside the before-evaluation and the first steps (:meth:`~asyncflow.workflow.job.Job.open_evaluator`)
+  takes only cycles they leave; ``counts()["idle"]`` says whether the last evaluation ran at
+  ``SCHED_IDLE`` (False in the local launcher's process, or where the OS refused it).
+
 The model stays on the CPU whatever ``resources.device`` is (the evaluator asks for no GPU).
 """
 
@@ -51,23 +57,30 @@ from asyncflow.weights.store import WeightSource, verify
 from asyncflow.workflow.failure import one_line, tag
 
 EVAL_BATCH = 512  # problems per greedy batch (as the trainer's own evaluation)
+BUILD_TIMEOUT_S = 600.0  # the build's own deadline (the job gives up waiting for it sooner)
 
 
-def idle_priority(sched_idle: bool = True) -> None:
-    """The calling thread (and the threads it starts) computes only on idle cycles: nice 19,
-    then (``sched_idle``) ``SCHED_IDLE`` where the OS has it, one torch thread (Linux applies
-    both per thread)."""
-    tid = threading.get_native_id()
+def lowest_nice() -> None:
+    """The calling thread (and the threads it starts) at nice 19 (Linux: per thread)."""
     try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (OSError, AttributeError):  # (not Linux: the whole process would change; leave it)
         pass
+
+
+def idle_priority(sched_idle: bool = True) -> bool:
+    """The calling thread (and the threads it starts) computes only on idle cycles: nice 19,
+    then (``sched_idle``) ``SCHED_IDLE`` where the OS has it, one torch thread (Linux applies
+    both per thread); True if the thread now runs at ``SCHED_IDLE``."""
+    lowest_nice()
     try:
         if sched_idle:
-            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (0: the calling thread)
+        idle = os.sched_getscheduler(0) == os.SCHED_IDLE
     except (OSError, AttributeError):
-        pass
+        idle = False
     torch.set_num_threads(1)
+    return idle
 
 
 class Evaluator:
@@ -85,11 +98,22 @@ class Evaluator:
         self._done: list[dict] = []
         self._spans: list[tuple[float, float]] = []
         self.requested = self.skipped = self.late = 0
+        self.idle = False  # the last evaluation ran at SCHED_IDLE
+        self._since: float | None = None  # when the one computing now started
         self._init_error: BaseException | None = None
+        build = threading.Thread(target=self._build, args=(model_dir,), name="evaluator-build", daemon=True)
+        build.start()
+        build.join(BUILD_TIMEOUT_S)
+        if build.is_alive() and self._init_error is None:
+            self._init_error = TimeoutError(f"worker 'evaluator' was not built within {BUILD_TIMEOUT_S:g} s")
+
+    def _build(self, model_dir: str) -> None:
+        if self.sched_idle:  # (this thread only: the driver's calls are answered at normal priority; not
+            lowest_nice()  # in the driver's process: a thread at nice 19 holding the GIL would stall the roles)
         try:
             self.model, self.tokenizer = load_model(model_dir)
-            self.task = build_task(cfg)
-            self.metric, self.score = heldout_metric(cfg, self.task, self._reward)
+            self.task = build_task(self.cfg)
+            self.metric, self.score = heldout_metric(self.cfg, self.task, self._reward)
         except Exception as e:  # raised by health(), as a worker's (a Ray constructor's error loses its cause)
             self._init_error = tag(e, "worker 'evaluator' (building)")
 
@@ -124,8 +148,8 @@ class Evaluator:
             if got is None:
                 raise TimeoutError(f"weight version {version} was not published within {self.timeout_s:g} s")
             out["version"], buffers = got[0], {k: np.array(b, copy=True) for k, b in got[1].items()}
-            idle_priority(self.sched_idle)  # from here on: only idle cycles
-            t0 = time.time()
+            self.idle = idle_priority(self.sched_idle)  # from here on: only idle cycles
+            t0 = self._since = time.time()
             load_named_weights(self.model, verify(buffers))
             problems = self.task.heldout[: self.cfg.task.eval_n]
             out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
@@ -135,6 +159,7 @@ class Evaluator:
         out["eval_s"] = time.time() - t0
         with self._lock:
             self._spans.append((t0, out["eval_s"]))
+            self._since = None
             self.late += int((out["version"] or version) > version)
             self._done.append(out)
             self._running = False
@@ -150,13 +175,15 @@ class Evaluator:
         with self._lock:
             return self._running
 
-    def counts(self) -> dict[str, int]:
+    def counts(self) -> dict[str, int | bool]:
         with self._lock:
-            return {"requested": self.requested, "skipped": self.skipped, "late": self.late}
+            return {"requested": self.requested, "skipped": self.skipped, "late": self.late, "idle": self.idle}
 
     def spans(self) -> dict[str, list[tuple[float, float]]]:
+        """The evaluations' spans, the one computing now until now."""
         with self._lock:
-            return {"evaluator": list(self._spans)}
+            now = [(self._since, time.time() - self._since)] if self._since is not None else []
+            return {"evaluator": [*self._spans, *now]}
 
     def stop(self) -> None:
         """Take no more requests; an evaluation in flight is left to its daemon thread."""

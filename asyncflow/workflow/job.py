@@ -16,16 +16,24 @@ queues ``sync_step(v)`` on each. With
 ``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
 every rank gather the whole weights into rank 0's full copy (``gather_full``).
 
-Evaluation beside training (``open_evaluator``, outside ``sync``): an
+Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
 :class:`~asyncflow.workflow.evaluator.Evaluator` worker that asks for no CPU takes published
-weight versions from the weight store; the job's ``eval_request`` / ``eval_poll`` never wait
-longer than ``HEALTH_TIMEOUT_S``. It is not one of ``workers``: the watchdog's heartbeat does
-not ask it, so a failed evaluator ends the evaluations (the driver's one line), not the run.
+weight versions from the weight store. It is built in the background (a thread of the driver
+spawns it once the workers are built, whose builds take every core, and waits for its
+``health`` within the step timeout) while the driver goes on with the before-evaluation and
+the first steps, which leave cores idle (a Ray actor's process takes seconds to start):
+nothing waits for it; ``evaluator_ready`` says whether it
+is built yet (and raises its build error, or that it was not built in time). The job's
+``eval_request`` / ``eval_poll`` (only once it is ready) never wait longer than ``HEALTH_TIMEOUT_S``.
+It is not one of ``workers``: the watchdog's heartbeat does not ask it, so a failed evaluator
+ends the evaluations (the driver's one line), not the run.
 """
 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +51,7 @@ RESUME_TIMEOUT_S = 60.0  # rollout waits this long for the weights the restored 
 
 
 class Job:
-    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str):
+    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str, evaluator: bool = False):
         self.cfg, self.launcher = cfg, launcher
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
@@ -53,15 +61,21 @@ class Job:
         self.weights = launcher.weight_store()
         self.specs = plan_workers(cfg, launcher.cpus, pinnable_cores(cfg, launcher), launcher.gpus)
         self.workers: dict = {}
-        self.evaluator: Any = None  # open_evaluator
+        self.evaluator: Any = None  # open_evaluator (set once it is built)
+        self._eval_lock = threading.Lock()
+        self._eval_built = threading.Event()
+        self._eval_error: Exception | None = None
+        self._eval_deadline = 0.0
+        self._closed = False
+        self._eval_thread: threading.Thread | None = None
         self.watch = Watchdog(launcher, self.workers, cfg.train.step_timeout_s)  # every wait has a deadline
         try:
-            self._launch(model_dir)
+            self._launch(model_dir, evaluator)
         except BaseException:
             self.shutdown()  # the workers already built go too
             raise
 
-    def _launch(self, model_dir: str) -> None:
+    def _launch(self, model_dir: str, evaluator: bool) -> None:
         cfg, launcher = self.cfg, self.launcher
         for s in self.specs:
             self.workers[s.name] = launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights,
@@ -76,6 +90,8 @@ class Job:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
             self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
                       "joining the trainer's ranks")
+        if evaluator:  # (once the workers are built, whose builds take every core: nothing waits for it)
+            self.open_evaluator(model_dir)
 
     def start(self) -> None:
         if self.cfg.mode != "sync":
@@ -133,17 +149,49 @@ class Job:
         return self.watch.ask(self.trainer, "evaluate", n)
 
     def open_evaluator(self, model_dir: str) -> None:
-        """Build the evaluator worker (no CPU asked; waits for it to be built, within the step timeout)."""
-        spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
-        self.evaluator = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
-                                            os.getpid())
-        self.watch.waiting("building the evaluator")
+        """Start building the evaluator worker (no CPU asked) in the background; returns at once."""
+        self._eval_deadline = time.monotonic() + self.cfg.train.step_timeout_s
+        self._eval_thread = threading.Thread(target=self._build_evaluator, args=(model_dir,), name="evaluator-spawn",
+                                             daemon=True)
+        self._eval_thread.start()
+
+    def _build_evaluator(self, model_dir: str) -> None:
+        handle: Any = None
         try:
-            self._ask_evaluator("health", timeout=self.cfg.train.step_timeout_s)
-        except Exception:  # (the driver says so in one line and pauses for evaluations instead)
-            self.launcher.release(self.evaluator)
-            self.evaluator = None
-            raise
+            spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
+            handle = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
+                                         os.getpid())
+            fut = self.launcher.submit(handle, "health")
+            while not self._closed:  # (short waits: a job shut down meanwhile stops waiting before its launcher)
+                try:
+                    self.launcher.result(fut, min(0.5, max(0.0, self._eval_deadline - time.monotonic())))
+                    break
+                except TimeoutError as e:
+                    if time.monotonic() >= self._eval_deadline:
+                        raise self.watch.blame("evaluator", e, "health", self.cfg.train.step_timeout_s) from None
+                except Exception as e:
+                    raise self.watch.blame("evaluator", e, "health") from None
+        except Exception as e:
+            self._eval_error = e
+        with self._eval_lock:  # (a job shut down meanwhile, or a failed build: release it here)
+            keep = self._eval_error is None and not self._closed
+            if keep:
+                self.evaluator = handle
+        if handle is not None and not keep:
+            self.launcher.release(handle)
+        self._eval_built.set()
+
+    def evaluator_ready(self) -> bool:
+        """Whether the evaluator is built (False while it is being built); raises why it cannot be
+        (its build's error, or that it was not built within ``train.step_timeout_s``)."""
+        if not self._eval_built.is_set():
+            if time.monotonic() < self._eval_deadline:
+                return False
+            self._eval_error = self._eval_error or TimeoutError(
+                f"worker 'evaluator' was not built within train.step_timeout_s = {self.cfg.train.step_timeout_s:g} s")
+        if self._eval_error is not None:
+            raise self._eval_error
+        return True
 
     def _ask_evaluator(self, method: str, *args: Any, timeout: float = HEALTH_TIMEOUT_S) -> Any:
         try:
@@ -159,7 +207,7 @@ class Job:
         """The evaluator's results finished since the last poll, and whether one runs (``Evaluator.poll``)."""
         return self._ask_evaluator("poll")
 
-    def eval_counts(self) -> dict[str, int]:
+    def eval_counts(self) -> dict[str, int | bool]:
         return self._ask_evaluator("counts")
 
     def save(self, path: str) -> str:
@@ -253,6 +301,10 @@ class Job:
         return out
 
     def shutdown(self) -> None:
+        with self._eval_lock:  # (an evaluator still being built is released by its builder)
+            self._closed = True
+        if self._eval_thread is not None:
+            self._eval_thread.join(5.0)
         for name in self.workers:
             try:
                 self.watch.ask(name, "stop", timeout=HEALTH_TIMEOUT_S)
