@@ -17,7 +17,7 @@ import pytest
 
 from asyncflow.config import ConfigError, load_config
 from asyncflow.api import train
-from test_staleness import DelayedDataPlane, DelayLauncher
+from test_staleness import DelayedDataPlane, DelayLauncher, spy_in_memory
 
 
 def first_is_digit(prompt, response, sample) -> float:
@@ -29,12 +29,11 @@ class RewardSpy(DelayedDataPlane):
         super().__init__(*a, **kw)
         self.batches: list[tuple[int, list[int], list[float], list[int]]] = []
 
-    def get_batch(self, task, fields, n, **kw):
-        meta, data = super().get_batch(task, fields, n, **kw)
-        if task == "actor" and meta.rows:
+    def saw(self, meta, data):
+        super().saw(meta, data)
+        if meta.rows:
             self.batches.append((meta.partition, data["group"].tolist(), data["reward"].tolist(),
                                  data["version"].tolist()))
-        return meta, data
 
 
 class SpyLauncher(DelayLauncher):
@@ -45,7 +44,7 @@ class SpyLauncher(DelayLauncher):
 
 @pytest.mark.parametrize("mode,k,latency", [("sync", 0, None), ("async", 1, None), ("async", 2, None),
                                               ("async", 1, "[5, 30]")])
-def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, mode, k, latency):
+def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, monkeypatch, mode, k, latency):
     """The last case scores through emulated remote calls in flight inside rollout."""
     steps, prompts, group = 5, 4, 4
     cfg = load_config(None, [f"reward.latency_ms={latency or 'null'}",
@@ -55,6 +54,7 @@ def test_trained_groups_have_signal_and_steps_stay_full(tmp_path, mode, k, laten
         "reward.fn=test_dynamic_sampling:first_is_digit", "reward.timeout_s=null",
         "resources.sync_threads=1"])  # sync: one thread (2 threads on a loaded 2-core machine crawl)
     launcher = SpyLauncher(seed=k, max_delay_s=0.005)
+    spy_in_memory(monkeypatch, launcher)  # (sync: rollout hands the actor its rows in memory)
     summary = train(cfg, launcher=launcher, run_dir=tmp_path, evaluate=False)
 
     by_group: dict[tuple[int, int], list[float]] = defaultdict(list)

@@ -139,7 +139,9 @@ def test_a_crashing_role_under_ray_is_one_line_with_the_workers_traceback_in_the
 def test_a_killed_or_stopped_worker_process_ends_the_run_with_one_line_naming_it(tmp_path, capsys, monkeypatch,
                                                                                   sig):
     """kill -9: the launcher reports the dead process; SIGSTOP: the process no longer answers its
-    heartbeat (within train.step_timeout_s + 30 s, here well within). train.max_restarts=0: no restart."""
+    heartbeat (within train.step_timeout_s + 30 s, here well within). train.max_restarts=0: no restart.
+    A checkpoint every step: the stopped rollout always leaves one waiting for its snapshot, which
+    must not hold the exit (it once did, for the snapshot's 75 s)."""
     killed: list[float] = []
     pids: list[int] = []
     start = Job.start
@@ -158,7 +160,7 @@ def test_a_killed_or_stopped_worker_process_ends_the_run_with_one_line_naming_it
     monkeypatch.setattr(Job, "start", start_then_kill)
     try:
         rc, err, log = run_cli(tmp_path, capsys, "launcher=ray", "mode=async", "train.steps=1000",
-                               "train.max_restarts=0", "train.step_timeout_s=20")
+                               "train.max_restarts=0", "train.step_timeout_s=20", "train.save_every=1")
     finally:
         if sig == signal.SIGSTOP:
             try:

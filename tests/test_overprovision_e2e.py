@@ -23,7 +23,7 @@ from asyncflow.api import train
 from asyncflow.workflow.fields import SCHEMA, encode_text
 from asyncflow.workflow.roles.rollout import RolloutRole
 from test_fake_engine import StagedWeights
-from test_staleness import DelayLauncher, small_job
+from test_staleness import DelayLauncher, small_job, spy_in_memory
 
 P, GROUP, LONG, SHORT = 8, 2, 24, 3
 
@@ -114,7 +114,7 @@ def test_async_stragglers_carry_over_within_the_bound(extra):
 
 @pytest.mark.parametrize("mode,k,latency", [("sync", 0, "null"), ("stream", 0, "null"), ("async", 1, "null"),
                                             ("async", 1, "[2, 40]")])
-def test_pipeline_with_overprovision(tmp_path, mode, k, latency):
+def test_pipeline_with_overprovision(tmp_path, monkeypatch, mode, k, latency):
     """The last case: remote rewards in flight inside rollout while stragglers expire."""
     steps = 4
     cfg = small_job(tmp_path, f"mode={mode}", f"staleness={k}", f"train.steps={steps}", "rollout.max_batch=24",
@@ -122,6 +122,7 @@ def test_pipeline_with_overprovision(tmp_path, mode, k, latency):
                     "rollout.overprovision=2", "rollout.gen_len=longtail", "rollout.longtail_long=8",
                     "rollout.longtail_short=2", "rollout.longtail_frac=0.25", "resources.sync_threads=1")
     launcher = DelayLauncher(7, max_delay_s=0.002)
+    spy_in_memory(monkeypatch, launcher)  # (sync: rollout hands the actor its rows in memory)
     summary = train(cfg, launcher=launcher, run_dir=tmp_path, evaluate=False)
     trained = launcher.plane.trained
     assert len(trained) == steps * 4 * 4  # every step full

@@ -48,9 +48,27 @@ class DelayedDataPlane(DataPlane):
         self._sleep()
         meta, data = super().get_batch(task, fields, n, **kw)
         if task == "actor":
-            with self.lock:
-                self.trained += [(meta.partition, int(v)) for v in data["version"]]
+            self.saw(meta, data)
         return meta, data
+
+    def saw(self, meta, data) -> None:
+        """A batch handed to the trainer (through this plane, or in memory: :func:`spy_in_memory`)."""
+        with self.lock:
+            self.trained += [(meta.partition, int(v)) for v in data["version"]]
+
+
+def spy_in_memory(monkeypatch, launcher) -> None:
+    """Record the rows a ``sync`` worker's rollout hands its actor in memory (``link_local``: they
+    never pass through the data plane) in ``launcher.plane`` as if fetched from it."""
+    take = ActorRole._take_local
+
+    def taken(self, v, rows):
+        meta, data = take(self, v, rows)
+        if meta.rows:
+            launcher.plane.saw(meta, data)
+        return meta, data
+
+    monkeypatch.setattr(ActorRole, "_take_local", taken)
 
 
 class DelayedWeightStore(WeightStore):

@@ -139,6 +139,10 @@ class RayLauncher:
         """What each data-plane address is, for error lines (the controllers' endpoints)."""
         return {d.endpoint: "the data plane's controller" for d in self._deployments}
 
+    def plane_lost(self) -> str | None:
+        """A data-plane server process of this machine's deployments that is gone, in words."""
+        return next((w for d in self._deployments if d.processes and (w := d.lost()) is not None), None)
+
     def weight_store(self) -> RayWeightStore:
         self._start()
         return RayWeightStore(ray.remote(WeightStore).options(num_cpus=0, max_concurrency=16,

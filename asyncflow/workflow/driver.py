@@ -173,10 +173,10 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
         return summary
-    finally:
-        ckpt.close(quiet=True)
+    finally:  # (after a failure: the job first, so a checkpoint write still waiting on a worker ends at once)
         trackers.close()
         job.shutdown()
+        ckpt.close(quiet=True)
 
 
 def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, log: Callable[[dict], None],

@@ -41,6 +41,7 @@ from asyncflow.config import RunConfig
 from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.evaluator import Evaluator
+from asyncflow.workflow.failure import WorkerLost
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
 from asyncflow.workflow.plan import WorkerSpec, plan_workers
@@ -241,10 +242,19 @@ class Job:
         return collect
 
     def _answer(self, name: str, fut: Any, method: str, wait: float) -> Any:
-        try:
-            return self.launcher.result(fut, wait)
-        except Exception as e:
-            raise self.watch.blame(name, e, method, wait) from None
+        """A snapshot's answer within ``wait`` s; waits in short slices so that a job shutting down
+        (a failed run) ends the writer's wait at once instead of holding the exit for ``wait``."""
+        until = time.monotonic() + wait
+        while True:
+            try:
+                return self.launcher.result(fut, min(1.0, max(until - time.monotonic(), 0.0)))
+            except TimeoutError as e:
+                if self._closed:
+                    raise WorkerLost(f"the job shut down before worker '{name}' answered {method}()") from None
+                if time.monotonic() >= until:
+                    raise self.watch.blame(name, e, method, wait) from None
+            except Exception as e:
+                raise self.watch.blame(name, e, method, wait) from None
 
     def restore(self, snap: Snapshot, step: int) -> list[int]:
         """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then
@@ -305,9 +315,16 @@ class Job:
             self._closed = True
         if self._eval_thread is not None:
             self._eval_thread.join(5.0)
-        for name in self.workers:
+        stops = {}  # every worker stops at once, within one deadline (one stuck on a dead server does not add up)
+        for name, w in self.workers.items():
             try:
-                self.watch.ask(name, "stop", timeout=HEALTH_TIMEOUT_S)
+                stops[name] = self.launcher.submit(w, "stop")
+            except Exception:
+                pass
+        until = time.monotonic() + HEALTH_TIMEOUT_S
+        for fut in stops.values():
+            try:
+                self.launcher.result(fut, max(until - time.monotonic(), 0.1))
             except Exception:
                 pass
         if self.evaluator is not None:  # (it never waits for an evaluation in flight)
@@ -315,10 +332,12 @@ class Job:
                 self._ask_evaluator("stop")
             except Exception:
                 pass
-        try:
-            self.plane.close()
-        except Exception:
-            pass
+        lost = getattr(self.launcher, "plane_lost", None)
+        if lost is None or lost() is None:  # (a dead controller would hold close() for the client's deadline)
+            try:
+                self.plane.close()
+            except Exception:
+                pass
         evaluator = [self.evaluator] if self.evaluator is not None else []
         for obj in [*self.workers.values(), *evaluator, self.plane, self.weights]:
             self.launcher.release(obj)

@@ -65,7 +65,12 @@ class Watchdog:
         self.what, self._since = what, time.monotonic()
 
     def beat(self) -> None:
-        """Heartbeat every worker; raise ``WorkerLost`` / a role's error / ``StepStalled``."""
+        """Heartbeat every worker; raise ``WorkerLost`` / a role's error / ``StepStalled``. A
+        data-plane server process of this machine that died (the launcher's ``plane_lost``) is a
+        ``WorkerLost`` naming it at once, before the clients' deadlines run out."""
+        lost = getattr(self.launcher, "plane_lost", None)
+        if lost is not None and (gone := lost()) is not None:
+            raise tag(WorkerLost(f"{gone} ({self.what})"), gone.split(" (pid")[0])
         beats = {name: self.ask(name, "health", timeout=HEALTH_TIMEOUT_S) or {} for name in self.workers}
         items = sum(int(b.get("items", 0)) for hb in beats.values() for b in hb.values())
         now = time.monotonic()

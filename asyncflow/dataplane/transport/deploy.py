@@ -97,6 +97,17 @@ class Deployment:
     credentials: Credentials | None = None
     folder: str | None = None
     state_dir: str | None = None
+    labels: list[str] | None = None  # what each of ``processes`` is, for error lines
+
+    def lost(self) -> str | None:
+        """The first server process of this deployment that is gone, in words, or ``None``."""
+        for i, p in enumerate(self.processes):
+            if not p.is_alive():
+                who = self.labels[i] if self.labels and i < len(self.labels) else f"data-plane process {i}"
+                code = p.exitcode
+                how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited (code {code})"
+                return f"{who} (pid {p.pid}) {how}"
+        return None
 
     def client(self, use_shm: bool = True, deadline: float | None = None, sealed: bool = True) -> ZmqDataPlane:
         """A client of this deployment holding the job's client keys (picklable); ``sealed=False``
@@ -106,13 +117,14 @@ class Deployment:
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop every server process (asks them, then terminates stragglers)."""
-        if all(p.is_alive() for p in self.processes):  # a dead unit would never answer
+        polite = all(p.is_alive() for p in self.processes)  # (a dead unit would never answer)
+        if polite:
             try:
                 self.client(deadline=timeout).shutdown_servers()
             except Exception:
                 pass
         for p in self.processes:
-            p.join(timeout)
+            p.join(timeout if polite else 0)  # (without the request the others never exit by themselves)
             if p.is_alive():
                 p.terminate()
                 p.join(timeout)
@@ -185,7 +197,9 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         sweep_pids([p.pid for p in procs])
         shutil.rmtree(folder, ignore_errors=True)
         raise
-    return Deployment(endpoint, token, procs, creds, folder, state)
+    labels = [f"storage unit {k} ({endpoints[k]})" for k in range(n_storage)] + [
+        f"the data plane's controller {endpoint}"]
+    return Deployment(endpoint, token, procs, creds, folder, state, labels)
 
 
 def _endpoint_of(parent: Any, what: str) -> str:

@@ -12,9 +12,10 @@ every waiting call at once with :class:`~asyncflow.dataplane.core.rules.DataPlan
 when the server refuses this client's credentials (``HANDSHAKE_FAILED_AUTH``) or an
 established connection is lost (its replies can no longer arrive), naming the server as ``who`` says (a client's
 storage-unit links: ``storage unit <i> (<endpoint>)``); ZMTP heartbeats
-notice a peer that went away silently. While the connection is lost, a request that
-would wait with no deadline gets the default one (a dead server is never reconnected, so
-no later event would fail it). With ``creds`` the socket is a CURVE client
+notice a peer that went away silently. While the connection is lost (a disconnect and no
+handshake since), a request waits at most ``LOST_GRACE_S`` (ZeroMQ reconnects a live peer
+within a fraction of that; a dead server is never reconnected, so no later event would
+fail it and the full deadline would only delay the error). With ``creds`` the socket is a CURVE client
 (:mod:`asyncflow.dataplane.transport.auth`).
 """
 
@@ -38,6 +39,7 @@ __all__ = ["DEADLINE_S", "Link"]
 
 _ZERO_COPY_BYTES = 65536  # below this, copying into the message is cheaper than tracking
 DEADLINE_S = 30.0  # a request not answered by then raises DataPlaneUnavailable
+LOST_GRACE_S = 5.0  # a request sent while the connection is lost waits this long for a reconnect at most
 _HEARTBEAT_MS = 2000  # ZMTP ping interval; a peer silent for 5 of them is gone
 _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
            | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
@@ -92,9 +94,9 @@ class Link:
         """Send a request and wait for its reply: ``(result, data frames)``, or its error
         raised. ``deadline``: seconds, ``None`` (wait as long as the connection lives) or
         ``True`` (this link's default); past it, :class:`DataPlaneUnavailable`."""
-        # A wait with no deadline gets the default one while the connection is lost (a dead
-        # server: nothing would ever fail it, since no new connection is made to be lost).
-        limit = self.deadline if deadline is True or (deadline is None and self.lost) else deadline
+        limit = self.deadline if deadline is True else deadline
+        if self.lost:  # (a dead server: nothing would ever fail the wait, no new connection is made to be lost)
+            limit = LOST_GRACE_S if limit is None else min(limit, LOST_GRACE_S)
         if self.trouble:  # the last handshake failed and none succeeded since: fail fast
             raise DataPlaneUnavailable(f"{self.who}{self.trouble}; request {op!r} not sent")
         fut = self.loop.create_future()
@@ -105,6 +107,9 @@ class Link:
         try:
             header, frames = await fut
         except _Expired:
+            if self.lost:
+                raise DataPlaneUnavailable(f"connection to {self.who} lost (not re-established within {limit:g}s); "
+                                           f"request {op!r} not answered") from None
             raise DataPlaneUnavailable(
                 f"{self.who} did not answer {op!r} within {limit:g}s"
                 f"{self.trouble or ''}; is it running, and is this the job's client (Deployment.client())?"
