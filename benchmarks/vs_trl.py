@@ -20,7 +20,9 @@ Sides, each at its best thread or process count on the machine's cores:
   process: they share its GIL);
 * ``sync-dp2-ray``: ``mode=sync launcher=ray train.dp=2`` (one colocated worker process per core,
   gradients all-reduced over ``torch.distributed``);
-* ``async``: the default (``mode=async launcher=ray``; one Ray instance shared by the rounds).
+* ``async``: the default (``mode=async launcher=ray``; one Ray instance shared by the rounds);
+* ``async-dp2``: ``async`` with ``train.dp=2`` (rollout and two trainer ranks, three processes
+  on the two cores: the trainer, ~2/3 of the work here, is no longer held to one core).
 
 Samples/s: steady state, the answers of the steps after the first over their wall time (TRL:
 from a callback at each optimizer step's end; asyncflow: ``steady_samples_per_s``). The order
@@ -45,8 +47,8 @@ from pathlib import Path
 from typing import Any
 
 PROMPTS, STEPS = 64, 8
-SIDES = ["trl-1t", "trl-2t", "sync", "sync-dp2", "sync-dp2-ray", "async"]
-RAY_SIDES = ("sync-dp2-ray", "async")  # share one Ray instance for every round
+SIDES = ["trl-1t", "trl-2t", "sync", "sync-dp2", "sync-dp2-ray", "async", "async-dp2"]
+RAY_SIDES = ("sync-dp2-ray", "async", "async-dp2")  # share one Ray instance for every round
 
 
 def trl_run(model_dir: str, prompts: int, group: int, steps: int, max_new: int, lr: float, temperature: float,
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     r = cfg.rollout
     extra = {"sync": ["mode=sync", "launcher=local", f"resources.sync_threads={cores}"],
              "sync-dp2": ["mode=sync", "launcher=local", "train.dp=2"],
-             "sync-dp2-ray": ["mode=sync", "launcher=ray", "train.dp=2"], "async": []}
+             "sync-dp2-ray": ["mode=sync", "launcher=ray", "train.dp=2"], "async": [],
+             "async-dp2": ["train.dp=2"]}
     launcher = None
     if any(s in args.sides for s in RAY_SIDES):
         from asyncflow.launch.registry import get_launcher
@@ -189,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     trl = max((s for s in med if s.startswith("trl")), key=lambda s: med[s], default=None)
     if trl is not None and med[trl] > 0:
         print(f"TRL at its best: {trl} ({med[trl]:.1f} samples/s)")
-        for s in ("sync", "sync-dp2", "sync-dp2-ray", "async"):
+        for s in ("sync", "sync-dp2", "sync-dp2-ray", "async", "async-dp2"):
             if s in med:
                 print(f"asyncflow {s} / TRL: {med[s] / med[trl]:.2f}x")
     if tmp is not None:

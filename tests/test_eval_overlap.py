@@ -347,3 +347,31 @@ def test_an_evaluator_that_cannot_be_built_is_one_line_and_evaluations_pause_ins
     paused = [m["step"] for m in metrics if "heldout_acc" in m]
     assert paused and paused == [2, 4, 6][-len(paused):] and not any("heldout_version" in m for m in metrics)
     assert (evals["due"], evals["paused"], evals["not_ready"], evals["done"]) == (3, len(paused), 3 - len(paused), 0)
+
+
+def test_the_evaluator_runs_on_every_pinned_core_but_the_trainers():
+    """Pinned roles (rollout on core 1, the trainer on core 0): the evaluator goes where rollout is,
+    never on the trainer's core; unpinned, nowhere in particular; a process pinned by pin_process
+    has every thread (those started before and after) on those cores."""
+    import os
+    import subprocess
+    import sys
+    from types import SimpleNamespace
+
+    from asyncflow.workflow.job import Job
+    from asyncflow.workflow.plan import plan_workers
+
+    cfg = load_config(None, ["mode=async", "staleness=1"])
+    job = SimpleNamespace(specs=plan_workers(cfg, 2, cores=[0, 1]))
+    assert {s.name: s.cores for s in job.specs} == {"rollout": (1,), "actor": (0,)}
+    assert Job._evaluator_cores(job) == (1,)
+    job.specs = plan_workers(cfg, 2)
+    assert Job._evaluator_cores(job) == ()
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and two cores to pin")
+    code = ("import os, threading, time; from asyncflow.workflow.evaluator import pin_process\n"
+            "ev = threading.Event(); t = threading.Thread(target=ev.wait); t.start()\n"
+            "pin_process((1,)); u = threading.Thread(target=lambda: print(sorted(os.sched_getaffinity(0))))\n"
+            "u.start(); u.join(); print(sorted(os.sched_getaffinity(t.native_id))); ev.set()")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["[1]", "[1]"], out

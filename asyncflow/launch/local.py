@@ -28,6 +28,7 @@ class LocalLauncher:
         self._pool = ThreadPoolExecutor(66, thread_name_prefix="local-launcher")
 
     gpus = 0  # roles share this process: resources.device names the GPU itself
+    in_process = True  # every worker is an object of this process (the job builds the evaluator after them)
 
     @staticmethod
     def check_device(device: str) -> None:

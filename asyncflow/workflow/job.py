@@ -19,10 +19,9 @@ every rank gather the whole weights into rank 0's full copy (``gather_full``).
 Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
 :class:`~asyncflow.workflow.evaluator.Evaluator` worker that asks for no CPU takes published
 weight versions from the weight store. It is built in the background (a thread of the driver
-spawns it once the workers are built, whose builds take every core, and waits for its
-``health`` within the step timeout) while the driver goes on with the before-evaluation and
-the first steps, which leave cores idle (a Ray actor's process takes seconds to start):
-nothing waits for it; ``evaluator_ready`` says whether it
+spawns it before the workers, so its process starts and imports beside their builds rather than
+in the RL loop, and waits for its ``health`` within the step timeout; pinned, with the roles, to
+every core but the trainer's: ``_evaluator_cores``): nothing waits for it; ``evaluator_ready`` says whether it
 is built yet (and raises its build error, or that it was not built in time). The job's
 ``eval_request`` / ``eval_poll`` (only once it is ready) never wait longer than ``HEALTH_TIMEOUT_S``.
 It is not one of ``workers``: the watchdog's heartbeat does not ask it, so a failed evaluator
@@ -78,6 +77,11 @@ class Job:
 
     def _launch(self, model_dir: str, evaluator: bool) -> None:
         cfg, launcher = self.cfg, self.launcher
+        # the evaluator (never waited for): its process starts and imports beside the workers' builds, not in
+        # the RL loop; in the launcher's own process after them (a model load is not thread-safe)
+        early = evaluator and not getattr(launcher, "in_process", False)
+        if early:
+            self.open_evaluator(model_dir)
         for s in self.specs:
             self.workers[s.name] = launcher.spawn(s, Worker, cfg, s.roles, model_dir, self.plane, self.weights,
                                                   s.threads, s.rank, s.cores)
@@ -91,7 +95,7 @@ class Job:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
             self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
                       "joining the trainer's ranks")
-        if evaluator:  # (once the workers are built, whose builds take every core: nothing waits for it)
+        if evaluator and not early:
             self.open_evaluator(model_dir)
 
     def start(self) -> None:
@@ -161,7 +165,7 @@ class Job:
         try:
             spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
             handle = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
-                                         os.getpid())
+                                         os.getpid(), self._evaluator_cores())
             fut = self.launcher.submit(handle, "health")
             while not self._closed:  # (short waits: a job shut down meanwhile stops waiting before its launcher)
                 try:
@@ -181,6 +185,11 @@ class Job:
         if handle is not None and not keep:
             self.launcher.release(handle)
         self._eval_built.set()
+
+    def _evaluator_cores(self) -> tuple[int, ...]:
+        """Where the evaluator computes when roles are pinned: the cores of every pinned worker but
+        the trainer's ranks (rollout's, which waits for weights part of each step); () if none."""
+        return tuple(sorted({c for s in self.specs if "actor" not in s.roles for c in s.cores}))
 
     def evaluator_ready(self) -> bool:
         """Whether the evaluator is built (False while it is being built); raises why it cannot be
