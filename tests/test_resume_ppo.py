@@ -6,14 +6,17 @@ version ``done * critic_epochs``. Checked against the live critic itself (a spy 
 model and AdamW tensors right after each update, on its own thread, before anything else can
 change them): the checkpoint's ``critic/...`` tensors are bitwise those, and a resumed run's
 critic is bitwise that checkpoint before it values anything. A resumed run (an earlier
-checkpoint of a finished run, and the driver killed with ``kill -9`` then ``--resume``d) must
-train every prompt group of steps ``0..N-1`` exactly once within the staleness bound
-(:func:`test_resume_async.check_every_group_once`); the critic asserts at every step that it
-values step ``v`` with version ``v * critic_epochs``, so a critic not put back fails the run.
+checkpoint of a finished run, the driver killed with ``kill -9`` then ``--resume``d, and the
+automatic restart after the critic's worker is lost) must train every prompt group of steps
+``0..N-1`` exactly once within the staleness bound
+(:func:`test_resume_async.check_every_group_once`). The critic asserts at every step that it
+values step ``v`` with version ``v * critic_epochs``; one not put back waits for rows of step 0
+that never come, so its run fails too (a stalled step: ``train.step_timeout_s``).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 import time
@@ -27,7 +30,9 @@ from test_resume_async import TINY, N, _start, check_every_group_once, kill_afte
 from asyncflow.cli import main
 from asyncflow.workflow import checkpoint as C
 from asyncflow.workflow import role_state
+from asyncflow.workflow.failure import WorkerLost
 from asyncflow.workflow.roles.critic import CriticRole
+from asyncflow.workflow.worker import Worker
 
 EPOCHS = 2  # critic updates a step: its version after k steps is 2 k
 PPO = [*TINY, "algorithm.name=ppo", f"algorithm.critic_epochs={EPOCHS}", "train.keep_checkpoints=5",
@@ -83,9 +88,10 @@ def spies(monkeypatch):
     return updated, restored
 
 
-def test_an_async_ppo_run_resumed_from_a_checkpoint_restores_the_critic_exactly(tmp_path, spies):
+@pytest.mark.parametrize("mode", ["async", "stream"])
+def test_a_ppo_run_resumed_from_a_checkpoint_restores_the_critic_exactly(tmp_path, spies, mode):
     updated, restored = spies
-    assert main(["train", *PPO, _reward(tmp_path), f"run_dir={tmp_path / 'runs'}"]) == 0
+    assert main(["train", *PPO, f"mode={mode}", _reward(tmp_path), f"run_dir={tmp_path / 'runs'}"]) == 0
     whole = next((tmp_path / "runs").iterdir())
     assert [p.name for p in C.complete(whole / C.CKPT_DIR)] == [f"step-{k}" for k in (2, 4, 6, 8, 10)]
     for k in (2, 4, 6, 8, 10):  # each checkpoint: the critic after its update of step k - 1, bitwise
@@ -135,3 +141,34 @@ def test_an_async_ppo_run_killed_with_kill_9_and_resumed_trains_every_group_once
     last = C.read(C.latest(run))[1]
     assert last["critic"]["version"] == EPOCHS * N and last["version"] == N, f"seed {seed}"
     print(f"seed {seed}: killed after the checkpoint of step {done}")
+
+
+def test_a_lost_critic_worker_restarts_the_ppo_run_from_its_checkpoint_with_the_critic_put_back(
+        tmp_path, capsys, monkeypatch, spies):
+    """(The local launcher's workers are threads: the loss is raised by the critic's metrics call, as
+    the launcher reports a dead process.) ``train.max_restarts``: the run goes on from its latest
+    checkpoint with the critic of that checkpoint, and trains every group once."""
+    updated, restored = spies
+    metrics, die_at, died = Worker.critic_metrics, random.randrange(3, N - 1), []
+
+    def lost_once(self, v, timeout=2.0):
+        out = metrics(self, v, timeout)
+        if out is not None and v == die_at and not died:
+            died.append(v)
+            raise WorkerLost("the process died (test)")
+        return out
+
+    monkeypatch.setattr(Worker, "critic_metrics", lost_once)
+    assert main(["train", *PPO, _reward(tmp_path), f"run_dir={tmp_path / 'runs'}"]) == 0, f"die_at {die_at}"
+    err = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
+    assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
+    assert "worker 'critic' was lost" in err[0], err
+    run = next((tmp_path / "runs").iterdir())
+    check_every_group_once(run)
+    summary = json.loads((run / "summary.json").read_text())
+    start = summary["resumed_from"]
+    assert summary["restarts"] == 1 and start % 2 == 0 and 2 <= start <= die_at, (start, die_at)
+    assert [(v, s) for v, s, _ in restored] == [(EPOCHS * start, start)]
+    _same(restored[0][2], updated[start][1])  # (the first run's critic after its update of step start - 1)
+    last = C.read(C.latest(run))[1]
+    assert last["critic"]["version"] == EPOCHS * N and last["version"] == N
