@@ -59,14 +59,17 @@ def test_writes_are_atomic_and_only_the_newest_are_kept(tmp_path, monkeypatch):
     assert (C.read(last)[0]["model/w"] == 3).all()
 
 
-def test_resume_is_refused_in_one_line_for_async_ppo_and_for_a_changed_config(tmp_path, capsys):
+def test_resume_is_refused_in_one_line_for_dynamic_sampling_and_for_a_changed_config(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("mode: async\nalgorithm:\n  name: ppo\n")
+    (run / "config.yaml").write_text("mode: async\nalgorithm:\n  dynamic_sampling: true\n")
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"asyncflow: error: --resume {run}: resume with algorithm.name=ppo in mode=async is not "
+    assert err == (f"asyncflow: error: --resume {run}: resume with algorithm.dynamic_sampling is not "
                    "supported yet (its state is not checkpointed)")
+    (run / "config.yaml").write_text("mode: async\nalgorithm:\n  name: ppo\n")  # PPO resumes in every mode
+    assert main(["train", "--resume", str(run)]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
     (run / "config.yaml").write_text("mode: sync\n")
     assert main(["train", "--resume", str(run), "mode=async"]) == 2
     assert "mode differs" in capsys.readouterr().err

@@ -29,9 +29,13 @@ generated but not trained restart from their prompts (:mod:`asyncflow.workflow.i
 With ``train.dp = N`` (``ddp``) rank 0's weights and
 AdamW state are saved once (every rank holds the same) with every rank's own RNGs
 (:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
-over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
-outside ``sync`` (its critic worker is not checkpointed). PPO in ``sync``: the critic (value
-model, AdamW, step) is saved under ``critic/``.
+over-provisioning and dynamic sampling (their extra state is not captured yet). PPO: the
+critic (value model, AdamW, LR schedule, version; JSON ``critic``) is saved under ``critic/``
+in every mode: in ``sync`` from the colocated worker; in ``stream``/``async`` its own worker
+snapshots it (with its process's RNGs) right after its update of step ``done - 1``
+(:func:`checkpoint_due`, asked on both sides), so the checkpoint after ``done`` steps holds the
+critic of the actor's step boundary, and a resume restores it before the actor
+(:mod:`asyncflow.workflow.role_state`).
 """
 
 from __future__ import annotations
@@ -243,13 +247,20 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
-    for bad, why in ((cfg.mode != "sync" and cfg.algorithm.name == "ppo", f"algorithm.name=ppo in mode={cfg.mode}"),
-                     (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
+    for bad, why in ((cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
                      (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
                      (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):
         if bad:
             return why
     return None
+
+
+def checkpoint_due(cfg: RunConfig, done: int) -> bool:
+    """Whether a run of ``cfg`` checkpoints once ``done`` steps are done: every ``train.save_every``
+    steps and after the last, if it could be resumed. The driver asks it, and so does PPO's critic
+    worker (``stream``/``async``), which snapshots itself right after its update of step ``done - 1``."""
+    every = cfg.train.save_every
+    return not_resumable(cfg) is None and (done == cfg.train.steps or (every > 0 and done % every == 0))
 
 
 class Checkpoints:
@@ -267,9 +278,8 @@ class Checkpoints:
         self.acc0: float | None = None
 
     def due(self, done: int) -> bool:
-        """Whether to checkpoint once ``done`` steps are done."""
-        every = self.cfg.train.save_every
-        return self.on and (done == self.cfg.train.steps or (every > 0 and done % every == 0))
+        """Whether to checkpoint once ``done`` steps are done (:func:`checkpoint_due`)."""
+        return self.on and checkpoint_due(self.cfg, done)
 
     def saw(self, m: dict) -> None:
         """A step's metrics: the prompt groups it trained; the wait of its optimizer step for the

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncflow.config import RunConfig
+from asyncflow.config import ConfigError, RunConfig
 from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.evaluator import Evaluator
@@ -233,16 +233,25 @@ class Job:
         not ``sync``: also rollout's groups not trained once ``done`` steps are
         (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``), asked now
         and taken by rollout's loop meanwhile (any time before step ``done`` is trained is
-        consistent with the trainer's state). Nothing here waits: the next step runs meanwhile."""
+        consistent with the trainer's state); and PPO's critic worker's, which it took itself right
+        after its update of step ``done - 1`` (before that step's metrics, which :meth:`result` waited
+        for), copied beside its next step (tensors and JSON ``critic``:
+        :func:`~asyncflow.workflow.role_state.critic_parts`). Nothing here waits: the next step runs meanwhile."""
         asked = {n: self.launcher.submit(self.workers[n], "rollout_snapshot", RESUME_TIMEOUT_S, done)
                  for n in (self._rollouts() if self.cfg.mode != "sync" else [])}
         copy_wait = self.cfg.train.step_timeout_s
         copies = {n: self.launcher.submit(self.workers[n], "taken_snapshot", done, copy_wait) for n in self.ranks}
+        critic = {n: self.launcher.submit(self.workers[n], "taken_snapshot", done, copy_wait)
+                  for n in (["critic"] if "critic" in self.workers else [])}  # (stream/async PPO)
         wait = RESUME_TIMEOUT_S + 15  # (after rollout's own deadline: its error, not our timeout, names a cause)
 
         def collect() -> Snapshot:
             snaps = [self._answer(n, fut, "taken_snapshot", copy_wait + 15) for n, fut in copies.items()]
             tensors, meta = merge_ranks(snaps)
+            for n, fut in critic.items():
+                ct, cm = self._answer(n, fut, "taken_snapshot", copy_wait + 15)
+                tensors.update(ct)
+                meta.update(cm)
             for n, fut in asked.items():
                 rt, meta["rollout"] = self._answer(n, fut, "rollout_snapshot", wait)
                 tensors.update(rt)
@@ -266,10 +275,18 @@ class Job:
                 raise self.watch.blame(name, e, method, wait) from None
 
     def restore(self, snap: Snapshot, step: int) -> list[int]:
-        """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then
-        (not ``sync``) have rollout take them, continue the groups in flight that may, and go on
-        from partition ``step``; the continued groups' prompt ids."""
+        """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights; PPO's
+        critic worker's first), then (not ``sync``) have rollout take them, continue the groups in
+        flight that may, and go on from partition ``step``; the continued groups' prompt ids."""
         self.watch.waiting("restoring the checkpoint")
+        if "critic" in self.workers:  # stream/async PPO: the critic's worker (first: the actor's RNGs last)
+            tensors, meta = snap
+            if "critic" not in meta:  # (a checkpoint of a PPO run whose critic was not saved)
+                raise ConfigError("--resume: the checkpoint holds no critic (checkpoints/step-*/state.json has no "
+                                 "'critic'): it cannot resume algorithm.name=ppo")
+            mine = {k: v for k, v in tensors.items() if k.startswith("critic/")}
+            self.watch.ask("critic", "restore", (mine, {"critic": meta["critic"]}), step)
+            snap = ({k: v for k, v in tensors.items() if not k.startswith("critic/")}, meta)
         for i, n in enumerate(self.ranks):
             self.watch.ask(n, "restore", rank_part(snap, i), step)
         continued: list[int] = []

@@ -2,11 +2,16 @@
 
 ``stream``/``async``: the trainer's worker holds the actor alone (rollout restarts from the
 prompts or continues its saved groups: :mod:`asyncflow.workflow.inflight`); a restore
-republishes the weights. ``sync``: the colocated worker's actor engine, rollout's sampling
-generator and version, PPO's critic (its own model, AdamW and step, under ``critic/``), and
-the roles' counters set to the steps done. The live tensors (:func:`snapshot_parts`) are
-copied by :mod:`asyncflow.workflow.hostcopy`; :mod:`asyncflow.workflow.checkpoint` has the
-format and the capture of one engine.
+republishes the weights. PPO's critic is a worker of its own there (:func:`critic_parts`): it
+snapshots itself on its own thread right after its update of step ``done - 1`` (before it
+reports that step's metrics, so the driver, which asks for a checkpoint only once it has them,
+always finds the snapshot taken), with its own RNGs (``critic/rng/...``); it is restored before
+the actor (whose RNGs, in one process, are the ones restored last). ``sync``: the colocated
+worker's actor engine, rollout's sampling generator and version, PPO's critic (its own model,
+AdamW and version under ``critic/``, its RNGs the actor's), and the roles' counters set to the
+steps done. The live tensors (:func:`snapshot_parts`) are copied by
+:mod:`asyncflow.workflow.hostcopy`; :mod:`asyncflow.workflow.checkpoint` has the format and
+the capture of one engine.
 """
 
 from __future__ import annotations
@@ -47,9 +52,32 @@ def snapshot_parts(model: torch.nn.Module, roles: dict[str, Any],
     return live, (tensors, meta), engines
 
 
-def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
-    """Put a :func:`snapshot_roles` back, and set the roles' counters to ``step`` steps done."""
+def critic_parts(critic: Any) -> tuple[dict[str, torch.Tensor], Snapshot, list[Any]]:
+    """``stream``/``async``: :func:`snapshot_parts` of PPO's critic worker (a ``CriticRole`` alone):
+    its value model and AdamW state (live), its version, LR schedule and its process's RNGs, all
+    under ``critic/`` (JSON: ``critic``), and its engine (its next optimizer step waits for the copy)."""
+    engine = critic.engine
+    live, (tensors, meta) = capture_parts(engine.model, engine, None)
+    return ({f"critic/{k}": v for k, v in live.items()}, ({f"critic/{k}": v for k, v in tensors.items()},
+                                                          {"critic": meta}), [engine])
+
+
+def _restore_critic(critic: Any, snap: Snapshot, step: int) -> None:
+    """Put the critic of a snapshot back (its RNGs: its own if saved, else the actor's), ``step`` steps done."""
     tensors, meta = snap
+    own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
+    if "rng/torch" not in own:  # (sync: the colocated worker's RNGs are the actor's)
+        own.update({k: v for k, v in tensors.items() if k.startswith("rng/")})
+    restore(critic.engine.model, critic.engine, None, (own, meta["critic"]))
+    critic.step, critic.items = step, step * critic.batch_size
+
+
+def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
+    """Put a :func:`snapshot_roles` (or :func:`critic_parts`) back; set the roles' counters to ``step`` steps done."""
+    tensors, meta = snap
+    if "actor" not in roles:  # stream/async: PPO's critic worker
+        _restore_critic(roles["critic"], snap, step)
+        return
     if "rollout" not in roles:  # stream/async: the trainer; rollout takes the weights it republishes
         actor = roles["actor"]
         restore(model, actor.engine, None, snap)
@@ -58,11 +86,7 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
         return
     rollout = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
-        engine, critic = roles["critic"].engine, roles["critic"]
-        own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
-        restore(engine.model, engine, None, ({**own, **{k: v for k, v in tensors.items() if k.startswith("rng/")}},
-                                            meta["critic"]))
-        critic.step, critic.items = step, step * critic.batch_size
+        _restore_critic(roles["critic"], snap, step)
     restore(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
     rollout.set_version(meta["rollout_version"])
     rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows

@@ -39,11 +39,11 @@ from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
 from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext, link_local
-from asyncflow.workflow.checkpoint import Snapshot
+from asyncflow.workflow.checkpoint import Snapshot, checkpoint_due
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
 from asyncflow.workflow.hostcopy import HostCopy
-from asyncflow.workflow.role_state import restore_roles, snapshot_parts, snapshot_roles
+from asyncflow.workflow.role_state import critic_parts, restore_roles, snapshot_parts, snapshot_roles
 
 _T = TypeVar("_T")
 
@@ -99,6 +99,8 @@ class Worker:
             if name in roles and not (name == "actor" and cfg.train.dp > 1):  # dp > 1: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
         link_local(cfg, self.roles)
+        if roles == ["critic"]:  # stream/async PPO: the critic snapshots itself at each due step's update
+            self.roles["critic"].on_update = self._critic_updated
 
     @property
     def group(self) -> Collective | None:
@@ -205,9 +207,17 @@ class Worker:
             self._copies[v + 1] = HostCopy(live, snap, engines, self.cfg.train.step_timeout_s)
         return out
 
+    def _critic_updated(self, v: int) -> None:
+        """(The critic's thread, right after its update of step ``v``.) The snapshot of the critic after
+        ``v + 1`` steps when a checkpoint is due then, copied beside its next step (:meth:`taken_snapshot`)."""
+        if checkpoint_due(self.cfg, v + 1):
+            live, snap, engines = critic_parts(self.roles["critic"])
+            self._copies[v + 1] = HostCopy(live, snap, engines, self.cfg.train.step_timeout_s)
+
     def taken_snapshot(self, done: int, timeout: float) -> Snapshot:
         """The snapshot started once step ``done - 1`` was trained (``train_step``/``sync_step`` with
-        ``snapshot``), once copied (within ``timeout``; not the compute thread: the next step runs)."""
+        ``snapshot``; PPO's critic worker: by its update of that step), once copied (within ``timeout``;
+        not the compute thread: the next step runs)."""
         copy = self._copies.pop(done, None)
         if copy is None:
             raise RuntimeError(f"worker '{self.name}' took no checkpoint snapshot after {done} steps")

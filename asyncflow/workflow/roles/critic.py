@@ -30,11 +30,18 @@ the critic is always the freshest available for that step, and deterministic.
 The step's critic metrics (``value_loss``, ``vf_clip_frac``, ``explained_var``,
 ``value_mean``, ``return_mean``, ``critic_grad_norm``) are kept by step; the driver
 collects them with :meth:`CriticRole.wait_step`.
+
+Checkpoints (``stream``/``async``): ``on_update(v)``, if set (by the critic's worker), is
+called right after the update of step ``v`` and before its metrics are kept, so a snapshot
+it starts is the critic of version ``v + 1`` and is taken before the driver can ask for it
+(:mod:`asyncflow.workflow.role_state`). Its host copy runs beside the next step's valuing;
+the next update's first optimizer step waits for it (``critic_checkpoint_wait_s``).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -59,6 +66,7 @@ class CriticRole(Role):
         self.step = 0  # the partition being valued (= critic version)
         self.rows: list[tuple] = []  # this step's (prompt, response, values, returns)
         self.done: dict[int, dict] = {}
+        self.on_update: Callable[[int], None] | None = None  # after the update of a step (module doc)
         self._cond = threading.Condition()
 
     def poll(self, timeout: float) -> int:
@@ -85,7 +93,7 @@ class CriticRole(Role):
         """One optimizer step of the value model on step ``v``'s rows; record its metrics."""
         rows, self.rows = self.rows, []
         loss = self.algorithm.value_loss(total_tokens=sum(len(r[1]) for r in rows))
-        epochs = []
+        epochs, waits = [], []
         for _ in range(self.epochs):
             metrics = []
             for i in range(0, len(rows), self.micro):
@@ -93,6 +101,7 @@ class CriticRole(Role):
                 extras = {"values": [r[2] for r in part], "returns": [r[3] for r in part]}
                 metrics.append(self.engine.forward_backward([r[0] for r in part], [r[1] for r in part], extras, loss))
             step = self.engine.optimizer_step()
+            waits += [step["checkpoint_wait_s"]] if "checkpoint_wait_s" in step else []
             epochs.append(metrics)
         values, returns = [r[2] for r in rows], [r[3] for r in rows]
         # value_loss: before any update of this step; vf_clip_frac: over every pass
@@ -101,6 +110,10 @@ class CriticRole(Role):
         out.update(explained_var=explained_variance(values, returns),
                    value_mean=float(np.concatenate(values).mean()), return_mean=float(np.concatenate(returns).mean()),
                    critic_grad_norm=step["grad_norm"])
+        if waits:  # (the wait of the first optimizer step after a checkpoint for its host copy)
+            out["critic_checkpoint_wait_s"] = float(sum(waits))
+        if self.on_update is not None:  # (before the metrics: the driver asks for its snapshot after them)
+            self.on_update(v)
         with self._cond:
             self.done[v] = out
             self.step = v + 1
