@@ -171,7 +171,8 @@ class RunMeter:
     ``drops`` (dynamic sampling) every step also reads rollout's group counters and reports
     ``groups_dropped`` / ``drop_rate``: groups dropped (all rewards equal) over groups
     scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
-    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise.
+    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise. The
+    counts start from rollout's counters when the meter starts (a resumed run's: the checkpoint's).
     """
 
     def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False):
@@ -181,6 +182,9 @@ class RunMeter:
         # to every worker): CPU spent in between would fall outside the wall-clock window
         self.t0, self.cpu0 = time.perf_counter(), machine_cpu_s()
         self.stats0 = stats()
+        r0 = self.stats0.get("rollout", {})  # (a resumed run: its counters continue the checkpoint's)
+        self._groups = (r0.get("groups_scored", 0), r0.get("groups_dropped", 0))
+        self._stragglers = (r0.get("groups_carried", 0), r0.get("groups_restarted", 0))
         self.steps = self.samples = self.tokens = 0
         # (time, stats, samples, tokens, machine cpu) at the end of step 1
         self.steady0: tuple[float, dict, int, int, float | None] | None = None
