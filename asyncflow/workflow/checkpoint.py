@@ -31,12 +31,12 @@ stragglers stay stalled (each restarts from its prompt once, as a firm group); d
 sampling's self-feeding rollout saves its prompt position (the ids it fed, dropped, placed:
 :class:`~asyncflow.workflow.feeder.PromptFeeder`), so a dropped prompt is not fed again and
 an untrained one is fed once; both features' counters continue (JSON ``rollout.counters``).
-With ``train.dp = N`` (``ddp``) rank 0's weights and
-AdamW state are saved once (every rank holds the same) with every rank's own RNGs
-(:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
-over-provisioning and dynamic sampling in ``sync`` (a ``sync`` checkpoint holds no rollout
-state), and PPO outside ``sync`` (its critic worker is not checkpointed). PPO in ``sync``: the critic (value
-model, AdamW, step) is saved under ``critic/``.
+With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are saved once (every rank
+holds the same) with every rank's own RNGs (:func:`merge_ranks`, :func:`rank_part`). Refused
+(:func:`not_resumable`): fsdp, over-provisioning and dynamic sampling in ``sync`` (a ``sync``
+checkpoint holds no rollout state: its extra groups in flight, stalled stragglers, counters
+and self-fed prompt position are not saved), and PPO outside ``sync`` (its critic worker is
+not checkpointed). PPO in ``sync``: the critic (value model, AdamW, step) is saved under ``critic/``.
 """
 
 from __future__ import annotations
@@ -248,10 +248,11 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
-    for bad, why in ((cfg.mode != "sync" and cfg.algorithm.name == "ppo", f"algorithm.name=ppo in mode={cfg.mode}"),
+    sync = cfg.mode == "sync"
+    for bad, why in ((not sync and cfg.algorithm.name == "ppo", f"algorithm.name=ppo in mode={cfg.mode}"),
                      (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
-                     (cfg.mode == "sync" and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
-                     (cfg.mode == "sync" and cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling in sync")):
+                     (sync and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
+                     (sync and cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling in mode=sync")):
         if bad:
             return why
     return None

@@ -11,8 +11,16 @@ It holds
 * every **running** group whose answers are all accounted for: the finished ones (with or
   without their rewards) and the live ones (:meth:`partials
   <asyncflow.engines.inference.GenerationBatch.partials>`: tokens so far, their log-probs and
-  per-token policy versions, the version that started the answer). Groups waiting to restart
-  are not saved.
+  per-token policy versions, the version that started the answer), with over-provisioning's
+  flags (``soft``: no guaranteed slot; ``crossed``: running when a step filled, so carried
+  over once placed). Groups waiting to restart after a swap (``on_swap=discard``) are not
+  saved: they restart from their prompts;
+* over-provisioning's **stalled** stragglers (answers thrown away, waiting to restart from
+  the prompt as firm groups): their requests only, flagged ``stalled``;
+* the **counters** the summary reports (``discarded``, ``carried``, ``stalls``, ``scored``,
+  ``dropped``: JSON ``counters``), and, with dynamic sampling, the self-feeding feeder's
+  **position** (JSON ``prompts``: :meth:`PromptFeeder.position
+  <asyncflow.workflow.feeder.PromptFeeder.position>`), so a dropped prompt is never fed again.
 
 Stored as safetensors arrays ``rollout/<j>/{prompt,response,logprobs,versions,answer}`` and
 one JSON record per answer (no pickle).
@@ -37,13 +45,18 @@ as before; whatever the engine). A running group **continues** when
   (:meth:`GroupPlacer.adopt <asyncflow.workflow.placement.GroupPlacer.adopt>`; it always can:
   the original run's placer guaranteed it, with the placed groups put back first).
 
-Else it restarts from its prompt (the feeder feeds it again). A kept group holds an
-admission slot and a prompt slot: the feeder skips its prompt id and feeds that many fewer
-prompts (:meth:`PromptFeeder.resume <asyncflow.workflow.feeder.PromptFeeder.resume>`), and
-rollout takes them from the same place in the prompt partitions, so every prompt group of
-the run is trained exactly once. A continued group's finished answers are scored again
-(rewards in flight at the checkpoint are re-issued), its live answers decode on from their
-saved tokens.
+Else it restarts from its prompt (the feeder feeds it again). A soft group rejoins soft
+(no check: it had no guaranteed slot before either), a stalled one stalled (it restarts
+once, as it would have: a prompt is thrown away at most once), and admission continues from
+``started - dropped`` (a dropped group gave its admission back before the checkpoint). A
+kept group holds an admission slot and a prompt slot: the feeder skips its prompt id and
+feeds that many fewer prompts (:meth:`PromptFeeder.resume
+<asyncflow.workflow.feeder.PromptFeeder.resume>`), and rollout takes them from the same
+place in the prompt partitions, so every prompt group of the run is trained exactly once
+(with dynamic sampling the self-feeding feeder feeds the ``pending`` prompts that did not
+continue, then new ones; never a dropped one). A continued group's finished answers are
+scored again (rewards in flight at the checkpoint are re-issued), its live answers decode on
+from their saved tokens.
 """
 
 from __future__ import annotations
