@@ -7,6 +7,11 @@
   role and data plane): every prompt group trained exactly once, every step full, the bound
   held per row, no prompt thrown away twice (a stalled straggler stays stalled across the
   restart, then restarts as a firm group), the counters continue;
+* the rollout role with dynamic sampling (a scorer whose rewards are constant for every third
+  prompt, a self-feeding feeder) resumed likewise: no dropped prompt is fed again, a prompt
+  pending at the checkpoint that did not continue is fed once more, only groups with signal
+  are trained, each once, every step full, the bound held; the run meter counts a resumed
+  run's first step from the checkpoint's counters;
 * end to end (``launcher=local``, tiny random model): an ``async`` run of each feature killed
   with ``kill -9`` after a checkpoint and resumed with ``--resume``: every step once and full,
   every prompt group trained at most once (exactly once without drops), the bound held (the
@@ -53,6 +58,17 @@ if os.environ.get(SPY):
     _install_spy(os.environ[SPY])
 
 
+def test_both_features_are_resumable_outside_sync_only():
+    from asyncflow.config import load_config
+    from asyncflow.workflow.checkpoint import not_resumable
+
+    for mode in ("stream", "async", "sync"):
+        for extra, why in (("rollout.overprovision=2", "rollout.overprovision > 0 in mode=sync"),
+                           ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling in mode=sync")):
+            got = not_resumable(load_config(None, [f"mode={mode}", extra]))
+            assert got == (why if mode == "sync" else None), (mode, extra, got)
+
+
 # ---------------------------------------------------------------- the self-feeding feeder
 
 
@@ -91,6 +107,18 @@ def test_the_self_feeding_position_feeds_pending_prompts_once_and_never_a_droppe
     for q, step in {5: None, 8: 2, 9: 3}.items():
         resumed.settle(q, step)
     assert resumed.position(3) == {"below": 9, "next": 12, "pending": [9, 10, 11]}
+
+
+def test_a_resumed_runs_first_step_counts_its_groups_from_the_checkpoints_counters():
+    from asyncflow.observe.report import RunMeter
+
+    now = {"rollout": {"groups_scored": 9, "groups_dropped": 5, "groups_carried": 3, "groups_restarted": 2}}
+    saved = {"discarded": 4, "carried": 2, "stalls": 1, "scored": 7, "dropped": 4}  # (at the checkpoint)
+    meter = RunMeter(lambda: now, drops=True, stragglers=True, since=saved)
+    m = meter.step({"samples": 8, "tokens": 80})
+    assert (m["groups_dropped"], m["drop_rate"], m["groups_carried"], m["groups_restarted"]) == (1, 0.5, 1, 1)
+    fresh = RunMeter(lambda: now, drops=True, stragglers=True).step({"samples": 8, "tokens": 80})
+    assert (fresh["groups_dropped"], fresh["groups_carried"], fresh["groups_restarted"]) == (5, 3, 2)  # from 0
 
 
 # ---------------------------------------------------------------- the rollout role, over-provisioning
@@ -330,8 +358,6 @@ def test_a_dynamic_sampling_rollout_resumed_at_random_boundaries_feeds_no_droppe
 
 # ---------------------------------------------------------------- end to end, kill -9 and --resume
 
-K, STEPS = 2, 10
-
 
 def _start(args: list[str], spy: Path | None = None) -> subprocess.Popen:
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
@@ -366,12 +392,14 @@ def _killed_and_resumed(tmp_path: Path, args: list[str], spy: Path | None = None
 
 
 def _steps(run: Path) -> list[dict]:
+    import test_resume_async as A
+
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))  # every step once
-    assert all(len(m["groups"]) == 2 for m in lines), [m["groups"] for m in lines]  # every step full
+    assert [m["step"] for m in lines] == list(range(1, A.N + 1))  # every step once
+    assert all(len(m["groups"]) == A.P for m in lines), [m["groups"] for m in lines]  # every step full
     trained = [g for m in lines for g in m["groups"]]
     assert len(trained) == len(set(trained)), trained  # no group trained twice
-    assert all(0 <= m["max_staleness"] <= K for m in lines)
+    assert all(0 <= m["max_staleness"] <= A.K for m in lines)
     return lines
 
 
