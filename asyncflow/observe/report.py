@@ -171,12 +171,16 @@ class RunMeter:
     ``drops`` (dynamic sampling) every step also reads rollout's group counters and reports
     ``groups_dropped`` / ``drop_rate``: groups dropped (all rewards equal) over groups
     scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
-    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise.
+    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise. A
+    resumed run's counters continue the checkpoint's: ``since`` (rollout's counters there, as
+    :func:`~asyncflow.workflow.inflight.capture` saved them) is where its first step counts from.
     """
 
-    def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False):
-        self.stats, self.drops, self._groups = stats, drops, (0, 0)
-        self.stragglers, self._stragglers = stragglers, (0, 0)
+    def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False,
+                 since: dict[str, int] | None = None):
+        c = since or {}
+        self.stats, self.drops, self._groups = stats, drops, (c.get("scored", 0), c.get("dropped", 0))
+        self.stragglers, self._stragglers = stragglers, (c.get("carried", 0), c.get("stalls", 0))
         # the clock and the machine's CPU are read together, before the workers' stats (a round trip
         # to every worker): CPU spent in between would fall outside the wall-clock window
         self.t0, self.cpu0 = time.perf_counter(), machine_cpu_s()

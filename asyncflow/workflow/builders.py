@@ -141,7 +141,7 @@ def _scoring(ctx: RoleContext) -> dict:
     extras: dict = {"scorer": GroupScorer(role)}
     if cfg.algorithm.dynamic_sampling:
         extras.update(shape=algorithm(cfg).shaped_rewards, drop_flat=True,
-                      feed=PromptFeeder(cfg, ctx.tokenizer, ctx.task, ctx.plane, unlimited=True).fill)
+                      feed=PromptFeeder(cfg, ctx.tokenizer, ctx.task, ctx.plane, unlimited=True))
     return extras
 
 

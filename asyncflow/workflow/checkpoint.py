@@ -26,10 +26,16 @@ snapshotted with the checkpoint (tensors ``rollout/...``, JSON ``rollout``); on 
 built-in engine's continue from their saved tokens where the staleness bound (counted
 across the restart: the versions continue) still allows, the others and the answers
 generated but not trained restart from their prompts (:mod:`asyncflow.workflow.inflight`).
-With ``train.dp = N`` (``ddp``) rank 0's weights and
-AdamW state are saved once (every rank holds the same) with every rank's own RNGs
-(:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
-over-provisioning and dynamic sampling (their extra state is not captured yet). PPO: the
+Over-provisioning's soft and carried-over running groups continue as such and its stalled
+stragglers stay stalled (each restarts from its prompt once, as a firm group); dynamic
+sampling's self-feeding rollout saves its prompt position (the ids it fed, dropped, placed:
+:class:`~asyncflow.workflow.feeder.PromptFeeder`), so a dropped prompt is not fed again and
+an untrained one is fed once; both features' counters continue (JSON ``rollout.counters``).
+With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are saved once (every rank
+holds the same) with every rank's own RNGs (:func:`merge_ranks`, :func:`rank_part`). Refused
+(:func:`not_resumable`): fsdp, and over-provisioning and dynamic sampling in ``sync`` (a ``sync``
+checkpoint holds no rollout state: its extra groups in flight, stalled stragglers, counters
+and self-fed prompt position are not saved). PPO: the
 critic (value model, AdamW, LR schedule, version; JSON ``critic``) is saved under ``critic/``
 in every mode: in ``sync`` from the colocated worker; in ``stream``/``async`` its own worker
 snapshots it (with its process's RNGs) right after its update of step ``done - 1``
@@ -247,9 +253,10 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
+    sync = cfg.mode == "sync"
     for bad, why in ((cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
-                     (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
-                     (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):
+                     (sync and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
+                     (sync and cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling in mode=sync")):
         if bad:
             return why
     return None

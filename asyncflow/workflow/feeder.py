@@ -16,11 +16,23 @@ their prompt slots: their ids are skipped, and the first partitions fed hold tha
 prompts (rollout starts taking prompts after those slots). In data-parallel ``sync``
 (``train.dp = N``) prompt ``i`` of a partition is tagged ``shard = i % N``: rank ``r`` generates the shard-``r`` prompts
 (:func:`~asyncflow.workflow.plan.sync_share`).
+
+**Self-feeding** (dynamic sampling: rollout owns an ``unlimited`` feeder, dropped groups
+consume prompts faster than a partition a step): the feeder also keeps which fed prompt ids
+rollout has *settled* (:meth:`settle`: dropped, or placed in a step). A checkpoint of ``done``
+steps saves its :meth:`position`: every id below ``next`` was fed, and of those only the
+``pending`` ones are not settled for it (not dropped nor placed in a step ``< done``: running,
+waiting, unread, or placed in a step the checkpoint did not train). A resumed run
+(:meth:`resume_position`) feeds the pending ones that did not continue, in id order, then the
+ids from ``next`` on: a dropped prompt is never fed again, a trained one never twice. The ids
+settled below the first pending one are folded into one number (``below``), so what is kept
+is about the groups in flight, not the run's length.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -49,6 +61,8 @@ class PromptFeeder:
         self._next = 0  # the next prompt id to consider
         self._short = 0  # prompt slots of the next partition taken by continued groups (resume)
         self._sources: dict[int, tuple[list, np.ndarray]] = {}  # source partition -> (problems, gen_len)
+        self.settled: dict[int, int | None] = {}  # (self-feeding) prompt id -> step placed in, None: dropped
+        self.below = 0  # (self-feeding) every id below is settled for every later checkpoint
 
     def resume(self, fed: int, trained: Iterable[int], held: int = 0) -> None:
         """Continue from partition ``fed`` with every prompt id but ``trained`` (module doc);
@@ -58,6 +72,33 @@ class PromptFeeder:
         self.fed, self.skip, self._next = fed + held // P, set(trained), 0
         self._short = held % P
         self._sources.clear()
+
+    def settle(self, q: int, step: int | None) -> None:
+        """Rollout placed prompt group ``q`` in ``step`` (None: dropped it; never trained)."""
+        self.settled[q] = step
+
+    def position(self, done: int) -> dict[str, Any]:
+        """For a checkpoint of ``done`` steps (module doc): ``below``, ``next`` and ``pending``."""
+        def settled(q: int) -> bool:  # dropped, or placed in a step the checkpoint trained
+            s = self.settled.get(q, done)  # (not settled yet: as if placed in step done)
+            return s is None or s < done
+
+        while self.below < self._next and settled(self.below):
+            self.settled.pop(self.below, None)
+            self.below += 1
+        return {"below": self.below, "next": self._next,
+                "pending": [q for q in range(self.below, self._next) if not settled(q)]}
+
+    def resume_position(self, fed: int, pos: dict[str, Any], held: list[int]) -> None:
+        """A self-feeding feeder of a resumed run: partitions from ``fed`` on, with the ``pending``
+        ids of a :meth:`position` not in ``held`` (groups that continue, placed again or running:
+        they keep their prompt slots and settle when placed) fed first, then those from ``next``."""
+        pending, keep = {int(q) for q in pos["pending"]}, set(held)
+        self.resume(fed, {q for q in range(pos["below"], pos["next"]) if q not in pending} | keep, len(held))
+        self._next = self.below = int(pos["below"])
+        for q in range(self.below, int(pos["next"])):  # (the groups placed again already settled theirs)
+            if q not in pending:
+                self.settled.setdefault(q, -1)
 
     def _source(self, s: int) -> tuple[list, np.ndarray]:
         """Source partition ``s``: its problems and answer lengths, from ``(seed, s)`` only."""

@@ -11,8 +11,16 @@ It holds
 * every **running** group whose answers are all accounted for: the finished ones (with or
   without their rewards) and the live ones (:meth:`partials
   <asyncflow.engines.inference.GenerationBatch.partials>`: tokens so far, their log-probs and
-  per-token policy versions, the version that started the answer). Groups waiting to restart
-  are not saved.
+  per-token policy versions, the version that started the answer), with over-provisioning's
+  flags (``soft``: no guaranteed slot; ``crossed``: running when a step filled, so carried
+  over once placed). Groups waiting to restart after a swap (``on_swap=discard``) are not
+  saved: they restart from their prompts;
+* over-provisioning's **stalled** stragglers (answers thrown away, waiting to restart from
+  the prompt as firm groups): their requests only, flagged ``stalled``;
+* the **counters** the summary reports (``discarded``, ``carried``, ``stalls``, ``scored``,
+  ``dropped``: JSON ``counters``), and, with dynamic sampling, the self-feeding feeder's
+  **position** (JSON ``prompts``: :meth:`PromptFeeder.position
+  <asyncflow.workflow.feeder.PromptFeeder.position>`), so a dropped prompt is never fed again.
 
 Stored as safetensors arrays ``rollout/<j>/{prompt,response,logprobs,versions,answer}`` and
 one JSON record per answer (no pickle).
@@ -37,13 +45,18 @@ as before; whatever the engine). A running group **continues** when
   (:meth:`GroupPlacer.adopt <asyncflow.workflow.placement.GroupPlacer.adopt>`; it always can:
   the original run's placer guaranteed it, with the placed groups put back first).
 
-Else it restarts from its prompt (the feeder feeds it again). A kept group holds an
-admission slot and a prompt slot: the feeder skips its prompt id and feeds that many fewer
-prompts (:meth:`PromptFeeder.resume <asyncflow.workflow.feeder.PromptFeeder.resume>`), and
-rollout takes them from the same place in the prompt partitions, so every prompt group of
-the run is trained exactly once. A continued group's finished answers are scored again
-(rewards in flight at the checkpoint are re-issued), its live answers decode on from their
-saved tokens.
+Else it restarts from its prompt (the feeder feeds it again). A soft group rejoins soft
+(no check: it had no guaranteed slot before either), a stalled one stalled (it restarts
+once, as it would have: a prompt is thrown away at most once), and admission continues from
+``started - dropped`` (a dropped group gave its admission back before the checkpoint). A
+kept group holds an admission slot and a prompt slot: the feeder skips its prompt id and
+feeds that many fewer prompts (:meth:`PromptFeeder.resume
+<asyncflow.workflow.feeder.PromptFeeder.resume>`), and rollout takes them from the same
+place in the prompt partitions, so every prompt group of the run is trained exactly once
+(with dynamic sampling the self-feeding feeder feeds the ``pending`` prompts that did not
+continue, then new ones; never a dropped one). A continued group's finished answers are
+scored again (rewards in flight at the checkpoint are re-issued), its live answers decode on
+from their saved tokens.
 """
 
 from __future__ import annotations
@@ -117,11 +130,19 @@ def capture(role: Any, done: int) -> tuple[dict[str, np.ndarray], dict[str, Any]
     for gid, (part, group, raw) in role.placed.items():
         if part >= done:
             add(gid, group, [], placed=int(part), reward=None if raw is None else [float(x) for x in raw])
+    placer = role.placer
     for gid in role.groups:
         finished = role.scoring[gid][1] if gid in role.scoring else role.finished.get(gid, [])
         if partials is not None and gid not in pending and len(finished) + len(live[gid]) == role.group_size:
-            add(gid, finished, live[gid])
-    return tensors, {"answers": records, "started": int(role.placer.started), "version": int(role.version)}
+            add(gid, finished, live[gid], soft=gid in placer.soft or None, crossed=gid in placer.crossed or None)
+    for gid in role.stale:  # (over-provisioning: stalled, to start again from the prompt as firm groups)
+        add(gid, [], [Partial(r, [], [], [], role.version) for r in role.groups[gid]], stalled=True)
+    meta = {"answers": records, "started": int(placer.started - placer.dropped), "version": int(role.version),
+            "counters": {"discarded": role.discarded, "carried": placer.carried, "stalls": placer.stalls,
+                         "scored": role.groups_scored, "dropped": role.groups_dropped}}
+    if role.feed is not None:  # (dynamic sampling: rollout feeds itself)
+        meta["prompts"] = role.feed.position(done)
+    return tensors, meta
 
 
 def forget_trained(role: Any) -> None:
@@ -142,13 +163,15 @@ def _arrays(j: int, p: Partial) -> dict[str, np.ndarray]:
 Saved = tuple[bool, Partial, bool, float | None]  # (finished, the answer, finished on EOS, its reward if placed)
 
 
-def saved_groups(tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> dict[int, tuple[int | None, list[Saved]]]:
-    """The saved answers by group: the step it was placed in (None: running), its answers."""
-    out: dict[int, tuple[int | None, list[Saved]]] = {}
+def saved_groups(tensors: dict[str, np.ndarray], meta: dict[str, Any]
+                 ) -> dict[int, tuple[int | None, list[Saved], dict[str, Any]]]:
+    """The saved answers by group: the step it was placed in (None: running or stalled), its
+    answers, and its first record (the group's flags: ``soft``, ``crossed``, ``stalled``)."""
+    out: dict[int, tuple[int | None, list[Saved], dict[str, Any]]] = {}
     for j, r in enumerate(meta.get("answers", [])):
         t = {k: tensors[f"{PREFIX}{j}/{k}"] for k in ("prompt", "response", "logprobs", "versions", "answer")}
         req = Request((r["group"], t["answer"].copy()), t["prompt"].tolist(), r["max_new"], r["min_new"], r["version"])
-        part = out.setdefault(r["group"], (r.get("placed"), []))
+        part = out.setdefault(r["group"], (r.get("placed"), [], r))
         part[1].append((r["finished"], Partial(req, t["response"].tolist(), t["logprobs"].tolist(),
                                                t["versions"].tolist(), r["version"]), r["eos"], r.get("reward")))
     return out
@@ -160,15 +183,20 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
     running ones that may continue; return their group ids (prompt ids)."""
     groups = saved_groups(tensors, meta)
     can = getattr(role.batch, "resume", None) is not None
-    k, kept = role.placer.k, []
+    k, kept, placer = role.placer.k, [], role.placer
+    c = meta.get("counters", {})  # (the summary's counters continue)
+    role.discarded, role.groups_scored, role.groups_dropped = c.get("discarded", 0), c.get("scored", 0), \
+        c.get("dropped", 0)
+    placer.carried, placer.stalls = c.get("carried", 0), c.get("stalls", 0)
+
     def restored(answers: list[Saved]) -> bool:  # (no token of weights newer than the restored version)
         return all(v <= step for _, p, _, _ in answers for v in p.token_versions)
 
-    for gid, (part, answers) in sorted((g, v) for g, v in groups.items()
-                                       if v[0] is not None and v[0] >= step and restored(v[1])):
+    for gid, (part, answers, _) in sorted((g, v) for g, v in groups.items()
+                                          if v[0] is not None and v[0] >= step and restored(v[1])):
         assert part is not None  # (filtered above)
         kept.append(gid)
-        role.placer.refill(part)
+        placer.refill(part)
         done = [_completion(p, eos) for _, p, eos, _ in answers]
         role.outbox[part].extend(done)
         raw = [float(r) for *_, r in answers if r is not None] if role.scorer is not None else None
@@ -177,21 +205,30 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
                 raise ValueError(f"checkpoint: placed group {gid} was saved without its rewards")
             role.rewards[part].extend(raw)
         role.placed[gid] = (part, done, raw)  # (saved again at the next checkpoint until trained)
+        if role.feed is not None:
+            role.feed.settle(gid, part)
         role._outbox_since = role._outbox_since or time.perf_counter()
-    running = {g: v[1] for g, v in groups.items() if v[0] is None}
-    for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g]), g)):  # earliest deadline first
-        answers = running[gid]
+    running = {g: v for g, v in groups.items() if v[0] is None and not v[2].get("stalled")}
+    for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g][1]), g)):  # earliest deadline 1st
+        answers, flags = running[gid][1], running[gid][2]
         w = min(p.version for _, p, _, _ in answers)
         one_version = role.on_swap == "continue" or all(v == role.version for _, p, _, _ in answers
                                                          for v in p.token_versions)
         if not (can and len(answers) == role.group_size and w + k >= step and one_version and restored(answers)
-                and role.placer.adopt(gid, w)):
+                and placer.adopt(gid, w, bool(flags.get("soft")), bool(flags.get("crossed")))):
             continue
         kept.append(gid)
         role.groups[gid] = [Request(p.req.key, p.req.prompt_ids, p.req.max_new_tokens, p.req.min_new_tokens)
                             for _, p, _, _ in answers]
         role.batch.resume([p for fin, p, _, _ in answers if not fin])
         role._emit([_completion(p, eos) for fin, p, eos, _ in answers if fin])
+    for gid in [g for g, v in groups.items() if v[2].get("stalled")]:  # (in their saved order: oldest first)
+        kept.append(gid)
+        placer.adopt_stalled(gid)
+        role.groups[gid] = [p.req for _, p, _, _ in groups[gid][1]]
+        role.stale.append(gid)
+    if role.feed is not None and "prompts" in meta:  # (the kept groups keep their prompt slots)
+        role.feed.resume_position(step, meta["prompts"], kept)
     return kept
 
 

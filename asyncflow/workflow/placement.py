@@ -45,7 +45,13 @@ later one. The staleness bound stays exact, per sample:
     trained answers toward the short ones (each prompt's first draw is kept only if it is
     among the fastest); with ``k >= 1`` a straggler that finishes within ``k`` more steps
     carries over with nothing thrown away. With ``E = 0`` every group is firm and the
-    rules above reduce exactly to the ones before (the property tests of both hold).
+    rules above reduce exactly to the ones before (the property tests of both hold);
+* **resume** (a checkpoint's groups, :mod:`asyncflow.workflow.inflight`): the placed groups go
+  back into their steps (:meth:`refill`), the running ones rejoin with their deadlines, soft
+  ones soft and firm ones only where the firm groups stay feasible (:meth:`adopt`), the
+  stalled ones stalled (:meth:`adopt_stalled`: a prompt is still thrown away at most once);
+  ``started`` counts them all, so admission continues where it was (``started - dropped``: a
+  dropped group was given back before the checkpoint, so neither counts it).
 
 Plain logic, no I/O: :class:`~asyncflow.workflow.roles.rollout.RolloutRole` drives it, and a
 property test drives it with random completion orders.
@@ -98,15 +104,30 @@ class GroupPlacer:
             raise RuntimeError(f"group {gid} restarted but it is not running")
         self.running[gid] = max(self.running[gid], version + self.k)
 
-    def adopt(self, gid: int, version: int) -> bool:
+    def adopt(self, gid: int, version: int, soft: bool = False, crossed: bool = False) -> bool:
         """A group started at ``version`` before a restart joins as running (it continues, its
         deadline still ``version + k``), counted as started, if every firm group stays feasible
-        with it; False (nothing changes) if not: restart it from its prompt instead."""
-        if gid in self.running or not self._feasible(None, add=version + self.k):
+        with it; False (nothing changes) if not: restart it from its prompt instead. A ``soft``
+        group (over-provisioning) joins soft, with no check: it had no guaranteed slot before
+        either, and is stalled as before if it finds none; ``crossed``: it was running when a
+        step filled (placed, it counts as carried)."""
+        if gid in self.running or not (soft or self._feasible(None, add=version + self.k)):
             return False
         self.started += 1
         self.running[gid] = version + self.k
+        if soft:
+            self.soft.add(gid)
+        if crossed:
+            self.crossed.add(gid)
         return True
+
+    def adopt_stalled(self, gid: int) -> None:
+        """A group stalled before a restart (waiting for :meth:`retry`) is stalled again,
+        counted as started (it held its admission), not counted as a new stall."""
+        if gid in self.running or gid in self.stalled:
+            raise RuntimeError(f"group {gid} adopted as stalled but it is already running or stalled")
+        self.started += 1
+        self.stalled.add(gid)
 
     def refill(self, step: int) -> None:
         """A group placed in ``step`` before a restart, not trained, is placed there again (counted

@@ -295,8 +295,9 @@ class Worker:
             raise
 
     def groups_started(self) -> int:
-        """Prompt groups rollout has started so far (admitted; for the in-flight count of a checkpoint)."""
-        return self.roles["rollout"].placer.started
+        """Prompt groups rollout has started and not dropped (admitted; the in-flight count of a checkpoint)."""
+        placer = self.roles["rollout"].placer
+        return placer.started - placer.dropped
 
     def health(self) -> dict[str, dict]:
         """Raise the error of building this worker, or the first of a background role, if any

@@ -38,8 +38,8 @@ signal: it is dropped (:meth:`GroupPlacer.drop` returns its admission, so anothe
 starts in its place) and never reaches the data plane; a kept group is placed as above.
 Steps therefore fill only with groups that carry signal, the staleness bound holds as
 before (drops only free slots), and nothing is trained twice.
-Prompts run out faster than one partition per step, so rollout feeds its own prompt
-partitions (``feed``) just before reading each one.
+Prompts run out faster than one partition per step, so rollout feeds its own prompt partitions
+(``feed``: a :class:`~asyncflow.workflow.feeder.PromptFeeder`, told each prompt dropped or placed) before reading each.
 
 **Over-provisioning** (``overprovision = E > 0``, APRIL): admission lets ``E`` more groups
 run, so a step fills with its fastest groups and the stragglers keep decoding into the next
@@ -91,7 +91,7 @@ class RolloutRole(Role):
                  recompute_on_swap: bool = True, on_swap: str = "continue",
                  scorer: GroupScorer | None = None,
                  shape: Callable[[np.ndarray, list[int]], Sequence[float] | np.ndarray] | None = None,
-                 feed: Callable[[int], None] | None = None, drop_flat: bool = False, overprovision: int = 0,
+                 feed: Any = None, drop_flat: bool = False, overprovision: int = 0,
                  shard: int | None = None, by_prompt_id: bool = False):
         # engine: any engine of the protocol in asyncflow.engines.types (built-in, vLLM, SGLang, fake)
         if on_swap not in ("continue", "discard"):
@@ -145,11 +145,9 @@ class RolloutRole(Role):
         self.batch.version = version
 
     def resume(self, step: int, version: int, timeout: float, saved: Snapshot | None = None) -> list[int]:
-        """A resumed ``stream``/``async`` run: swap in the restored policy ``version`` (the
-        trainer republished it when it was restored), continue the ``saved`` groups that may
-        (:mod:`asyncflow.workflow.inflight`; the others restart from their prompts, fed again),
-        and go on as if the groups of ``step`` steps and the continued ones were started: prompts
-        from partition ``step`` after the continued groups' slots. Returns the continued group ids."""
+        """A resumed ``stream``/``async`` run: swap in the restored policy ``version``, keep the ``saved``
+        groups that may (:mod:`asyncflow.workflow.inflight`; the others restart from their prompts, fed
+        again), take prompts after the slots of ``step`` steps and the kept groups; the kept group ids."""
         if self.weights is not None:
             deadline = time.monotonic() + timeout
             while self.weights.staged_version() < version:
@@ -165,8 +163,7 @@ class RolloutRole(Role):
         return continued
 
     def snapshot_in_flight(self, timeout: float, done: int) -> Snapshot:
-        """The groups not trained once ``done`` steps are, taken by rollout's loop between two
-        polls (:mod:`asyncflow.workflow.inflight`)."""
+        """The groups not trained once ``done`` steps are, taken by rollout's loop between polls (inflight)."""
         self.asked = asked = inflight.SnapshotRequest(done)
         return asked.wait(timeout, self)
 
@@ -265,7 +262,7 @@ class RolloutRole(Role):
         """
         n = min(self.prompts_per_step - self.taken, self.placer.admits(self.version, extra=len(self.waiting)))
         if self.feed is not None:
-            self.feed(self.partition + 1)
+            self.feed.fill(self.partition + 1)
         try:
             meta, data = self.plane.get_batch("rollout", self.prompt_fields, n=n, partition=self.partition, min_n=1,
                                               sampler=None if self.shard is None else ShardSampler(self.shard),
@@ -332,6 +329,8 @@ class RolloutRole(Role):
                 self.placer.drop(gid)  # no signal: never trained, admission given back
                 self.groups.pop(gid, None)
                 self.groups_dropped += 1
+                if self.feed is not None:  # (its prompt is used: a resume does not feed it again)
+                    self.feed.settle(gid, None)
                 return
         part = self.placer.complete(gid)
         if part is None:  # an over-provisioned straggler past its deadline: start again
@@ -339,6 +338,8 @@ class RolloutRole(Role):
             self.stale.append(gid)
             return
         self.groups.pop(gid, None)
+        if self.feed is not None:
+            self.feed.settle(gid, part)
         self.outbox[part].extend(group)
         if self.weights is not None:  # (stream/async) kept until trained, for a checkpoint (inflight)
             self.placed[gid] = (part, group, raw)
