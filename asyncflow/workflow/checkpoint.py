@@ -28,8 +28,9 @@ across the restart: the versions continue) still allows, the others and the answ
 generated but not trained restart from their prompts (:mod:`asyncflow.workflow.inflight`).
 With ``train.dp = N`` (``ddp``) rank 0's weights and
 AdamW state are saved once (every rank holds the same) with every rank's own RNGs
-(:func:`merge_ranks`, :func:`rank_part`). Refused (:func:`not_resumable`): fsdp,
-over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
+(:func:`merge_ranks`, :func:`rank_part`). ``fsdp``: each rank saves and restores its own
+shards (:mod:`asyncflow.workflow.shards`, which says why not a gathered full state dict).
+Refused (:func:`not_resumable`): over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
 outside ``sync`` (its critic worker is not checkpointed). PPO in ``sync``: the critic (value
 model, AdamW, step) is saved under ``critic/``.
 """
@@ -53,6 +54,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from asyncflow.config import ConfigError, RunConfig, load_config
+from asyncflow.workflow.shards import load_shards, local
 
 CKPT_DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -80,18 +82,19 @@ def capture_parts(model: torch.nn.Module, engine: Any, generator: torch.Generato
                   full: bool = True) -> tuple[dict[str, torch.Tensor], Snapshot]:
     """:func:`capture` in two parts: the live tensors it holds by reference (the weights and
     AdamW's per-parameter tensors: changed in place by the next optimizer step, so copied
-    before it, :mod:`asyncflow.workflow.hostcopy`), and the rest copied now (RNGs, JSON)."""
+    before it, :mod:`asyncflow.workflow.hostcopy`; FSDP: this rank's shards), and the rest
+    copied now (RNGs, JSON)."""
     live: dict[str, torch.Tensor] = {}
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"version": engine.version}
     if full:
-        live.update({f"model/{k}": v for k, v in model.state_dict().items()})
+        live.update({f"model/{k}": local(v) for k, v in model.state_dict().items()})
         opt = engine.opt.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
         for idx, st in opt["state"].items():
             for key, val in st.items():
                 if isinstance(val, torch.Tensor):
-                    live[f"optim/{idx}/{key}"] = val
+                    live[f"optim/{idx}/{key}"] = local(val)
                 else:
                     scalars.setdefault(str(idx), {})[key] = val
         sched = engine.sched.state_dict() if engine.sched is not None else None
@@ -112,8 +115,9 @@ def capture_parts(model: torch.nn.Module, engine: Any, generator: torch.Generato
 
 
 def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
-    """One snapshot of the trainer's ranks: rank 0's whole, and each other rank's RNGs and
-    version (:func:`capture` not ``full``) under ``rank<r>/`` (tensors) and ``ranks`` (JSON)."""
+    """One snapshot of the trainer's ranks: rank 0's whole, and each other rank's under
+    ``rank<r>/`` (tensors) and ``ranks`` (JSON): its RNGs and version (ddp: :func:`capture` not
+    ``full``), FSDP also its shards of the weights and AdamW's state."""
     tensors, meta = dict(snaps[0][0]), {**snaps[0][1], "ranks": [m for _, m in snaps[1:]]}
     for r, (t, _) in enumerate(snaps[1:], 1):
         tensors.update({f"rank{r}/{k}": v for k, v in t.items()})
@@ -121,8 +125,8 @@ def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
 
 
 def rank_part(snap: Snapshot, r: int) -> Snapshot:
-    """What rank ``r`` restores from a :func:`merge_ranks` snapshot: rank 0's weights and AdamW
-    state (data-parallel ranks hold the same), its own RNGs and version."""
+    """What rank ``r`` restores from a :func:`merge_ranks` snapshot: its own RNGs and version,
+    and its own shards (FSDP), else rank 0's weights and AdamW state (ddp: ranks hold the same)."""
     tensors = {k: v for k, v in snap[0].items() if not k.startswith("rank")}
     meta = {k: v for k, v in snap[1].items() if k != "ranks"}
     if r:
@@ -134,12 +138,16 @@ def rank_part(snap: Snapshot, r: int) -> Snapshot:
 def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, snap: Snapshot) -> None:
     """Put a :func:`capture` back (into a trainer built from the same config)."""
     tensors, meta = snap
-    model.load_state_dict({k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")})
+    weights = {k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")}
     state: dict[int, dict[str, Any]] = {int(i): dict(s) for i, s in meta["optim_scalars"].items()}
     for k, v in tensors.items():
         if k.startswith("optim/"):
             _, idx, key = k.split("/", 2)
             state.setdefault(int(idx), {})[key] = torch.from_numpy(v.copy())
+    if getattr(engine, "fsdp", False):
+        load_shards(model, engine.opt, weights, state)
+    else:
+        model.load_state_dict(weights)
     groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["optim_groups"]]
     engine.opt.load_state_dict({"state": state, "param_groups": groups})
     if meta["sched"] is not None:
@@ -244,7 +252,6 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
     for bad, why in ((cfg.mode != "sync" and cfg.algorithm.name == "ppo", f"algorithm.name=ppo in mode={cfg.mode}"),
-                     (cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
                      (cfg.rollout.overprovision > 0, "rollout.overprovision > 0"),
                      (cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling")):
         if bad:

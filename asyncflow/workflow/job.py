@@ -229,8 +229,8 @@ class Job:
         """Ask for the checkpoint of ``done`` steps (step ``done - 1`` was submitted with ``snapshot``
         and returned); a call that returns it (:mod:`asyncflow.workflow.checkpoint`), for the
         checkpoint writer's thread: the trainer's state, rank 0's whole and the other ranks' RNGs
-        and versions, copied to host memory beside the next step (:mod:`asyncflow.workflow.hostcopy`);
-        not ``sync``: also rollout's groups not trained once ``done`` steps are
+        and versions (FSDP: and their shards), copied to host memory beside the next step
+        (:mod:`asyncflow.workflow.hostcopy`); not ``sync``: also rollout's groups not trained once ``done`` steps are
         (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``), asked now
         and taken by rollout's loop meanwhile (any time before step ``done`` is trained is
         consistent with the trainer's state). Nothing here waits: the next step runs meanwhile."""
@@ -269,9 +269,9 @@ class Job:
         """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights), then
         (not ``sync``) have rollout take them, continue the groups in flight that may, and go on
         from partition ``step``; the continued groups' prompt ids."""
-        self.watch.waiting("restoring the checkpoint")
-        for i, n in enumerate(self.ranks):
-            self.watch.ask(n, "restore", rank_part(snap, i), step)
+        # every rank at once (FSDP: the restored trainer's export is an all-gather of them all)
+        self._all([self.launcher.submit(self.workers[n], "restore", rank_part(snap, i), step)
+                   for i, n in enumerate(self.ranks)], "restoring the checkpoint")
         continued: list[int] = []
         if self.cfg.mode != "sync":
             tensors, meta = snap

@@ -2,11 +2,12 @@
 
 ``stream``/``async``: the trainer's worker holds the actor alone (rollout restarts from the
 prompts or continues its saved groups: :mod:`asyncflow.workflow.inflight`); a restore
-republishes the weights. ``sync``: the colocated worker's actor engine, rollout's sampling
-generator and version, PPO's critic (its own model, AdamW and step, under ``critic/``), and
-the roles' counters set to the steps done. The live tensors (:func:`snapshot_parts`) are
-copied by :mod:`asyncflow.workflow.hostcopy`; :mod:`asyncflow.workflow.checkpoint` has the
-format and the capture of one engine.
+republishes the weights (FSDP: an all-gather every rank joins, so the job restores its ranks
+at once; each restores its own shards: :mod:`asyncflow.workflow.shards`). ``sync``: the
+colocated worker's actor engine, rollout's sampling generator and version, PPO's critic (its
+own model, AdamW and step, under ``critic/``), and the roles' counters set to the steps done.
+The live tensors (:func:`snapshot_parts`) are copied by :mod:`asyncflow.workflow.hostcopy`;
+:mod:`asyncflow.workflow.checkpoint` has the format and the capture of one engine.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
         restore(model, actor.engine, None, snap)
         if actor.publish is not None:
             actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
+        elif getattr(actor.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
+            actor.engine.export_weights()
         return
     rollout = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
