@@ -26,13 +26,15 @@ snapshotted with the checkpoint (tensors ``rollout/...``, JSON ``rollout``); on 
 built-in engine's continue from their saved tokens where the staleness bound (counted
 across the restart: the versions continue) still allows, the others and the answers
 generated but not trained restart from their prompts (:mod:`asyncflow.workflow.inflight`).
-With ``train.dp = N`` (``ddp``) rank 0's weights and
-AdamW state are saved once (every rank holds the same) with every rank's own RNGs
-(:func:`merge_ranks`, :func:`rank_part`). ``fsdp``: each rank saves and restores its own
-shards (:mod:`asyncflow.workflow.shards`, which says why not a gathered full state dict).
-Refused (:func:`not_resumable`): over-provisioning and dynamic sampling (their extra state is not captured yet), and PPO
-outside ``sync`` (its critic worker is not checkpointed). PPO in ``sync``: the critic (value
-model, AdamW, step) is saved under ``critic/``.
+With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are saved once (every rank
+holds the same) with every rank's own RNGs (:func:`merge_ranks`, :func:`rank_part`).
+``fsdp``: every rank saves its own shards of the weights and AdamW's state beside its RNGs
+(rank ``r``'s under ``rank<r>/``) and restores them in place, so a resume keeps ``train.dp``
+(:func:`check_resume` refuses any change but ``train.steps``); :mod:`asyncflow.workflow.shards`
+says why shards rather than a full state dict gathered into rank 0. Refused
+(:func:`not_resumable`): over-provisioning and dynamic sampling (their extra state is not
+captured yet), and PPO outside ``sync`` (its critic worker is not checkpointed). PPO in
+``sync``: the critic (value model, AdamW, step) is saved under ``critic/``.
 """
 
 from __future__ import annotations
