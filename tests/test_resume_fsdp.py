@@ -9,6 +9,9 @@
   checked too: each rank's shards, put together, are the whole weights at the checkpoint.
 * ``async`` under Ray, ``kill -9`` of the driver after a checkpoint, then ``--resume``: every
   prompt group of every step is trained once and the versions go on.
+* ``kill -9`` of trainer rank 1 after a checkpoint (rank 0 then fails in a collective): the
+  run restarts from the checkpoint (``train.max_restarts``), naming the lost rank, and trains
+  every prompt group once.
 * A shard of another shape (saved with another ``train.dp``) is refused in one line.
 """
 
@@ -17,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -28,10 +32,12 @@ from safetensors.numpy import load_file, save_file
 from test_dp_trainer import _forked, fill
 from test_resume_async import TINY, _start, check_every_group_once
 
+from asyncflow.cli import main
 from asyncflow.config import load_config
 from asyncflow.dataplane import DataPlane
 from asyncflow.workflow import checkpoint as C
 from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.job import Job
 from asyncflow.workflow.shards import load_shards
 from asyncflow.workflow.worker import Worker
 
@@ -191,3 +197,42 @@ def test_an_async_fsdp_run_killed_and_resumed_trains_every_group_once(tmp_path):
     assert json.loads((run / "summary.json").read_text())["resumed_from"] == first[1]["driver"]["step"]
     last = C.read(C.latest(run))[1]
     assert last["version"] == last["ranks"][0]["version"] == last["driver"]["step"] == n  # versions went on
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_fsdp_rank_restarts_the_run_from_its_shards(tmp_path, capsys, monkeypatch):
+    """``kill -9`` of trainer rank 1's process once a checkpoint exists (rank 0 is then waiting
+    in a collective): the run restarts from the checkpoint (one line naming the worker), every
+    rank takes its shards back, and it finishes with every step and every prompt group once."""
+    start, killed = Job.start, []
+    runs, n = tmp_path / "runs", 6
+
+    def start_then_kill(self):
+        start(self)
+        if killed:  # (the restarted job is left alone)
+            return
+        pid = self.watch.ask("actor.1", "stats")["actor.1"]["pid"]
+        killed.append(pid)
+
+        def kill():
+            t = time.time()
+            while not (runs.exists() and any(runs.iterdir()) and C.complete(next(runs.iterdir()) / C.CKPT_DIR)):
+                assert time.time() - t < 300, "no checkpoint appeared"
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    monkeypatch.setattr(Job, "start", start_then_kill)
+    args = [a for a in TINY if a != "launcher=local"]
+    assert main(["train", *args, "launcher=ray", "train.dp=2", "train.strategy=fsdp", "train.step_timeout_s=30",
+                 f"run_dir={runs}", f"train.steps={n}"]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
+    assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
+    assert "worker 'actor.1'" in err[0], err
+    run = next(runs.iterdir())
+    check_every_group_once(run, n)
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 1
+    last = C.read(C.latest(run))[1]
+    assert last["version"] == last["ranks"][0]["version"] == last["driver"]["step"] == n

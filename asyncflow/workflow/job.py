@@ -143,10 +143,27 @@ class Job:
                 except TimeoutError:
                     pass
                 except Exception as e:  # named after the rank it came from (a dead process too)
-                    raise self.watch.blame(self.ranks[i], e) from None
+                    raise self._lost_peer(i, e) or self.watch.blame(self.ranks[i], e) from None
             if pending:
                 self.watch.beat()
         return out
+
+    def _lost_peer(self, i: int, e: Exception) -> WorkerLost | None:
+        """The other rank that is lost, if any, when rank ``i`` raised ``e`` (not a ``WorkerLost``
+        itself): a peer killed mid-collective makes the ranks still alive raise (gloo: "Connection
+        reset by peer"), and the run must restart from its checkpoint (``WorkerLost`` is
+        recoverable), not end with that error. Each peer answers a heartbeat within ``HEALTH_TIMEOUT_S``."""
+        if isinstance(e, WorkerLost) or len(self.ranks) == 1:
+            return None
+        for j, name in enumerate(self.ranks):
+            if j != i:
+                try:
+                    self.watch.ask(name, "health", timeout=HEALTH_TIMEOUT_S)
+                except WorkerLost as lost:
+                    return lost
+                except Exception:  # (a peer's own error: rank i's is the one reported)
+                    pass
+        return None
 
     def evaluate(self, n: int | None = None) -> float:
         self._gather()
