@@ -32,16 +32,19 @@ sampling's self-feeding rollout saves its prompt position (the ids it fed, dropp
 :class:`~asyncflow.workflow.feeder.PromptFeeder`), so a dropped prompt is not fed again and
 an untrained one is fed once; both features' counters continue (JSON ``rollout.counters``).
 With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are saved once (every rank
-holds the same) with every rank's own RNGs (:func:`merge_ranks`, :func:`rank_part`). Refused
-(:func:`not_resumable`): fsdp, and over-provisioning and dynamic sampling in ``sync`` (a ``sync``
-checkpoint holds no rollout state: its extra groups in flight, stalled stragglers, counters
-and self-fed prompt position are not saved). PPO: the
+holds the same) with every rank's own RNGs (:func:`merge_ranks`, :func:`rank_part`).
+``fsdp``: every rank saves its own shards of the weights and AdamW's state beside its RNGs
+(rank ``r``'s under ``rank<r>/``) and restores them in place, so a resume keeps ``train.dp``
+(:func:`check_resume` refuses any change but ``train.steps``); :mod:`asyncflow.workflow.shards`
+says why shards rather than a full state dict gathered into rank 0. PPO: the
 critic (value model, AdamW, LR schedule, version; JSON ``critic``) is saved under ``critic/``
 in every mode: in ``sync`` from the colocated worker; in ``stream``/``async`` its own worker
 snapshots it (with its process's RNGs) right after its update of step ``done - 1``
 (:func:`checkpoint_due`, asked on both sides), so the checkpoint after ``done`` steps holds the
 critic of the actor's step boundary, and a resume restores it before the actor
-(:mod:`asyncflow.workflow.role_state`).
+(:mod:`asyncflow.workflow.role_state`). Refused (:func:`not_resumable`): over-provisioning and
+dynamic sampling in ``sync`` (a ``sync`` checkpoint holds no rollout state: its extra groups in
+flight, stalled stragglers, counters and self-fed prompt position are not saved).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from asyncflow.config import ConfigError, RunConfig, load_config
+from asyncflow.workflow.shards import load_shards, local
 
 CKPT_DIR = "checkpoints"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -90,18 +94,19 @@ def capture_parts(model: torch.nn.Module, engine: Any, generator: torch.Generato
                   full: bool = True) -> tuple[dict[str, torch.Tensor], Snapshot]:
     """:func:`capture` in two parts: the live tensors it holds by reference (the weights and
     AdamW's per-parameter tensors: changed in place by the next optimizer step, so copied
-    before it, :mod:`asyncflow.workflow.hostcopy`), and the rest copied now (RNGs, JSON)."""
+    before it, :mod:`asyncflow.workflow.hostcopy`; FSDP: this rank's shards), and the rest
+    copied now (RNGs, JSON)."""
     live: dict[str, torch.Tensor] = {}
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"version": engine.version}
     if full:
-        live.update({f"model/{k}": v for k, v in model.state_dict().items()})
+        live.update({f"model/{k}": local(v) for k, v in model.state_dict().items()})
         opt = engine.opt.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
         for idx, st in opt["state"].items():
             for key, val in st.items():
                 if isinstance(val, torch.Tensor):
-                    live[f"optim/{idx}/{key}"] = val
+                    live[f"optim/{idx}/{key}"] = local(val)
                 else:
                     scalars.setdefault(str(idx), {})[key] = val
         sched = engine.sched.state_dict() if engine.sched is not None else None
@@ -122,8 +127,9 @@ def capture_parts(model: torch.nn.Module, engine: Any, generator: torch.Generato
 
 
 def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
-    """One snapshot of the trainer's ranks: rank 0's whole, and each other rank's RNGs and
-    version (:func:`capture` not ``full``) under ``rank<r>/`` (tensors) and ``ranks`` (JSON)."""
+    """One snapshot of the trainer's ranks: rank 0's whole, and each other rank's under
+    ``rank<r>/`` (tensors) and ``ranks`` (JSON): its RNGs and version (ddp: :func:`capture` not
+    ``full``), FSDP also its shards of the weights and AdamW's state."""
     tensors, meta = dict(snaps[0][0]), {**snaps[0][1], "ranks": [m for _, m in snaps[1:]]}
     for r, (t, _) in enumerate(snaps[1:], 1):
         tensors.update({f"rank{r}/{k}": v for k, v in t.items()})
@@ -131,8 +137,8 @@ def merge_ranks(snaps: list[Snapshot]) -> Snapshot:
 
 
 def rank_part(snap: Snapshot, r: int) -> Snapshot:
-    """What rank ``r`` restores from a :func:`merge_ranks` snapshot: rank 0's weights and AdamW
-    state (data-parallel ranks hold the same), its own RNGs and version."""
+    """What rank ``r`` restores from a :func:`merge_ranks` snapshot: its own RNGs and version,
+    and its own shards (FSDP), else rank 0's weights and AdamW state (ddp: ranks hold the same)."""
     tensors = {k: v for k, v in snap[0].items() if not k.startswith("rank")}
     meta = {k: v for k, v in snap[1].items() if k != "ranks"}
     if r:
@@ -144,12 +150,16 @@ def rank_part(snap: Snapshot, r: int) -> Snapshot:
 def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, snap: Snapshot) -> None:
     """Put a :func:`capture` back (into a trainer built from the same config)."""
     tensors, meta = snap
-    model.load_state_dict({k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")})
+    weights = {k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")}
     state: dict[int, dict[str, Any]] = {int(i): dict(s) for i, s in meta["optim_scalars"].items()}
     for k, v in tensors.items():
         if k.startswith("optim/"):
             _, idx, key = k.split("/", 2)
             state.setdefault(int(idx), {})[key] = torch.from_numpy(v.copy())
+    if getattr(engine, "fsdp", False):
+        load_shards(model, engine.opt, weights, state)
+    else:
+        model.load_state_dict(weights)
     groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["optim_groups"]]
     engine.opt.load_state_dict({"state": state, "param_groups": groups})
     if meta["sched"] is not None:
@@ -254,8 +264,7 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
     sync = cfg.mode == "sync"
-    for bad, why in ((cfg.train.dp > 1 and cfg.train.strategy == "fsdp", "train.strategy=fsdp"),
-                     (sync and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
+    for bad, why in ((sync and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
                      (sync and cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling in mode=sync")):
         if bad:
             return why

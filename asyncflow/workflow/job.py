@@ -143,10 +143,27 @@ class Job:
                 except TimeoutError:
                     pass
                 except Exception as e:  # named after the rank it came from (a dead process too)
-                    raise self.watch.blame(self.ranks[i], e) from None
+                    raise self._lost_peer(i, e) or self.watch.blame(self.ranks[i], e) from None
             if pending:
                 self.watch.beat()
         return out
+
+    def _lost_peer(self, i: int, e: Exception) -> WorkerLost | None:
+        """The other rank that is lost, if any, when rank ``i`` raised ``e`` (not a ``WorkerLost``
+        itself): a peer killed mid-collective makes the ranks still alive raise (gloo: "Connection
+        reset by peer"), and the run must restart from its checkpoint (``WorkerLost`` is
+        recoverable), not end with that error. Each peer answers a heartbeat within ``HEALTH_TIMEOUT_S``."""
+        if isinstance(e, WorkerLost) or len(self.ranks) == 1:
+            return None
+        for j, name in enumerate(self.ranks):
+            if j != i:
+                try:
+                    self.watch.ask(name, "health", timeout=HEALTH_TIMEOUT_S)
+                except WorkerLost as lost:
+                    return lost
+                except Exception:  # (a peer's own error: rank i's is the one reported)
+                    pass
+        return None
 
     def evaluate(self, n: int | None = None) -> float:
         self._gather()
@@ -229,8 +246,8 @@ class Job:
         """Ask for the checkpoint of ``done`` steps (step ``done - 1`` was submitted with ``snapshot``
         and returned); a call that returns it (:mod:`asyncflow.workflow.checkpoint`), for the
         checkpoint writer's thread: the trainer's state, rank 0's whole and the other ranks' RNGs
-        and versions, copied to host memory beside the next step (:mod:`asyncflow.workflow.hostcopy`);
-        not ``sync``: also rollout's groups not trained once ``done`` steps are
+        and versions (FSDP: and their shards), copied to host memory beside the next step
+        (:mod:`asyncflow.workflow.hostcopy`); not ``sync``: also rollout's groups not trained once ``done`` steps are
         (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``), asked now
         and taken by rollout's loop meanwhile (any time before step ``done`` is trained is
         consistent with the trainer's state); and PPO's critic worker's, which it took itself right
@@ -283,12 +300,13 @@ class Job:
             tensors, meta = snap
             if "critic" not in meta:  # (a checkpoint of a PPO run whose critic was not saved)
                 raise ConfigError("--resume: the checkpoint holds no critic (checkpoints/step-*/state.json has no "
-                                 "'critic'): it cannot resume algorithm.name=ppo")
+                                  "'critic'): it cannot resume algorithm.name=ppo")
             mine = {k: v for k, v in tensors.items() if k.startswith("critic/")}
             self.watch.ask("critic", "restore", (mine, {"critic": meta["critic"]}), step)
             snap = ({k: v for k, v in tensors.items() if not k.startswith("critic/")}, meta)
-        for i, n in enumerate(self.ranks):
-            self.watch.ask(n, "restore", rank_part(snap, i), step)
+        # every rank at once (FSDP: the restored trainer's export is an all-gather of them all)
+        self._all([self.launcher.submit(self.workers[n], "restore", rank_part(snap, i), step)
+                   for i, n in enumerate(self.ranks)], "restoring the checkpoint")
         continued: list[int] = []
         if self.cfg.mode != "sync":
             tensors, meta = snap

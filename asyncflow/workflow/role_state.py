@@ -2,16 +2,17 @@
 
 ``stream``/``async``: the trainer's worker holds the actor alone (rollout restarts from the
 prompts or continues its saved groups: :mod:`asyncflow.workflow.inflight`); a restore
-republishes the weights. PPO's critic is a worker of its own there (:func:`critic_parts`): it
-snapshots itself on its own thread right after its update of step ``done - 1`` (before it
-reports that step's metrics, so the driver, which asks for a checkpoint only once it has them,
-always finds the snapshot taken), with its own RNGs (``critic/rng/...``); it is restored before
-the actor (whose RNGs, in one process, are the ones restored last). ``sync``: the colocated
-worker's actor engine, rollout's sampling generator and version, PPO's critic (its own model,
-AdamW and version under ``critic/``, its RNGs the actor's), and the roles' counters set to the
-steps done. The live tensors (:func:`snapshot_parts`) are copied by
-:mod:`asyncflow.workflow.hostcopy`; :mod:`asyncflow.workflow.checkpoint` has the format and
-the capture of one engine.
+republishes the weights (FSDP: an all-gather every rank joins, so the job restores its ranks
+at once; each restores its own shards: :mod:`asyncflow.workflow.shards`). PPO's critic is a
+worker of its own there (:func:`critic_parts`): it snapshots itself on its own thread right
+after its update of step ``done - 1`` (before it reports that step's metrics, so the driver,
+which asks for a checkpoint only once it has them, always finds the snapshot taken), with its
+own RNGs (``critic/rng/...``); it is restored before the actor (whose RNGs, in one process, are
+the ones restored last). ``sync``: the colocated worker's actor engine, rollout's sampling
+generator and version, PPO's critic (its own model, AdamW and version under ``critic/``, its
+RNGs the actor's), and the roles' counters set to the steps done. The live tensors
+(:func:`snapshot_parts`) are copied by :mod:`asyncflow.workflow.hostcopy`;
+:mod:`asyncflow.workflow.checkpoint` has the format and the capture of one engine.
 """
 
 from __future__ import annotations
@@ -83,6 +84,8 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
         restore(model, actor.engine, None, snap)
         if actor.publish is not None:
             actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
+        elif getattr(actor.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
+            actor.engine.export_weights()
         return
     rollout = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)

@@ -203,7 +203,9 @@ class Worker:
     def _then_snapshot(self, snapshot: bool, fn: Callable[..., dict], v: int, *args: Any) -> dict:
         out = fn(v, *args)
         if snapshot:  # (the compute thread, at the boundary: nothing runs between the step and this)
-            live, snap, engines = snapshot_parts(self.model, self.roles, self.rank == 0)
+            # (rank 0 saves the weights and AdamW's state; FSDP: every rank its own shards)
+            full = self.rank == 0 or getattr(self.roles["actor"].engine, "fsdp", False)
+            live, snap, engines = snapshot_parts(self.model, self.roles, full)
             self._copies[v + 1] = HostCopy(live, snap, engines, self.cfg.train.step_timeout_s)
         return out
 
