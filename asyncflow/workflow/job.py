@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncflow.config import ConfigError, RunConfig
+from asyncflow.config import RunConfig
 from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.evaluator import Evaluator
@@ -44,6 +44,7 @@ from asyncflow.workflow.failure import WorkerLost
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
 from asyncflow.workflow.plan import WorkerSpec, plan_workers
+from asyncflow.workflow.role_state import split_critic
 from asyncflow.workflow.watchdog import HEALTH_TIMEOUT_S, Watchdog
 from asyncflow.workflow.worker import Worker
 
@@ -297,13 +298,8 @@ class Job:
         flight that may, and go on from partition ``step``; the continued groups' prompt ids."""
         self.watch.waiting("restoring the checkpoint")
         if "critic" in self.workers:  # stream/async PPO: the critic's worker (first: the actor's RNGs last)
-            tensors, meta = snap
-            if "critic" not in meta:  # (a checkpoint of a PPO run whose critic was not saved)
-                raise ConfigError("--resume: the checkpoint holds no critic (checkpoints/step-*/state.json has no "
-                                  "'critic'): it cannot resume algorithm.name=ppo")
-            mine = {k: v for k, v in tensors.items() if k.startswith("critic/")}
-            self.watch.ask("critic", "restore", (mine, {"critic": meta["critic"]}), step)
-            snap = ({k: v for k, v in tensors.items() if not k.startswith("critic/")}, meta)
+            critic, snap = split_critic(snap)
+            self.watch.ask("critic", "restore", critic, step)
         # every rank at once (FSDP: the restored trainer's export is an all-gather of them all)
         self._all([self.launcher.submit(self.workers[n], "restore", rank_part(snap, i), step)
                    for i, n in enumerate(self.ranks)], "restoring the checkpoint")

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from asyncflow.config import ConfigError
 from asyncflow.weights.store import seal
 from asyncflow.workflow.checkpoint import Snapshot, capture_parts, host_all, restore
 
@@ -61,6 +62,16 @@ def critic_parts(critic: Any) -> tuple[dict[str, torch.Tensor], Snapshot, list[A
     live, (tensors, meta) = capture_parts(engine.model, engine, None)
     return ({f"critic/{k}": v for k, v in live.items()}, ({f"critic/{k}": v for k, v in tensors.items()},
                                                           {"critic": meta}), [engine])
+
+
+def split_critic(snap: Snapshot) -> tuple[Snapshot, Snapshot]:
+    """A ``stream``/``async`` PPO checkpoint split into the critic worker's part and the rest."""
+    tensors, meta = snap
+    if "critic" not in meta:  # (a checkpoint of a PPO run whose critic was not saved)
+        raise ConfigError("--resume: the checkpoint holds no critic (checkpoints/step-*/state.json has no "
+                          "'critic'): it cannot resume algorithm.name=ppo")
+    mine = {k: v for k, v in tensors.items() if k.startswith("critic/")}
+    return (mine, {"critic": meta["critic"]}), ({k: v for k, v in tensors.items() if not k.startswith("critic/")}, meta)
 
 
 def _restore_critic(critic: Any, snap: Snapshot, step: int) -> None:
