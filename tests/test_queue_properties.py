@@ -274,3 +274,61 @@ def test_token_balanced_sampler_balances_contiguous_chunks(tokens, world_size, n
         start += size
     if chosen:
         assert max(sums) - min(sums) <= max(tokens[r] for r in chosen)
+
+
+index_ops = st.lists(st.tuples(st.sampled_from(["alloc", "write", "consume", "drop", "unconsume", "reload"]),
+                               st.integers(0, 2**16)), min_size=1, max_size=40)
+
+
+@settings(deadline=None, max_examples=60)
+@given(ops=index_ops)
+def test_index_ready_rows_and_is_ready_agree_with_a_brute_force_model(ops):
+    """``RowIndex.ready`` (with its shortcut when a field is on every live row) and ``is_ready``
+    (what ``check_sample`` asks per row) answer exactly "live, every field written, not
+    consumed by the task", ascending, through writes, consumption, dropped rows, given-back rows
+    and a state round trip."""
+    from asyncflow.dataplane.core.index import RowIndex
+
+    index, fields, tasks = RowIndex(), ("f", "g"), ("t1", "t2")
+    live: dict[int, str] = {}  # row -> partition
+    written: dict[str, set[int]] = {f: set() for f in fields}
+    consumed: dict[str, set[int]] = {t: set() for t in tasks}
+    for op, seed in ops:
+        rnd = random.Random(seed)
+        if op == "alloc":
+            part = rnd.choice(["p", "q"])
+            live.update(dict.fromkeys(index.allocate(part, rnd.randint(1, 4)), part))
+        elif op == "write" and live:
+            name, part = rnd.choice(fields), rnd.choice(["p", "q"])
+            rows = [r for r in live if live[r] == part and r not in written[name] and rnd.random() < 0.7]
+            if rows:
+                index.check_write(part, rows, [name])
+                index.mark_produced(part, rows, [name])
+                written[name].update(rows)
+        elif op in ("consume", "unconsume") and live:
+            task, part = rnd.choice(tasks), rnd.choice(sorted(set(live.values())))
+            if op == "consume":
+                want = rnd.choice([[], ["f"], list(fields)])
+                rows = [r for r in index.ready(part, task, want) if rnd.random() < 0.5]
+                index.consume(part, task, rows, 0)
+                consumed[task].update(rows)
+            else:
+                rows = [r for r in consumed[task] if live.get(r) == part and rnd.random() < 0.5]
+                index.unconsume(part, task, rows)
+                consumed[task].difference_update(rows)
+        elif op == "drop" and live:
+            rows = [r for r in live if rnd.random() < 0.3]
+            index.drop_rows(rows)
+            for r in rows:
+                del live[r]
+                for s in (*written.values(), *consumed.values()):
+                    s.discard(r)
+        elif op == "reload":
+            index = RowIndex.from_state(index.state())
+        for part in ("p", "q"):
+            for task in tasks:
+                for want in ([], ["f"], ["f", "g"]):
+                    expect = sorted(r for r in live if live[r] == part and r not in consumed[task]
+                                    and all(r in written[f] for f in want))
+                    assert index.ready(part, task, want) == expect
+                    assert [r for r in range(index._next_row) if index.is_ready(part, task, want, r)] == expect

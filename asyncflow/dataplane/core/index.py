@@ -11,6 +11,9 @@ it is a few lists of ints. Per partition it keeps
 * ``tags[name][row]``: integer metadata for samplers,
 * ``sealed``: no new rows will be added.
 
+Invariant: ``produced[field]`` holds only live rows of its partition (a write is checked
+first, a dropped row leaves every set), so a field written on as many rows as the partition
+has is on all of them, and :meth:`RowIndex.ready` skips the intersection (the common case).
 Every update touches only the rows it names (O(changed rows), plus one copy of a
 partition's rows on a task's first consumption there). Computing the ready set walks only
 the task's pending rows of one partition, so a long-running partition that a task keeps
@@ -157,12 +160,20 @@ class RowIndex:
         if p is None:
             return []
         pending = p.pending.get(task, p.rows)
+        if all(len(p.produced.get(name, ())) == len(p.rows) for name in fields):
+            return list(pending)  # every live row has every field (produced <= rows): no intersection
         ready: Set[int] = pending.keys()
         for name in fields:  # C-speed set intersections, O(pending rows)
             ready = ready & p.produced.get(name, set())
         if len(ready) == len(pending):
             return list(pending)  # already ascending: skip the sort
         return sorted(ready)
+
+    def is_ready(self, partition: Hashable, task: str, fields: Sequence[str], row: int) -> bool:
+        """Whether ``row`` is one of :meth:`ready`'s rows, in O(fields)."""
+        p = self._partitions.get(partition)
+        return (p is not None and row in p.pending.get(task, p.rows)
+                and all(row in p.produced.get(name, ()) for name in fields))
 
     def exhausted(self, partition: Hashable, task: str, n_ready: int) -> bool:
         """Sealed, and every row not yet consumed by ``task`` is ready: nothing more can come."""
@@ -274,7 +285,7 @@ class RowIndex:
             name = d["name"]
             p = index._partitions[name] = _Partition(sealed=bool(d["sealed"]))
             p.rows = dict.fromkeys(int(r) for r in d["rows"])
-            p.produced = {f: set(rows) for f, rows in d["produced"].items()}
+            p.produced = {f: set(rows) & p.rows.keys() for f, rows in d["produced"].items()}  # (produced <= rows)
             p.pending = {t: dict.fromkeys(rows) for t, rows in d["pending"].items()}
             p.tags = {t: dict(zip(rows, values)) for t, (rows, values) in d["tags"].items()}
             for row in p.rows:

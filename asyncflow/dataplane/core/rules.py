@@ -9,6 +9,7 @@ hand out rows by exactly the same rules.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
@@ -97,7 +98,8 @@ def try_sample(
         ready = index.ready(p, task, fields)
         if ready:
             chosen, consumed = sampler.sample(ready, n, index.tags(p))
-            chosen, consumed = check_sample(sampler, ready, n, chosen, consumed)
+            chosen, consumed = check_sample(sampler, ready, n, chosen, consumed,
+                                            functools.partial(index.is_ready, p, task, fields))
         else:
             chosen, consumed = [], []
         done = len(chosen) >= min_n or index.exhausted(p, task, len(ready))
