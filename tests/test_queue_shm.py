@@ -371,3 +371,49 @@ def test_a_get_refuses_a_segment_recycled_while_it_was_being_mapped(monkeypatch)
             shm.map_refs([[owned, 0, 128]], [], unit.prefix)
     finally:
         unit.close()
+
+
+OWNER = """
+import json, sys, time
+import numpy as np
+from asyncflow.dataplane import Field, Schema
+from asyncflow.dataplane.transport.deploy import launch
+d = launch(Schema([Field("x", "float32", (64,))]), n_storage=2)
+plane = d.client()
+plane._core.shm_min_bytes = 1024
+plane.put({"x": np.ones((128, 64), np.float32)}, partition=0)  # a shared-memory segment in each unit
+print(json.dumps({"pids": [p.pid for p in d.processes], "prefixes": plane._core._shm_prefix}), flush=True)
+time.sleep(600)
+"""
+
+
+def test_servers_of_an_owner_killed_with_kill_9_stop_and_free_their_memory():
+    """``kill -9`` of the process that launched a deployment (a driver killed by the OOM killer):
+    its controller and storage units stop within seconds and unlink their segments, instead of
+    serving nobody forever with the memory held (``_Server.watch_owner``)."""
+    import json
+    import subprocess
+    import sys
+
+    owner = subprocess.Popen([sys.executable, "-c", OWNER], stdout=subprocess.PIPE, text=True,
+                             cwd=Path(__file__).resolve().parents[1])
+    try:
+        got = json.loads(owner.stdout.readline())
+        pids, prefixes = got["pids"], got["prefixes"]
+        assert len(pids) == 3 and len(files(prefixes, "s")) == 2
+        for pid in pids:
+            assert Path(f"/proc/{pid}").exists()
+    finally:
+        owner.kill()
+        owner.wait()
+    t = time.monotonic()
+
+    def alive() -> list[int]:  # (not exited, or exited and not yet reaped: a zombie)
+        return [pid for pid in pids if Path(f"/proc/{pid}").exists()
+                and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"]
+
+    while alive() and time.monotonic() - t < 10:
+        time.sleep(0.05)
+    assert alive() == [], "a data-plane server outlived the process that launched it"
+    assert files(prefixes) == []  # its segments unlinked
+    print(f"servers gone {time.monotonic() - t:.2f} s after the owner's kill -9")

@@ -63,11 +63,12 @@ __all__ = ["Deployment", "launch", "main", "read_keys", "write_keys"]
 
 
 def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | None, state_dir: str,
-                 max_msg_bytes: int, conn: Any) -> None:
+                 max_msg_bytes: int, owner: int, conn: Any) -> None:
     keep_freed_pages()  # before the ZeroMQ context's I/O thread allocates anything
     creds = None if keys is None else Credentials.from_msg(keys)
     server = StorageServer(schema_from_msg(schema_msg), bind, token, creds=creds, state_dir=state_dir,
                            max_msg_bytes=max_msg_bytes)
+    server.watch_owner(owner)  # (launch's process gone, even by kill -9: the unit ends, its memory freed)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
@@ -75,10 +76,11 @@ def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | No
 
 def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
                     capacity: int | None, keys: list | None, state_dir: str, max_msg_bytes: int,
-                    limits: dict, conn: Any) -> None:
+                    limits: dict, owner: int, conn: Any) -> None:
     creds = None if keys is None else Credentials.from_msg(keys)
     server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity, creds=creds,
                               state_dir=state_dir, max_msg_bytes=max_msg_bytes, **limits)
+    server.watch_owner(owner)
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
@@ -184,12 +186,12 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         return parent
 
     try:
-        pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes)  # all at once
+        pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes, os.getpid())  # all at once
                  for k in range(n_storage)]
         endpoints = [_endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
         limits = {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline}
         endpoint = _endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
-                                     max_msg_bytes, limits), "controller")
+                                     max_msg_bytes, limits, os.getpid()), "controller")
     except BaseException:
         for p in procs:  # none is left behind by a launch that failed
             p.terminate()

@@ -14,6 +14,12 @@ larger than ``max_msg_bytes`` (default :data:`MAX_MSG_BYTES`) is dropped by Zero
 it is read (the peer is disconnected); ``ROUTER_MANDATORY`` makes a reply to a client
 that is gone fail at once (:meth:`_Server.gone` tells the controller to forget its
 waiters); ZMTP heartbeats drop connections of peers that vanished silently.
+
+Lifetime: a server started by :func:`~asyncflow.dataplane.transport.deploy.launch` belongs to
+the process that launched it (:meth:`_Server.watch_owner`): when that process is gone, even
+killed with ``kill -9``, the server stops within one poll and releases what it holds (a storage
+unit's shared memory) instead of serving nobody forever. A server started on its own
+(``deploy storage``/``controller``) has no owner.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -70,6 +77,29 @@ class _Server:
         self.parking_ops: frozenset[str] = frozenset()  # handlers that may answer later
         self.ops: dict[str, Callable[..., Any]] = {"ping": lambda h, f: "pong", "shutdown": self._shutdown}
         self.side: dict[zmq.Socket, Callable[[], None]] = {}  # more sockets of this loop: socket -> drain
+        self.owner: int | None = None  # watch_owner: the launching process
+        self._owner_fd: int | None = None  # ... its pidfd, readable once it exits (Linux)
+        self._owner_ppid: int | None = None  # ... else our parent pid while it lives
+
+    def watch_owner(self, pid: int) -> None:
+        """Stop serving once process ``pid`` (the one that launched this server) exits: its pidfd
+        is polled with the sockets (Linux 5.3+), else the parent pid is checked each poll."""
+        self.owner = pid
+        try:
+            self._owner_fd = os.pidfd_open(pid)
+        except ProcessLookupError:  # (gone already)
+            self._owner_gone()
+        except (AttributeError, OSError):  # (no pidfd here: the parent pid changes when the owner dies)
+            self._owner_ppid = os.getppid()
+            if self._owner_ppid != pid:
+                self._owner_gone()
+        else:
+            self.poller.register(self._owner_fd, zmq.POLLIN)
+
+    def _owner_gone(self) -> None:
+        log.warning("data plane server %s: the process that launched it (pid %s) is gone; stopping", self.endpoint,
+                    self.owner)
+        self.running = False
 
     def add_side(self, sock: zmq.Socket, drain: Callable[[], None]) -> None:
         """Serve another socket of this server's context in the same loop (``drain`` reads it)."""
@@ -169,7 +199,12 @@ class _Server:
                     if sock in ready and self.running:
                         drain()
                 self.on_idle()
+                if (self._owner_fd is not None and self._owner_fd in ready) or (
+                        self._owner_ppid is not None and os.getppid() != self._owner_ppid):
+                    self._owner_gone()
         finally:
+            if self._owner_fd is not None:
+                os.close(self._owner_fd)
             self.sock.disable_monitor()
             self.ctx.destroy(linger=0)  # closes every socket of this server
 
