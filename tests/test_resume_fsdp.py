@@ -151,10 +151,10 @@ def _descendants(pid: int) -> dict[int, bytes]:
 
 
 def _end_orphans(procs: dict[int, bytes]) -> None:
-    """End what the killed driver leaves behind (its data-plane ``multiprocessing`` children, Ray's
-    dashboard and runtime-env agents: they outlive a ``kill -9`` of it, a leak this test is not
-    about, and the agents' SIGTERM handler hangs once their raylet is gone), ``kill -9`` each by
-    its pid, only while it still runs the same command line."""
+    """End at once what the killed driver leaves behind for a few seconds (its data-plane children
+    stop within a poll, Ray's agents once the reaper sweeps: tests/test_queue_shm.py and
+    tests/test_ray_reaper.py test those), ``kill -9`` each by its pid, only while it still runs
+    the same command line, so the resumed run's timing does not depend on them."""
     for pid, cmd in procs.items():
         try:
             if Path(f"/proc/{pid}/cmdline").read_bytes() == cmd:

@@ -4,4 +4,5 @@
 * :mod:`~asyncflow.launch.local`         every worker an object of this process, roles threads
 * :mod:`~asyncflow.launch.ray_launcher`  every worker a Ray actor process
 * :mod:`~asyncflow.launch.ray_services`  the Ray-backed data plane and weight store clients
+* :mod:`~asyncflow.launch.reaper`        ends the Ray processes a killed driver would leave
 """

@@ -16,6 +16,8 @@ are threaded actors. ``ray.remote`` is applied here, at launch, never on the cla
   data-parallel rank so delayed holds up the others at the next collective; the plain
   processes of ``benchmarks/minimal_grpo.py`` run at 0. An instance at ``RAY_ADDRESS`` keeps
   its own setting.
+* A local instance started here has a reaper (:mod:`asyncflow.launch.reaper`): if this driver
+  dies without shutting Ray down (``kill -9``), it ends the Ray processes that would outlive it.
 * A data-parallel trainer's ranks are actor processes joined by ``torch.distributed``
   (gloo) at a rendezvous address with a free port chosen by rank 0 (``dp_rendezvous``).
 * Actors report no task events to Ray (``enable_task_events=False``): every data-plane and
@@ -47,6 +49,7 @@ from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.deploy import Deployment, launch
 from asyncflow.launch.ray_plane import cluster_plane, stop_units
 from asyncflow.launch.ray_services import PackedDataPlane, RayDataPlane, RayWeightStore, ray_get
+from asyncflow.launch.reaper import start_reaper
 from asyncflow.weights.store import WeightStore
 
 if TYPE_CHECKING:
@@ -63,6 +66,14 @@ def _worker_env() -> dict:
     return {} if value == "0" else {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": value}}}
 
 
+def _reaper() -> Any:
+    """The reaper of the local instance just started (:mod:`asyncflow.launch.reaper`): what a
+    ``kill -9`` of this driver leaves of Ray is ended; None where Ray's session folder is unknown."""
+    node: Any = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    session = getattr(node, "get_session_dir_path", lambda: None)()  # (None: another Ray version's internals)
+    return start_reaper(session) if isinstance(session, str) else None
+
+
 class RayLauncher:
     def __init__(self, num_cpus: int | None = None):
         self._num_cpus = num_cpus
@@ -72,6 +83,7 @@ class RayLauncher:
         self._cpus = self._gpus = 0
         self._deployments: list[Deployment] = []  # ZeroMQ data planes started by data_plane()
         self._unit_actors: dict[str, list] = {}  # per deployment (its endpoint): storage units that are Ray actors
+        self._reaper: Any = None  # a local instance's reaper (asyncflow.launch.reaper)
 
     def _start(self) -> None:
         """Start (or connect to) Ray on first use, not when the launcher is made: the driver
@@ -89,6 +101,7 @@ class RayLauncher:
                 ray.init(num_cpus=self._num_cpus or os.cpu_count() or 1, _system_config={"worker_niceness": 0},
                          **kwargs)
                 self._owns_host = True
+                self._reaper = _reaper()
             self._owns = True
         self._cpus = int(ray.available_resources().get("CPU", os.cpu_count() or 1))
         self._gpus = int(ray.cluster_resources().get("GPU", 0))
@@ -188,3 +201,6 @@ class RayLauncher:
         self._deployments.clear()
         if self._owns and ray.is_initialized():
             ray.shutdown()
+        if self._reaper is not None:  # (it sweeps what the shutdown left, then ends)
+            self._reaper.stdin.close()
+            self._reaper = None
