@@ -62,6 +62,23 @@ def test_readme_is_short():
     assert n <= MAX_LINES, f"README.md has {n} lines; keep it at most {MAX_LINES} (move the rest to docs/)"
 
 
+def section(heading: str) -> list[str]:
+    """The non-empty lines of the README section ``## heading`` (heading excluded)."""
+    lines, out, inside = README.read_text().splitlines(), [], False
+    for line in lines:
+        if line.startswith("## "):
+            inside = line == f"## {heading}"
+        elif inside and line.strip():
+            out.append(line)
+    return out
+
+
+@pytest.mark.parametrize("heading,limit", [("Resuming and failures", 20), ("Your own task, reward and model", 25)])
+def test_readme_sections_stay_short(heading, limit):
+    got = section(heading)
+    assert 0 < len(got) <= limit, f"README section '{heading}' has {len(got)} non-empty lines; keep it at most {limit}"
+
+
 def test_the_command_finder_sees_what_it_should():
     text = ("```bash\npip install x && asyncflow train   # go\n$ asyncflow bench --repeat 1\n```\n"
             "asyncflow train not-in-a-fence\n```\nasyncflow train a=1 \\\n    b=2\nheld-out accuracy 1%\n"
