@@ -263,11 +263,8 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
-    sync = cfg.mode == "sync"
-    for bad, why in ((sync and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
-                     (sync and cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling in mode=sync")):
-        if bad:
-            return why
+    if cfg.mode == "sync" and cfg.train.dp > 1 and cfg.rollout.overprovision > 0:  # (one feeder, a cursor a rank)
+        return "rollout.overprovision > 0 in mode=sync with train.dp > 1"
     return None
 
 
@@ -290,7 +287,7 @@ class Checkpoints:
         self.pauses: list[float] = []  # per snapshot: the driver's seconds + the next optimizer step's wait
         self.trained: set[int] = set()  # the prompt groups trained so far (the actor's 'groups' of each step)
         self.restarted = 0  # answers in flight at the checkpoint resumed from: restarted from their prompts
-        self.continued: list[int] = []  # ... and the groups that continued from their saved tokens
+        self.continued: list[int] = []  # ... and the groups that continued from their saved tokens (sync: held)
         self.acc0: float | None = None
 
     def due(self, done: int) -> bool:
@@ -341,8 +338,8 @@ class Checkpoints:
         return d["step"], self.acc0
 
     @property
-    def continued_answers(self) -> int:
-        return len(self.continued) * self.cfg.rollout.group_size
+    def continued_answers(self) -> int:  # (sync: its held groups are stalled or waiting, none has answers)
+        return 0 if self.cfg.mode == "sync" else len(self.continued) * self.cfg.rollout.group_size
 
     def close(self, quiet: bool = False) -> None:
         """Wait for the checkpoints being written (``quiet``: ignore a failed write)."""
