@@ -17,9 +17,12 @@ step, the prompt ids trained so far (:func:`pack`) and the answers in flight).
 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
 (:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
-one (at its step boundary nothing is in flight, and the prompts not trained are exactly the
-next steps'). ``stream``/``async``: the trainer is restored and republishes its weights,
-rollout takes them before it starts (:meth:`RolloutRole.resume
+one. At its step boundary nothing is decoding; what crosses it is rollout's state there
+(tensors ``rollout/...``, JSON ``rollout``: :mod:`asyncflow.workflow.inflight`, ``sync``):
+over-provisioning's stalled stragglers, the groups fetched but not started, the counters, and
+rollout's prompt cursor, from which the feeder (the driver's, or dynamic sampling's self-feeding
+one) feeds again, so rollout reads the same prompts in the same fetches. ``stream``/``async``:
+the trainer is restored and republishes its weights, rollout takes them before it starts (:meth:`RolloutRole.resume
 <asyncflow.workflow.roles.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
 checkpoint had not trained nor continued, once. Rollout's groups in flight at the boundary are
 snapshotted with the checkpoint (tensors ``rollout/...``, JSON ``rollout``); on resume the
@@ -42,9 +45,9 @@ in every mode: in ``sync`` from the colocated worker; in ``stream``/``async`` it
 snapshots it (with its process's RNGs) right after its update of step ``done - 1``
 (:func:`checkpoint_due`, asked on both sides), so the checkpoint after ``done`` steps holds the
 critic of the actor's step boundary, and a resume restores it before the actor
-(:mod:`asyncflow.workflow.role_state`). Refused (:func:`not_resumable`): over-provisioning and
-dynamic sampling in ``sync`` (a ``sync`` checkpoint holds no rollout state: its extra groups in
-flight, stalled stragglers, counters and self-fed prompt position are not saved).
+(:mod:`asyncflow.workflow.role_state`). Refused (:func:`not_resumable`): over-provisioning in
+``sync`` with ``train.dp > 1`` (each rank's rollout has its own prompt cursor over the shared
+partitions, which the one feeder cannot feed again as they were).
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ which asks for a checkpoint only once it has them, always finds the snapshot tak
 own RNGs (``critic/rng/...``); it is restored before the actor (whose RNGs, in one process, are
 the ones restored last). ``sync``: the colocated worker's actor engine, rollout's sampling
 generator and version, PPO's critic (its own model, AdamW and version under ``critic/``, its
-RNGs the actor's), and the roles' counters set to the steps done. The live tensors
+RNGs the actor's), rollout's state at the step boundary (``rollout/...``, JSON ``rollout``:
+stalled and waiting groups, counters, prompt cursor; :mod:`asyncflow.workflow.inflight`),
+and the roles' counters set to the steps done. The live tensors
 (:func:`snapshot_parts`) are copied by :mod:`asyncflow.workflow.hostcopy`;
 :mod:`asyncflow.workflow.checkpoint` has the format and the capture of one engine.
 """
