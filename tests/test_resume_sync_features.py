@@ -10,7 +10,7 @@ boundary is not trivial (checked on the checkpoint itself): with over-provisioni
 straggler and a fetched group not started (``rollout.max_batch`` two groups) and a prompt cursor
 past the steps' prompts, inside a partition; with dynamic sampling, dropped groups, so the
 self-feeding feeder's cursor is past the steps' prompts, inside a partition (its first
-partition fed on resume is short).
+partition fed on resume is short); and both features together (stalled, waiting and dropped).
 """
 
 from __future__ import annotations
@@ -72,3 +72,12 @@ def test_a_dynamic_sampling_sync_run_resumed_is_exact(tmp_path):
     assert whole["dynamic_sampling"] == again["dynamic_sampling"], (whole["dynamic_sampling"],
                                                                     again["dynamic_sampling"])
     assert whole["dynamic_sampling"]["groups_scored"] > rollout["counters"]["scored"]
+
+
+def test_both_features_together_in_a_sync_run_resumed_are_exact(tmp_path):
+    rollout, (whole, again) = _whole_and_resumed(tmp_path, [
+        "algorithm.dynamic_sampling=true", "rollout.overprovision=2", "rollout.max_batch=6", *LONGTAIL])
+    flags = {(r["group"], bool(r.get("stalled")), bool(r.get("waiting"))) for r in rollout["answers"]}
+    assert any(s for _, s, _ in flags) and any(w for _, _, w in flags), flags
+    assert rollout["counters"]["dropped"] > 0
+    assert (whole["dynamic_sampling"], whole["overprovision"]) == (again["dynamic_sampling"], again["overprovision"])
