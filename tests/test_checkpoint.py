@@ -59,17 +59,18 @@ def test_writes_are_atomic_and_only_the_newest_are_kept(tmp_path, monkeypatch):
     assert (C.read(last)[0]["model/w"] == 3).all()
 
 
-def test_resume_is_refused_in_one_line_for_dynamic_sampling_and_for_a_changed_config(tmp_path, capsys):
+def test_resume_is_refused_in_one_line_for_sync_dp_overprovision_and_for_a_changed_config(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "config.yaml").write_text("mode: sync\nalgorithm:\n  dynamic_sampling: true\n")
+    (run / "config.yaml").write_text("mode: sync\ntrain:\n  dp: 2\nrollout:\n  overprovision: 2\n")
     assert main(["train", "--resume", str(run)]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"asyncflow: error: --resume {run}: resume with algorithm.dynamic_sampling in mode=sync is not "
-                   "supported yet (its state is not checkpointed)")
-    (run / "config.yaml").write_text("mode: async\nalgorithm:\n  dynamic_sampling: true\n")  # resumes in async
-    assert main(["train", "--resume", str(run)]) == 2
-    assert "no complete checkpoint" in capsys.readouterr().err
+    assert err == (f"asyncflow: error: --resume {run}: resume with rollout.overprovision > 0 in mode=sync with "
+                   "train.dp > 1 is not supported yet (its state is not checkpointed)")
+    for mode in ("sync", "async"):  # dynamic sampling resumes in every mode
+        (run / "config.yaml").write_text(f"mode: {mode}\nalgorithm:\n  dynamic_sampling: true\n")
+        assert main(["train", "--resume", str(run)]) == 2
+        assert "no complete checkpoint" in capsys.readouterr().err
     (run / "config.yaml").write_text("mode: async\nalgorithm:\n  name: ppo\n")  # PPO resumes in every mode
     assert main(["train", "--resume", str(run)]) == 2
     assert "no complete checkpoint" in capsys.readouterr().err

@@ -58,15 +58,16 @@ if os.environ.get(SPY):
     _install_spy(os.environ[SPY])
 
 
-def test_both_features_are_resumable_outside_sync_only():
+def test_both_features_are_resumable_in_every_mode_but_sync_dp_overprovision():
     from asyncflow.config import load_config
     from asyncflow.workflow.checkpoint import not_resumable
 
-    for mode in ("stream", "async", "sync"):
-        for extra, why in (("rollout.overprovision=2", "rollout.overprovision > 0 in mode=sync"),
-                           ("algorithm.dynamic_sampling=true", "algorithm.dynamic_sampling in mode=sync")):
-            got = not_resumable(load_config(None, [f"mode={mode}", extra]))
-            assert got == (why if mode == "sync" else None), (mode, extra, got)
+    for mode in ("stream", "async", "sync"):  # (sync: tests/test_resume_sync_features.py)
+        for extra in ("rollout.overprovision=2", "algorithm.dynamic_sampling=true"):
+            assert not_resumable(load_config(None, [f"mode={mode}", extra])) is None, (mode, extra)
+    dp = ["mode=sync", "train.dp=2", "train.prompts_per_step=4", "rollout.overprovision=2"]
+    assert not_resumable(load_config(None, dp)) == "rollout.overprovision > 0 in mode=sync with train.dp > 1"
+    assert not_resumable(load_config(None, dp[:-1])) is None
 
 
 # ---------------------------------------------------------------- the self-feeding feeder
@@ -189,7 +190,7 @@ def test_an_overprovisioned_rollout_resumed_at_random_boundaries_keeps_its_guara
         tensors, meta = inflight.capture(role, kill)
         counters = meta["counters"]
         assert counters == {"discarded": role.discarded, "carried": role.placer.carried,
-                            "stalls": role.placer.stalls, "scored": 0, "dropped": 0}
+                            "stalls": role.placer.stalls, "scored": 0, "dropped": 0, "decode_steps": role.steps}
         stalled = {r["group"] for r in meta["answers"] if r.get("stalled")}
         assert stalled == set(role.stale)
         soft += sum(1 for r in meta["answers"] if r.get("soft"))

@@ -17,9 +17,12 @@ step, the prompt ids trained so far (:func:`pack`) and the answers in flight).
 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
 (:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
-one (at its step boundary nothing is in flight, and the prompts not trained are exactly the
-next steps'). ``stream``/``async``: the trainer is restored and republishes its weights,
-rollout takes them before it starts (:meth:`RolloutRole.resume
+one. At its step boundary nothing is decoding; what crosses it is rollout's state there
+(tensors ``rollout/...``, JSON ``rollout``: :mod:`asyncflow.workflow.inflight`, ``sync``):
+over-provisioning's stalled stragglers, the groups fetched but not started, the counters, and
+rollout's prompt cursor, from which the feeder (the driver's, or dynamic sampling's self-feeding
+one) feeds again, so rollout reads the same prompts in the same fetches. ``stream``/``async``:
+the trainer is restored and republishes its weights, rollout takes them before it starts (:meth:`RolloutRole.resume
 <asyncflow.workflow.roles.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
 checkpoint had not trained nor continued, once. Rollout's groups in flight at the boundary are
 snapshotted with the checkpoint (tensors ``rollout/...``, JSON ``rollout``); on resume the
@@ -42,9 +45,9 @@ in every mode: in ``sync`` from the colocated worker; in ``stream``/``async`` it
 snapshots it (with its process's RNGs) right after its update of step ``done - 1``
 (:func:`checkpoint_due`, asked on both sides), so the checkpoint after ``done`` steps holds the
 critic of the actor's step boundary, and a resume restores it before the actor
-(:mod:`asyncflow.workflow.role_state`). Refused (:func:`not_resumable`): over-provisioning and
-dynamic sampling in ``sync`` (a ``sync`` checkpoint holds no rollout state: its extra groups in
-flight, stalled stragglers, counters and self-fed prompt position are not saved).
+(:mod:`asyncflow.workflow.role_state`). Refused (:func:`not_resumable`): over-provisioning in
+``sync`` with ``train.dp > 1`` (each rank's rollout has its own prompt cursor over the shared
+partitions, which the one feeder cannot feed again as they were).
 """
 
 from __future__ import annotations
@@ -263,11 +266,8 @@ def check_resume(cfg: RunConfig, run_dir: Path) -> None:
 
 def not_resumable(cfg: RunConfig) -> str | None:
     """Why a run of ``cfg`` could not be resumed (None: it can; ``sync`` exactly)."""
-    sync = cfg.mode == "sync"
-    for bad, why in ((sync and cfg.rollout.overprovision > 0, "rollout.overprovision > 0 in mode=sync"),
-                     (sync and cfg.algorithm.dynamic_sampling, "algorithm.dynamic_sampling in mode=sync")):
-        if bad:
-            return why
+    if cfg.mode == "sync" and cfg.train.dp > 1 and cfg.rollout.overprovision > 0:  # (one feeder, a cursor a rank)
+        return "rollout.overprovision > 0 in mode=sync with train.dp > 1"
     return None
 
 
@@ -290,7 +290,7 @@ class Checkpoints:
         self.pauses: list[float] = []  # per snapshot: the driver's seconds + the next optimizer step's wait
         self.trained: set[int] = set()  # the prompt groups trained so far (the actor's 'groups' of each step)
         self.restarted = 0  # answers in flight at the checkpoint resumed from: restarted from their prompts
-        self.continued: list[int] = []  # ... and the groups that continued from their saved tokens
+        self.continued: list[int] = []  # ... and the groups that continued from their saved tokens (sync: held)
         self.acc0: float | None = None
 
     def due(self, done: int) -> bool:
@@ -341,8 +341,8 @@ class Checkpoints:
         return d["step"], self.acc0
 
     @property
-    def continued_answers(self) -> int:
-        return len(self.continued) * self.cfg.rollout.group_size
+    def continued_answers(self) -> int:  # (sync: its held groups are stalled or waiting, none has answers)
+        return 0 if self.cfg.mode == "sync" else len(self.continued) * self.cfg.rollout.group_size
 
     def close(self, quiet: bool = False) -> None:
         """Wait for the checkpoints being written (``quiet``: ignore a failed write)."""

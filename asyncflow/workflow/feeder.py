@@ -7,8 +7,9 @@ partition ``p`` (step ``p``'s prompts), each row carrying its ``prompt_id``.
 
 A resumed run (:meth:`PromptFeeder.resume`) knows which prompt ids the checkpoint had
 trained: it feeds the others, in id order, ``prompts_per_step`` to a partition, from the
-checkpoint's step on. In ``sync`` the trained ids are exactly the steps before the
-checkpoint, so the partitions are the uninterrupted run's; in ``stream``/``async`` a step may
+checkpoint's step on. In ``sync`` the trained ids and the groups rollout holds (over-provisioning's
+stalled and waiting ones) are exactly the ids below rollout's cursor, so the partitions are the
+uninterrupted run's; in ``stream``/``async`` a step may
 train prompts of later source partitions (completion order) and leave a straggler of an
 earlier one: each is fed again exactly once, and none twice (the invariant the resume test
 checks). Groups that continue across the restart (:mod:`asyncflow.workflow.inflight`) keep
@@ -26,7 +27,9 @@ waiting, unread, or placed in a step the checkpoint did not train). A resumed ru
 (:meth:`resume_position`) feeds the pending ones that did not continue, in id order, then the
 ids from ``next`` on: a dropped prompt is never fed again, a trained one never twice. The ids
 settled below the first pending one are folded into one number (``below``), so what is kept
-is about the groups in flight, not the run's length.
+is about the groups in flight, not the run's length. In ``sync`` rollout reads the prompt ids
+in order, so its position is a cursor (partition, prompts taken): the resumed feeder feeds
+from it with :meth:`resume`, the cursor's partition short by the prompts taken.
 """
 
 from __future__ import annotations

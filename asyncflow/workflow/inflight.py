@@ -18,7 +18,7 @@ It holds
 * over-provisioning's **stalled** stragglers (answers thrown away, waiting to restart from
   the prompt as firm groups): their requests only, flagged ``stalled``;
 * the **counters** the summary reports (``discarded``, ``carried``, ``stalls``, ``scored``,
-  ``dropped``: JSON ``counters``), and, with dynamic sampling, the self-feeding feeder's
+  ``dropped``, ``decode_steps``: JSON ``counters``), and, with dynamic sampling, the self-feeding feeder's
   **position** (JSON ``prompts``: :meth:`PromptFeeder.position
   <asyncflow.workflow.feeder.PromptFeeder.position>`), so a dropped prompt is never fed again.
 
@@ -57,6 +57,20 @@ place in the prompt partitions, so every prompt group of the run is trained exac
 continue, then new ones; never a dropped one). A continued group's finished answers are
 scored again (rewards in flight at the checkpoint are re-issued), its live answers decode on
 from their saved tokens.
+
+``sync`` (the colocated worker's checkpoint, :mod:`asyncflow.workflow.role_state`) uses the
+same records, taken on the compute thread at the step boundary (``capture(..., sync=True)``).
+Staleness is 0 there, so once a step fills no group is running or placed beyond it: every
+over-provisioned straggler was stalled as the step filled (its live rows left the batch) and
+with dynamic sampling alone the live groups are exactly the placed ones. What crosses the
+boundary is the stalled groups (in order), the groups fetched but not started (``waiting``,
+in order; they hold prompt slots, not admission), the counters and rollout's prompt
+**cursor** (partition, prompts taken from it): every prompt id below ``partition * P + taken``
+was read, none above (a ``sync`` partition ``p`` holds ids ``p * P ..``, in order). On resume
+the stalled and waiting groups are put back as they were, and the feeder (the driver's, or
+the self-feeding one) feeds from the cursor on, the cursor's partition short by ``taken``
+(:meth:`PromptFeeder.resume <asyncflow.workflow.feeder.PromptFeeder.resume>`): rollout reads
+the same prompts in the same fetches as a run never stopped, so the run is exact.
 """
 
 from __future__ import annotations
@@ -104,9 +118,11 @@ class SnapshotRequest:
         return self._out
 
 
-def capture(role: Any, done: int) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def capture(role: Any, done: int, sync: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The groups of a rollout role not trained once ``done`` steps are (module doc), as arrays
-    and JSON records: the placed ones (with their step and rewards), then the running ones."""
+    and JSON records: the placed ones (with their step and rewards), then the running ones;
+    ``sync`` (at the step boundary, on the compute thread): also the fetched groups not started
+    (``waiting``) and rollout's prompt cursor (``cursor``: partition, prompts taken from it)."""
     live: dict[int, list[Partial]] = defaultdict(list)
     partials = getattr(role.batch, "partials", None)
     if partials is not None:
@@ -137,10 +153,14 @@ def capture(role: Any, done: int) -> tuple[dict[str, np.ndarray], dict[str, Any]
             add(gid, finished, live[gid], soft=gid in placer.soft or None, crossed=gid in placer.crossed or None)
     for gid in role.stale:  # (over-provisioning: stalled, to start again from the prompt as firm groups)
         add(gid, [], [Partial(r, [], [], [], role.version) for r in role.groups[gid]], stalled=True)
+    for group in role.waiting if sync else ():  # (sync: fetched, not started; in order)
+        add(group[0].key[0], [], [Partial(r, [], [], [], role.version) for r in group], waiting=True)
     meta = {"answers": records, "started": int(placer.started - placer.dropped), "version": int(role.version),
             "counters": {"discarded": role.discarded, "carried": placer.carried, "stalls": placer.stalls,
-                         "scored": role.groups_scored, "dropped": role.groups_dropped}}
-    if role.feed is not None:  # (dynamic sampling: rollout feeds itself)
+                         "scored": role.groups_scored, "dropped": role.groups_dropped, "decode_steps": role.steps}}
+    if sync:  # (the prompts read so far are exactly the ids below the cursor: see the module doc)
+        meta["cursor"] = [int(role.partition), int(role.taken)]
+    elif role.feed is not None:  # (dynamic sampling: rollout feeds itself)
         meta["prompts"] = role.feed.position(done)
     return tensors, meta
 
@@ -187,7 +207,7 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
     c = meta.get("counters", {})  # (the summary's counters continue)
     role.discarded, role.groups_scored, role.groups_dropped = c.get("discarded", 0), c.get("scored", 0), \
         c.get("dropped", 0)
-    placer.carried, placer.stalls = c.get("carried", 0), c.get("stalls", 0)
+    placer.carried, placer.stalls, role.steps = c.get("carried", 0), c.get("stalls", 0), c.get("decode_steps", 0)
 
     def restored(answers: list[Saved]) -> bool:  # (no token of weights newer than the restored version)
         return all(v <= step for _, p, _, _ in answers for v in p.token_versions)
@@ -208,7 +228,7 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
         if role.feed is not None:
             role.feed.settle(gid, part)
         role._outbox_since = role._outbox_since or time.perf_counter()
-    running = {g: v for g, v in groups.items() if v[0] is None and not v[2].get("stalled")}
+    running = {g: v for g, v in groups.items() if v[0] is None and not (v[2].get("stalled") or v[2].get("waiting"))}
     for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g][1]), g)):  # earliest deadline 1st
         answers, flags = running[gid][1], running[gid][2]
         w = min(p.version for _, p, _, _ in answers)
@@ -227,6 +247,9 @@ def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str,
         placer.adopt_stalled(gid)
         role.groups[gid] = [p.req for _, p, _, _ in groups[gid][1]]
         role.stale.append(gid)
+    for gid in [g for g, v in groups.items() if v[2].get("waiting")]:  # (sync: in their saved order)
+        kept.append(gid)
+        role.waiting.append([p.req for _, p, _, _ in groups[gid][1]])
     if role.feed is not None and "prompts" in meta:  # (the kept groups keep their prompt slots)
         role.feed.resume_position(step, meta["prompts"], kept)
     return kept

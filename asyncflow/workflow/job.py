@@ -295,15 +295,16 @@ class Job:
     def restore(self, snap: Snapshot, step: int) -> list[int]:
         """Put the trainer's snapshot back (``stream``/``async``: it republishes its weights; PPO's
         critic worker's first), then (not ``sync``) have rollout take them, continue the groups in
-        flight that may, and go on from partition ``step``; the continued groups' prompt ids."""
+        flight that may, and go on from partition ``step``; the continued groups' prompt ids (``sync``:
+        rollout's stalled and waiting groups, put back as they were: they keep their prompt slots)."""
         self.watch.waiting("restoring the checkpoint")
         if "critic" in self.workers:  # stream/async PPO: the critic's worker (first: the actor's RNGs last)
             critic, snap = split_critic(snap)
             self.watch.ask("critic", "restore", critic, step)
         # every rank at once (FSDP: the restored trainer's export is an all-gather of them all)
-        self._all([self.launcher.submit(self.workers[n], "restore", rank_part(snap, i), step)
-                   for i, n in enumerate(self.ranks)], "restoring the checkpoint")
-        continued: list[int] = []
+        kept = self._all([self.launcher.submit(self.workers[n], "restore", rank_part(snap, i), step)
+                          for i, n in enumerate(self.ranks)], "restoring the checkpoint")
+        continued: list[int] = [g for ids in kept for g in ids or ()]
         if self.cfg.mode != "sync":
             tensors, meta = snap
             saved = ({k: v for k, v in tensors.items() if k.startswith("rollout/")}, meta["rollout"]) \

@@ -10,7 +10,9 @@ which asks for a checkpoint only once it has them, always finds the snapshot tak
 own RNGs (``critic/rng/...``); it is restored before the actor (whose RNGs, in one process, are
 the ones restored last). ``sync``: the colocated worker's actor engine, rollout's sampling
 generator and version, PPO's critic (its own model, AdamW and version under ``critic/``, its
-RNGs the actor's), and the roles' counters set to the steps done. The live tensors
+RNGs the actor's), rollout's state at the step boundary (``rollout/...``, JSON ``rollout``:
+stalled and waiting groups, counters, prompt cursor; :mod:`asyncflow.workflow.inflight`),
+and the roles' counters set to the steps done. The live tensors
 (:func:`snapshot_parts`) are copied by :mod:`asyncflow.workflow.hostcopy`;
 :mod:`asyncflow.workflow.checkpoint` has the format and the capture of one engine.
 """
@@ -23,6 +25,7 @@ import torch
 
 from asyncflow.config import ConfigError
 from asyncflow.weights.store import seal
+from asyncflow.workflow import inflight
 from asyncflow.workflow.checkpoint import Snapshot, capture_parts, host_all, restore
 
 
@@ -45,6 +48,8 @@ def snapshot_parts(model: torch.nn.Module, roles: dict[str, Any],
     rollout = roles["rollout"]
     live, (tensors, meta) = capture_parts(model, actor, getattr(rollout.engine, "generator", None), full)
     meta["rollout_version"] = rollout.version
+    rtensors, meta["rollout"] = inflight.capture(rollout, rollout.version, sync=True)  # (the step boundary)
+    tensors.update(rtensors)
     engines = [actor]
     if full and "critic" in roles:
         engine = roles["critic"].engine
@@ -84,12 +89,14 @@ def _restore_critic(critic: Any, snap: Snapshot, step: int) -> None:
     critic.step, critic.items = step, step * critic.batch_size
 
 
-def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> None:
-    """Put a :func:`snapshot_roles` (or :func:`critic_parts`) back; set the roles' counters to ``step`` steps done."""
+def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot, step: int) -> list[int]:
+    """Put a :func:`snapshot_roles` (or :func:`critic_parts`) back; set the roles' counters to ``step`` steps
+    done. ``sync``: the prompt ids of rollout's groups put back (stalled or waiting: they keep their prompt
+    slots, :func:`_restore_rollout`); else none."""
     tensors, meta = snap
     if "actor" not in roles:  # stream/async: PPO's critic worker
         _restore_critic(roles["critic"], snap, step)
-        return
+        return []
     if "rollout" not in roles:  # stream/async: the trainer; rollout takes the weights it republishes
         actor = roles["actor"]
         restore(model, actor.engine, None, snap)
@@ -97,7 +104,7 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
             actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
         elif getattr(actor.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
             actor.engine.export_weights()
-        return
+        return []
     rollout = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
         _restore_critic(roles["critic"], snap, step)
@@ -108,3 +115,18 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
     for name in ("reward", "reference"):  # their counters of rows done (see Worker._sync_step)
         if name in roles:
             roles[name].items = step * rollout.batch_rows
+    return _restore_rollout(rollout, snap, step) if "rollout" in meta else []  # (else: a checkpoint before it)
+
+
+def _restore_rollout(rollout: Any, snap: Snapshot, step: int) -> list[int]:
+    """``sync``: rollout's state at the step boundary (:mod:`asyncflow.workflow.inflight`, ``sync``):
+    the counters, the stalled and waiting groups (their ids returned), and its prompt cursor; a
+    self-feeding feeder (dynamic sampling) feeds from the cursor on, its partition short by the prompts taken."""
+    tensors, meta = snap
+    saved = meta["rollout"]
+    kept = inflight.resume(rollout, step, {k: v for k, v in tensors.items() if k.startswith(inflight.PREFIX)}, saved)
+    rollout.partition, rollout.taken = (int(x) for x in saved["cursor"])
+    if rollout.feed is not None:  # (ids below the cursor were read: never fed again)
+        read = rollout.partition * rollout.prompts_per_step + rollout.taken
+        rollout.feed.resume(rollout.partition, range(read), rollout.taken)
+    return kept

@@ -277,10 +277,12 @@ class Worker:
         not ``full``: a data-parallel rank's RNGs and versions only)."""
         return self._on_compute(snapshot_roles, self.model, self.roles, full)
 
-    def restore(self, snap: Snapshot, step: int) -> None:
-        """Put a :meth:`snapshot` taken after ``step`` steps back; the next call is ``sync_step(step)``."""
-        self._on_compute(restore_roles, self.model, self.roles, snap, step)
+    def restore(self, snap: Snapshot, step: int) -> list[int]:
+        """Put a :meth:`snapshot` taken after ``step`` steps back; the next call is ``sync_step(step)``.
+        ``sync``: the prompt ids of the groups rollout put back (stalled or waiting; :func:`restore_roles`)."""
+        kept = self._on_compute(restore_roles, self.model, self.roles, snap, step)
         self._expect = step
+        return kept
 
     def resume_rollout(self, step: int, version: int, timeout: float, saved: Snapshot | None = None) -> list[int]:
         """``stream``/``async`` resume: rollout takes the restored weights, continues the ``saved``
