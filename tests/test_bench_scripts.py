@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def benchmarks(monkeypatch):
     # importable by name: the scripts' spawned processes (plain loop --procs, TRL) import them again
     monkeypatch.syspath_prepend(str(BENCH))
     yield
-    for name in ("minimal_grpo", "vs_trl"):
+    for name in ("minimal_grpo", "vs_trl", "gpu_scale"):
         sys.modules.pop(name, None)
 
 
@@ -45,3 +46,19 @@ def test_vs_trl_smoke_runs_trl_and_asyncflow_sync(benchmarks, tmp_path):
 
     speeds = vs_trl.main(["--smoke", "--sides", "trl-1t", "sync", "--run-dir", str(tmp_path), *TINY])
     assert set(speeds) == {"trl-1t", "sync"} and all(v[0] > 0 for v in speeds.values())
+
+
+def test_gpu_scale_small_runs_both_engines_and_modes_on_a_model_folder_built_in_code(benchmarks, tmp_path):
+    import gpu_scale
+
+    res = gpu_scale.main(["--small", "--rounds", "1", "--steps", "2", "--out", str(tmp_path)])
+    e = res["engines"]
+    assert e["useful_tokens"] > 0 and e["ours_tokens_per_s"] > 0 and e["hf_tokens_per_s"] > 0
+    assert e["hf_idle"] > e["ours_idle"]  # static batches wait on their longest answer; continuous ones refill
+    assert sorted(r["mode"] for r in res["train"]) == ["async", "sync"]
+    assert all(r["samples_per_s"] > 0 for r in res["train"])
+    short, long = res["args"]["short"], res["args"]["long"]
+    for run in (tmp_path / "runs").iterdir():  # every answer has one of the forced lengths
+        lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert len(lines) == 2 and all(short <= m["response_len"] <= long for m in lines)
+        assert all(m["tokens"] % m["samples"] == 0 or short < m["tokens"] / m["samples"] < long for m in lines)
