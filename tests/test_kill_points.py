@@ -92,7 +92,7 @@ def _pid(job: Job, target: str) -> int:
 def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_every_group_once(
         tmp_path, capsys, monkeypatch):
     order = ["rollout", "actor", "storage unit", "controller", "rollout"]
-    start, killed = Job.start, []
+    start, save, killed, fired = Job.start, C.Checkpoints.save, [], [threading.Event()]
 
     def start_then_kill(self):
         start(self)
@@ -101,6 +101,7 @@ def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_ever
         target = order[len(killed)]
         pid, seen = _pid(self, target), {p.name for p in C.complete(self_run() / C.CKPT_DIR)}
         killed.append(target)
+        fired[0] = done = threading.Event()
 
         def kill():
             t = time.time()
@@ -108,13 +109,23 @@ def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_ever
                 time.sleep(0.01)
             time.sleep(random.uniform(0, 0.3))
             os.kill(pid, signal.SIGKILL)
+            done.set()
 
         threading.Thread(target=kill, daemon=True).start()
+
+    def save_then_let_the_kill_land(self, *args):
+        # The kill waits for a checkpoint of this incarnation to be complete. Written in the
+        # background, that can lag many ~0.1 s steps behind on a loaded machine, past the run's
+        # last step (CI once saw the run end before its second kill). So the driver queues no
+        # step past the next checkpoint until the kill has landed; the workers keep computing.
+        save(self, *args)
+        fired[0].wait(180)
 
     def self_run() -> Path:
         return next((tmp_path / "runs").iterdir())
 
     monkeypatch.setattr(Job, "start", start_then_kill)
+    monkeypatch.setattr(C.Checkpoints, "save", save_then_let_the_kill_land)
     args = [a for a in EVERY if a != "launcher=local"]
     steps, spare = 60, 3  # (spare restarts: a loaded machine may miss a building deadline too)
     assert main(["train", *args, "launcher=ray", "train.step_timeout_s=60", f"train.max_restarts={len(order) + spare}",
