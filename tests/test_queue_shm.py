@@ -382,7 +382,8 @@ d = launch(Schema([Field("x", "float32", (64,))]), n_storage=2)
 plane = d.client()
 plane._core.shm_min_bytes = 1024
 plane.put({"x": np.ones((128, 64), np.float32)}, partition=0)  # a shared-memory segment in each unit
-print(json.dumps({"pids": [p.pid for p in d.processes], "prefixes": plane._core._shm_prefix}), flush=True)
+print(json.dumps({"pids": [p.pid for p in d.processes], "prefixes": plane._core._shm_prefix, "folder": d.folder}),
+      flush=True)
 time.sleep(600)
 """
 
@@ -390,7 +391,8 @@ time.sleep(600)
 def test_servers_of_an_owner_killed_with_kill_9_stop_and_free_their_memory():
     """``kill -9`` of the process that launched a deployment (a driver killed by the OOM killer):
     its controller and storage units stop within seconds and unlink their segments, instead of
-    serving nobody forever with the memory held (``_Server.watch_owner``)."""
+    serving nobody forever with the memory held (``_Server.watch_owner``); the controller removes
+    the job's 0700 folder as a shutdown would."""
     import json
     import subprocess
     import sys
@@ -399,8 +401,8 @@ def test_servers_of_an_owner_killed_with_kill_9_stop_and_free_their_memory():
                              cwd=Path(__file__).resolve().parents[1])
     try:
         got = json.loads(owner.stdout.readline())
-        pids, prefixes = got["pids"], got["prefixes"]
-        assert len(pids) == 3 and len(files(prefixes, "s")) == 2
+        pids, prefixes, folder = got["pids"], got["prefixes"], Path(got["folder"])
+        assert len(pids) == 3 and len(files(prefixes, "s")) == 2 and folder.is_dir()
         for pid in pids:
             assert Path(f"/proc/{pid}").exists()
     finally:
@@ -416,4 +418,5 @@ def test_servers_of_an_owner_killed_with_kill_9_stop_and_free_their_memory():
         time.sleep(0.05)
     assert alive() == [], "a data-plane server outlived the process that launched it"
     assert files(prefixes) == []  # its segments unlinked
+    assert not folder.exists(), list(folder.rglob("*"))  # the job folder (its sockets) gone
     print(f"servers gone {time.monotonic() - t:.2f} s after the owner's kill -9")

@@ -76,7 +76,7 @@ def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | No
 
 def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
                     capacity: int | None, keys: list | None, state_dir: str, max_msg_bytes: int,
-                    limits: dict, owner: int, conn: Any) -> None:
+                    limits: dict, owner: int, folder: str, conn: Any) -> None:
     creds = None if keys is None else Credentials.from_msg(keys)
     server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity, creds=creds,
                               state_dir=state_dir, max_msg_bytes=max_msg_bytes, **limits)
@@ -84,6 +84,8 @@ def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str 
     conn.send(server.endpoint)
     conn.close()
     server.serve_forever()
+    if server.orphaned:  # (nobody is left to call Deployment.shutdown: the job folder goes as it would there)
+        remove_job_folder(folder)
 
 
 @dataclass
@@ -134,13 +136,8 @@ class Deployment:
         self._remove_folder()
 
     def _remove_folder(self) -> None:
-        """Remove the job folder's sockets; the folder too unless a saved state is in it."""
-        if self.folder is None:
-            return
-        shutil.rmtree(os.path.join(self.folder, "sock"), ignore_errors=True)
-        with contextlib.suppress(OSError):
-            os.rmdir(os.path.join(self.folder, "state"))  # only if empty
-            os.rmdir(self.folder)
+        if self.folder is not None:
+            remove_job_folder(self.folder)
 
 
 def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, token: str | None = None,
@@ -191,7 +188,7 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         endpoints = [_endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
         limits = {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline}
         endpoint = _endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
-                                     max_msg_bytes, limits, os.getpid()), "controller")
+                                     max_msg_bytes, limits, os.getpid(), folder), "controller")
     except BaseException:
         for p in procs:  # none is left behind by a launch that failed
             p.terminate()
@@ -202,6 +199,15 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     labels = [f"storage unit {k} ({endpoints[k]})" for k in range(n_storage)] + [
         f"the data plane's controller {endpoint}"]
     return Deployment(endpoint, token, procs, creds, folder, state, labels)
+
+
+def remove_job_folder(folder: str) -> None:
+    """Remove a deployment's job folder's sockets; the folder too unless a saved state is in it
+    (at shutdown, or by the controller once the process that launched it is gone)."""
+    shutil.rmtree(os.path.join(folder, "sock"), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.rmdir(os.path.join(folder, "state"))  # only if empty
+        os.rmdir(folder)
 
 
 def _endpoint_of(parent: Any, what: str) -> str:

@@ -18,7 +18,7 @@ waiters); ZMTP heartbeats drop connections of peers that vanished silently.
 Lifetime: a server started by :func:`~asyncflow.dataplane.transport.deploy.launch` belongs to
 the process that launched it (:meth:`_Server.watch_owner`): when that process is gone, even
 killed with ``kill -9``, the server stops within one poll and releases what it holds (a storage
-unit's shared memory) instead of serving nobody forever. A server started on its own
+unit's shared memory; the controller, the job's folder) instead of serving nobody forever. A server started on its own
 (``deploy storage``/``controller``) has no owner.
 """
 
@@ -78,6 +78,7 @@ class _Server:
         self.ops: dict[str, Callable[..., Any]] = {"ping": lambda h, f: "pong", "shutdown": self._shutdown}
         self.side: dict[zmq.Socket, Callable[[], None]] = {}  # more sockets of this loop: socket -> drain
         self.owner: int | None = None  # watch_owner: the launching process
+        self.orphaned = False  # serving stopped because the owner is gone
         self._owner_fd: int | None = None  # ... its pidfd, readable once it exits (Linux)
         self._owner_ppid: int | None = None  # ... else our parent pid while it lives
 
@@ -99,7 +100,7 @@ class _Server:
     def _owner_gone(self) -> None:
         log.warning("data plane server %s: the process that launched it (pid %s) is gone; stopping", self.endpoint,
                     self.owner)
-        self.running = False
+        self.running, self.orphaned = False, True
 
     def add_side(self, sock: zmq.Socket, drain: Callable[[], None]) -> None:
         """Serve another socket of this server's context in the same loop (``drain`` reads it)."""
