@@ -23,6 +23,58 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def time_builtin(model, tok, prompts: list[list[int]], lengths: list[int], batch: int,
+                 dtype: str = "float32", sync=lambda: None) -> tuple[float, float]:
+    """Seconds and share of slot-steps idle of the built-in engine (continuous batching) on
+    ``prompts``, answer ``i`` forced to ``lengths[i]`` tokens (after a short warm-up)."""
+    from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams
+
+    engine = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=batch, seed=0, dtype=dtype)
+    sp = SamplingParams(temperature=1.0, max_new_tokens=max(lengths))
+    reqs = [Request(i, p, max_new_tokens=L, min_new_tokens=L) for i, (p, L) in enumerate(zip(prompts, lengths))]
+    engine.generate([Request(-1, prompts[0], max_new_tokens=8, min_new_tokens=8)], sp)  # warm-up
+    engine.busy_slots = engine.total_slots = 0
+    sync()
+    t = time.perf_counter()
+    out = engine.generate(reqs, sp)
+    sync()
+    seconds = time.perf_counter() - t
+    assert sum(len(c.response_ids) for c in out) == sum(lengths), "the engine did not produce the forced lengths"
+    return seconds, 1 - engine.busy_slots / engine.total_slots
+
+
+def time_generate(model, tok, prompts: list[list[int]], lengths: list[int], batch: int,
+                  dtype: str = "float32", sync=lambda: None) -> tuple[float, float]:
+    """Seconds and share of slot-steps idle of Hugging Face ``model.generate`` on the same work:
+    static batches of ``batch``, each run to its longest answer (the finished rows keep their slots)."""
+    import torch
+
+    from asyncflow.engines.device import model_device
+    from asyncflow.engines.training import autocast
+
+    device = model_device(model)
+
+    def run(ps: list[list[int]], L: int) -> int:
+        width = max(len(p) for p in ps)
+        ids = torch.full((len(ps), width), tok.pad_token_id)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(ps):
+            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
+        with torch.no_grad(), autocast(dtype, device):
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
+                           top_k=0, max_new_tokens=L, min_new_tokens=L, pad_token_id=tok.pad_token_id)
+        return len(ps) * L
+
+    run(prompts[:1], 8)  # warm-up
+    slots = 0
+    sync()
+    t = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        slots += run(prompts[i:i + batch], max(lengths[i:i + batch]))
+    sync()
+    return time.perf_counter() - t, 1 - sum(lengths) / slots
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=512)
@@ -36,7 +88,6 @@ def main() -> None:
     import numpy as np
     import torch
 
-    from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams
     from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 
     torch.set_num_threads(args.threads)
@@ -44,41 +95,10 @@ def main() -> None:
     model = build_tiny_model(tok, seed=0).eval()
     rng = np.random.default_rng(0)
     prompts = [[tok.bos_token_id, *tok(f"{a}+{b}=").input_ids] for a, b in rng.integers(0, 100, (args.requests, 2))]
-    lengths = np.where(rng.random(args.requests) < args.long_frac, args.long, args.short)
-    useful = int(lengths.sum())
-
-    # ours: continuous batching
-    engine = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=args.batch, seed=0)
-    sp = SamplingParams(temperature=1.0, max_new_tokens=args.long)
-    reqs = [Request(i, p, max_new_tokens=int(L), min_new_tokens=int(L)) for i, (p, L) in enumerate(zip(prompts, lengths))]
-    engine.generate(reqs[: args.batch], sp)  # warm-up
-    engine.busy_slots = engine.total_slots = 0
-    t = time.perf_counter()
-    out = engine.generate(reqs, sp)
-    ours_s = time.perf_counter() - t
-    assert sum(len(c.response_ids) for c in out) == useful
-    ours_idle = 1 - engine.busy_slots / engine.total_slots
-
-    # model.generate: static batches, each runs to its longest answer
-    def hf_batch(batch_prompts, batch_lengths):
-        width = max(len(p) for p in batch_prompts)
-        ids = torch.full((len(batch_prompts), width), tok.pad_token_id)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch_prompts):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        L = int(max(batch_lengths))
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
-                           max_new_tokens=L, min_new_tokens=L, pad_token_id=tok.pad_token_id)
-        return len(batch_prompts) * L
-
-    hf_batch(prompts[: args.batch], lengths[: args.batch])  # warm-up
-    slots = 0
-    t = time.perf_counter()
-    for i in range(0, args.requests, args.batch):
-        slots += hf_batch(prompts[i:i + args.batch], lengths[i:i + args.batch])
-    hf_s = time.perf_counter() - t
-    hf_idle = 1 - useful / slots
+    lengths = [int(x) for x in np.where(rng.random(args.requests) < args.long_frac, args.long, args.short)]
+    useful = sum(lengths)
+    ours_s, ours_idle = time_builtin(model, tok, prompts, lengths, args.batch)
+    hf_s, hf_idle = time_generate(model, tok, prompts, lengths, args.batch)
 
     print(f"{args.requests} requests, batch {args.batch}, answers {args.short} tokens "
           f"({1 - args.long_frac:.0%}) or {args.long} ({args.long_frac:.0%}), {args.threads} thread(s)")

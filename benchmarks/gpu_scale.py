@@ -90,11 +90,11 @@ def _lengths(n: int, short: int, long: int, frac: float, seed: int = 0) -> list[
 
 
 def engines(model_dir: Path, device: str, args: argparse.Namespace) -> dict:
-    """Built-in engine vs ``model.generate``: useful tokens/s and peak memory of each."""
+    """Built-in engine vs ``model.generate`` (``benchmarks/engine.py``'s two sides, bf16
+    autocast): useful tokens/s and peak memory of each."""
     import torch
+    from engine import time_builtin, time_generate
 
-    from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams
-    from asyncflow.engines.training import autocast
     from asyncflow.tasks.models import load_model
 
     model, tok = load_model(model_dir)
@@ -103,60 +103,18 @@ def engines(model_dir: Path, device: str, args: argparse.Namespace) -> dict:
     rows = [json.loads(x)["prompt"] for x in (model_dir.parent / "prompts.jsonl").read_text().splitlines()]
     prompts = [tok(r).input_ids for r in rows[: args.requests]]
     lengths = _lengths(len(prompts), args.short, args.long, args.long_frac)
-    useful = sum(lengths)
-    cuda = device == "cuda"
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    def peak_reset() -> None:
+    useful, cuda = sum(lengths), device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    got = {}
+    for name, timed in (("ours", time_builtin), ("hf", time_generate)):
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-
-    engine = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=args.batch, seed=0,
-                             dtype="bfloat16")
-    sp = SamplingParams(temperature=1.0, max_new_tokens=args.long)
-    reqs = [Request(i, p, max_new_tokens=L, min_new_tokens=L) for i, (p, L) in enumerate(zip(prompts, lengths))]
-    engine.generate([Request(-1, prompts[0], max_new_tokens=8, min_new_tokens=8)], sp)  # warm-up
-    engine.busy_slots = engine.total_slots = 0
-    peak_reset()
-    sync()
-    t = time.perf_counter()
-    out = engine.generate(reqs, sp)
-    sync()
-    ours = time.perf_counter() - t
-    assert sum(len(c.response_ids) for c in out) == useful, "the engine did not produce the forced lengths"
-    ours_mem = torch.cuda.max_memory_allocated() if cuda else 0
-
-    def hf_batch(ps: list[list[int]], L: int) -> int:
-        width = max(len(p) for p in ps)
-        ids = torch.full((len(ps), width), tok.pad_token_id)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(ps):
-            ids[i, width - len(p):], mask[i, width - len(p):] = torch.tensor(p), 1
-        with torch.no_grad(), autocast("bfloat16", torch.device(device)):
-            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=1.0,
-                           top_k=0, max_new_tokens=L, min_new_tokens=L, pad_token_id=tok.pad_token_id)
-        return len(ps) * L
-
-    hf_batch(prompts[:1], 8)  # warm-up
-    peak_reset()
-    slots = 0
-    sync()
-    t = time.perf_counter()
-    for i in range(0, len(prompts), args.batch):
-        slots += hf_batch(prompts[i:i + args.batch], max(lengths[i:i + args.batch]))
-    sync()
-    hf = time.perf_counter() - t
-    hf_mem = torch.cuda.max_memory_allocated() if cuda else 0
-    idle = 1 - engine.busy_slots / engine.total_slots
-    peak_reset()
-    return {"requests": len(prompts), "batch": args.batch, "useful_tokens": useful,
-            "ours_tokens_per_s": useful / ours, "ours_s": ours, "ours_idle": idle,
-            "hf_tokens_per_s": useful / hf, "hf_s": hf, "hf_idle": 1 - useful / slots,
-            "ratio": hf / ours, "ours_peak_gib": ours_mem / 2**30, "hf_peak_gib": hf_mem / 2**30}
+        seconds, idle = timed(model, tok, prompts, lengths, args.batch, "bfloat16", sync)
+        got |= {f"{name}_tokens_per_s": useful / seconds, f"{name}_s": seconds, f"{name}_idle": idle,
+                f"{name}_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+    return {"requests": len(prompts), "batch": args.batch, "useful_tokens": useful, **got,
+            "ratio": got["hf_s"] / got["ours_s"]}
 
 
 def train_run(root: Path, mode: str, rnd: int, args: argparse.Namespace, device: str) -> dict:

@@ -19,7 +19,7 @@ def benchmarks(monkeypatch):
     # importable by name: the scripts' spawned processes (plain loop --procs, TRL) import them again
     monkeypatch.syspath_prepend(str(BENCH))
     yield
-    for name in ("minimal_grpo", "vs_trl", "gpu_scale"):
+    for name in ("minimal_grpo", "vs_trl", "gpu_scale", "engine"):
         sys.modules.pop(name, None)
 
 
