@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,6 +58,31 @@ def test_writes_are_atomic_and_only_the_newest_are_kept(tmp_path, monkeypatch):
     last = C.latest(tmp_path)
     assert last.name == "step-3" and C.read(last)[1] == {"i": 3}
     assert (C.read(last)[0]["model/w"] == 3).all()
+
+
+def test_a_failed_write_followed_by_a_good_one_is_still_an_error(tmp_path):
+    """Writes queue behind each other: when one fails and a later one succeeds, the failure
+    must still reach the driver (at the next write or at close), never be dropped because it
+    was not the last write (a checkpoint silently missing)."""
+    w = C.CheckpointWriter(tmp_path / "checkpoints", keep=2)
+    go = threading.Event()
+
+    def late_failure(_: C.Snapshot) -> C.Snapshot:
+        go.wait(5)
+        raise TimeoutError("rollout did not take its checkpoint snapshot within 60 s")
+
+    w.write(1, snap(1), late_failure)
+    w.write(2, snap(2))  # queued behind step 1, which has not failed yet
+    go.set()
+    with pytest.raises(TimeoutError, match="checkpoint snapshot"):
+        w.close()
+    assert [p.name for p in C.complete(tmp_path / "checkpoints")] == ["step-2"]
+
+    w = C.CheckpointWriter(tmp_path / "other", keep=2)
+    w.write(1, snap(1), late_failure)  # (go is set: fails at once)
+    w._pool.submit(lambda: None).result()  # (the write of step 1 is done)
+    with pytest.raises(TimeoutError):  # the next write says so
+        w.write(2, snap(2))
 
 
 def test_resume_is_refused_in_one_line_for_sync_dp_overprovision_and_for_a_changed_config(tmp_path, capsys):

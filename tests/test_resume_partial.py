@@ -189,7 +189,7 @@ def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_err
     asker = threading.Thread(target=lambda: got.update(snap=role.snapshot_in_flight(5.0, 2)))
     asker.start()
     t = time.monotonic()
-    while role.asked is None:
+    while not role.asked:
         assert time.monotonic() - t < 5
         time.sleep(0.001)
     expected = inflight.capture(role, 2)  # the groups in flight now, before the loop's next poll serves it
@@ -201,3 +201,27 @@ def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_err
     role.error = RuntimeError("rollout died")  # (its loop is gone: the request is never served)
     with pytest.raises(RuntimeError, match="rollout died"):  # (the loop's own error, as its health check raises)
         role.snapshot_in_flight(5.0, 2)
+
+
+def test_two_snapshot_requests_before_one_poll_are_both_served():
+    """Two checkpoints ask before rollout's loop polls once (a loop held up under load, two
+    checkpoints a step apart): the first request must not be replaced by the second (it waited
+    out its deadline, and its checkpoint was lost without a word; CI's Ray kill test took 100 s)."""
+    cfg = load_config(None, [f"train.steps={N}", f"train.prompts_per_step={P}", "train.micro_prompts=1", "seed=3"])
+    plane = DataPlane(SCHEMA)
+    feeder = PromptFeeder(cfg, build_char_tokenizer(), build_task(cfg), plane)
+    role, rows = new_role(plane, K), {}
+    train_steps(role, plane, feeder, range(2), rows, polls_after=2)
+    got: dict = {}
+    askers = [threading.Thread(target=lambda d=d: got.update({d: role.snapshot_in_flight(3.0, d)})) for d in (1, 2)]
+    for a in askers:
+        a.start()
+    t = time.monotonic()
+    while len(role.asked) < 2:
+        assert time.monotonic() - t < 5
+        time.sleep(0.001)
+    role.poll(0.001)
+    for a in askers:
+        a.join(5.0)
+    assert sorted(got) == [1, 2] and not role.asked
+    assert got[1][1]["answers"] and got[2][1]["answers"]

@@ -7,7 +7,9 @@ that copy (:mod:`asyncflow.workflow.hostcopy`; the summary's ``checkpoint_pause_
 :class:`CheckpointWriter` thread collects it, writes ``RUN_DIR/checkpoints/.tmp-<step>`` and
 renames it to ``step-<step>`` once complete: a crash mid-write leaves the previous
 checkpoint whole (a ``.tmp-*`` folder is never read). Then checkpoints beyond
-``train.keep_checkpoints`` (the oldest) are deleted.
+``train.keep_checkpoints`` (the oldest) are deleted. A write that fails (a worker that never
+answered its snapshot, a full disk) is raised to the driver at the next write or at the end,
+whichever comes first, even when later writes succeeded: no checkpoint goes missing unsaid.
 
 A checkpoint is two files and no pickle: ``state.safetensors`` (the model's state_dict as
 ``model/<name>``, AdamW's per-parameter tensors as ``optim/<index>/<key>``, the RNG states
@@ -186,16 +188,19 @@ class CheckpointWriter:
     def __init__(self, folder: Path, keep: int):
         self.folder, self.keep = Path(folder), keep
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
-        self._last: Future | None = None
+        self._queued: list[Future] = []
         self._lock = threading.Lock()
 
     def write(self, step: int, snap: Snapshot, finish: Callable[[Snapshot], Snapshot] | None = None) -> None:
         """Queue ``snap`` as ``step-<step>``, completed by ``finish`` first in the writer's thread
-        (raises the previous write's error, if any)."""
+        (raises the error of an earlier write that failed, if any: every one, not only the last)."""
         with self._lock:
-            if self._last is not None and self._last.done():
-                self._last.result()
-            self._last = self._pool.submit(self._write, step, snap, finish)
+            self._raise_done()
+            self._queued.append(self._pool.submit(self._write, step, snap, finish))
+
+    def _raise_done(self) -> None:
+        while self._queued and self._queued[0].done():
+            self._queued.pop(0).result()
 
     def _write(self, step: int, snap: Snapshot, finish: Callable[[Snapshot], Snapshot] | None = None) -> None:
         if finish is not None:
@@ -220,10 +225,10 @@ class CheckpointWriter:
             shutil.rmtree(old, ignore_errors=True)
 
     def close(self) -> None:
-        """Wait for the writes queued; raise the last one's error."""
+        """Wait for the writes queued; raise the first error of any."""
         self._pool.shutdown(wait=True)
-        if self._last is not None:
-            self._last.result()
+        with self._lock:
+            self._raise_done()
 
 
 def complete(folder: Path) -> list[Path]:

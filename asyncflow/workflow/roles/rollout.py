@@ -130,7 +130,7 @@ class RolloutRole(Role):
         self.shard = shard  # data-parallel sync: only this shard's prompts (see the module docstring)
         # a group's id: its prompt's stable prompt_id (the feeder's; the same across a resume), else its row id
         self.prompt_fields = PROMPT_FIELDS + (["prompt_id"] if by_prompt_id else [])
-        self.asked: inflight.SnapshotRequest | None = None  # a checkpoint's request for the groups in flight
+        self.asked: deque[inflight.SnapshotRequest] = deque()  # checkpoints' requests, served in order by the loop
         self.placed: dict[int, tuple[int, list[Completion], list[float] | None]] = {}  # placed, maybe not trained
         self.local: dict[int, list[dict]] | None = None  # sync, the actor's every field from here: see the docstring
 
@@ -164,7 +164,8 @@ class RolloutRole(Role):
 
     def snapshot_in_flight(self, timeout: float, done: int) -> Snapshot:
         """The groups not trained once ``done`` steps are, taken by rollout's loop between polls (inflight)."""
-        self.asked = asked = inflight.SnapshotRequest(done)
+        asked = inflight.SnapshotRequest(done)
+        self.asked.append(asked)  # (never replacing another waiting: its checkpoint would time out, be lost)
         return asked.wait(timeout, self)
 
     @property
@@ -181,9 +182,8 @@ class RolloutRole(Role):
 
     # ------------------------------------------------------------------ the loop body
     def poll(self, timeout: float) -> int:
-        if self.asked is not None:  # a checkpoint's snapshot, between two decode steps
-            asked, self.asked = self.asked, None
-            asked.serve(self)
+        while self.asked:  # checkpoints' snapshots, between two decode steps
+            self.asked.popleft().serve(self)
         if self.weights is not None and self.weights.staged_version() > self.version:
             with self.work():
                 self.weights.swap_if_ready()
