@@ -18,8 +18,8 @@ waiters); ZMTP heartbeats drop connections of peers that vanished silently.
 Lifetime: a server started by :func:`~asyncflow.dataplane.transport.deploy.launch` belongs to
 the process that launched it (:meth:`_Server.watch_owner`): when that process is gone, even
 killed with ``kill -9``, the server stops within one poll and releases what it holds (a storage
-unit's shared memory; the controller, the job's folder) instead of serving nobody forever. A server started on its own
-(``deploy storage``/``controller``) has no owner.
+unit's shared memory; the controller, the job's folder) instead of serving nobody forever. A
+server started on its own (``deploy storage``/``controller``) has no owner.
 """
 
 from __future__ import annotations
