@@ -139,6 +139,19 @@ def test_shutdown_and_a_killed_unit_leave_nothing():
     plane.disconnect()
     d.shutdown(timeout=2)
     assert ours() - before == set()
+    assert not Path(d.folder).exists()
+
+
+def test_a_deployment_with_its_own_state_folder_leaves_no_job_folder(tmp_path):
+    """``state_dir`` elsewhere: the job folder holds only sockets and goes at shutdown (it stayed,
+    empty, when the missing ``state`` inside it stopped the removal); the saved state stays."""
+    d = launch(SCHEMA, n_storage=1, state_dir=str(tmp_path / "state"))
+    plane = client(d)
+    plane.put({"x": np.ones((4, 64), np.float32)}, partition=0)
+    plane.save("snap")
+    plane.disconnect()
+    d.shutdown(timeout=2)
+    assert not Path(d.folder).exists() and any((tmp_path / "state").rglob("*.npz"))
 
 
 def test_unit_sweeps_stale_client_segments_only(tmp_path):

@@ -205,9 +205,9 @@ def remove_job_folder(folder: str) -> None:
     """Remove a deployment's job folder's sockets; the folder too unless a saved state is in it
     (at shutdown, or by the controller once the process that launched it is gone)."""
     shutil.rmtree(os.path.join(folder, "sock"), ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.rmdir(os.path.join(folder, "state"))  # only if empty
-        os.rmdir(folder)
+    for path in (os.path.join(folder, "state"), folder):  # each only if empty (no state there with a state_dir)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def _endpoint_of(parent: Any, what: str) -> str:
