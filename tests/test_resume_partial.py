@@ -179,12 +179,18 @@ def test_a_group_too_old_for_the_bound_restarts_from_its_prompt():
     assert sorted(kept) == sorted(placed | {g for g, w in running.items() if w + K >= 3})
     assert len(ok.batch) == sum(1 for r in meta["answers"] if "placed" not in r and not r["finished"])
 
-def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_error():
+def _two_steps_in():
+    """A rollout role two trained steps into a run, with answers in flight."""
     cfg = load_config(None, [f"train.steps={N}", f"train.prompts_per_step={P}", "train.micro_prompts=1", "seed=3"])
     plane = DataPlane(SCHEMA)
     feeder = PromptFeeder(cfg, build_char_tokenizer(), build_task(cfg), plane)
-    role, rows = new_role(plane, K), {}
-    train_steps(role, plane, feeder, range(2), rows, polls_after=2)
+    role = new_role(plane, K)
+    train_steps(role, plane, feeder, range(2), {}, polls_after=2)
+    return role
+
+
+def test_the_snapshot_is_taken_by_rollouts_own_loop_and_a_stopped_loop_is_an_error():
+    role = _two_steps_in()
     got: dict = {}
     asker = threading.Thread(target=lambda: got.update(snap=role.snapshot_in_flight(5.0, 2)))
     asker.start()
@@ -207,11 +213,7 @@ def test_two_snapshot_requests_before_one_poll_are_both_served():
     """Two checkpoints ask before rollout's loop polls once (a loop held up under load, two
     checkpoints a step apart): the first request must not be replaced by the second (it waited
     out its deadline, and its checkpoint was lost without a word; CI's Ray kill test took 100 s)."""
-    cfg = load_config(None, [f"train.steps={N}", f"train.prompts_per_step={P}", "train.micro_prompts=1", "seed=3"])
-    plane = DataPlane(SCHEMA)
-    feeder = PromptFeeder(cfg, build_char_tokenizer(), build_task(cfg), plane)
-    role, rows = new_role(plane, K), {}
-    train_steps(role, plane, feeder, range(2), rows, polls_after=2)
+    role = _two_steps_in()
     got: dict = {}
     askers = [threading.Thread(target=lambda d=d: got.update({d: role.snapshot_in_flight(3.0, d)})) for d in (1, 2)]
     for a in askers:
