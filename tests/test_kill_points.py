@@ -115,9 +115,10 @@ def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_ever
 
     def save_then_let_the_kill_land(self, *args):
         # The kill waits for a checkpoint of this incarnation to be complete. Written in the
-        # background, that can lag many ~0.1 s steps behind on a loaded machine, past the run's
-        # last step (CI once saw the run end before its second kill). So the driver queues no
-        # step past the next checkpoint until the kill has landed; the workers keep computing.
+        # background, that can lag behind the ~0.1 s steps, past the run's last step (CI once saw
+        # the run end before its second kill: a write stuck 75 s on a lost snapshot request, since
+        # fixed). So the driver queues no step past the next checkpoint until the kill has landed;
+        # the workers keep computing.
         save(self, *args)
         fired[0].wait(180)
 
