@@ -52,6 +52,10 @@ def _rank(rank: int, world: int, init: str, out: str, fsdp: bool = False) -> Non
         half = B // world
         weights = train(slice(rank * half, (rank + 1) * half), fsdp=fsdp)
         np.savez(f"{out}.{rank}.npz", **weights)
+        # both ranks done before either tears gloo down (a rank still in its last collective when
+        # the other closed the connection died once with SIGABRT, "terminate called without an
+        # active exception", in CI on a loaded machine)
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
 
