@@ -23,6 +23,13 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
+def forced_lengths(rng, n: int, short: int, long: int, frac: float) -> list[int]:
+    """Long-tailed answer lengths: ``long`` with probability ``frac``, else ``short`` (numpy ``rng``)."""
+    import numpy as np
+
+    return [int(x) for x in np.where(rng.random(n) < frac, long, short)]
+
+
 def time_builtin(model, tok, prompts: list[list[int]], lengths: list[int], batch: int,
                  dtype: str = "float32", sync=lambda: None) -> tuple[float, float]:
     """Seconds and share of slot-steps idle of the built-in engine (continuous batching) on
@@ -95,7 +102,7 @@ def main() -> None:
     model = build_tiny_model(tok, seed=0).eval()
     rng = np.random.default_rng(0)
     prompts = [[tok.bos_token_id, *tok(f"{a}+{b}=").input_ids] for a, b in rng.integers(0, 100, (args.requests, 2))]
-    lengths = [int(x) for x in np.where(rng.random(args.requests) < args.long_frac, args.long, args.short)]
+    lengths = forced_lengths(rng, args.requests, args.short, args.long, args.long_frac)
     useful = sum(lengths)
     ours_s, ours_idle = time_builtin(model, tok, prompts, lengths, args.batch)
     hf_s, hf_idle = time_generate(model, tok, prompts, lengths, args.batch)

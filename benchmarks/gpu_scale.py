@@ -82,18 +82,26 @@ def write_data(folder: Path, n: int, prompt_words: int, vocab: int, seed: int = 
     (folder / "reward.py").write_text(REWARD)
 
 
-def _lengths(n: int, short: int, long: int, frac: float, seed: int = 0) -> list[int]:
-    import numpy as np
+def _peak_reset(cuda: bool) -> None:
+    if cuda:
+        import torch
 
-    rng = np.random.default_rng(seed)
-    return [int(x) for x in np.where(rng.random(n) < frac, long, short)]
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(cuda: bool) -> float:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
 
 
 def engines(model_dir: Path, device: str, args: argparse.Namespace) -> dict:
     """Built-in engine vs ``model.generate`` (``benchmarks/engine.py``'s two sides, bf16
     autocast): useful tokens/s and peak memory of each."""
+    import numpy as np
     import torch
-    from engine import time_builtin, time_generate
+    from engine import forced_lengths, time_builtin, time_generate
 
     from asyncflow.tasks.models import load_model
 
@@ -102,24 +110,20 @@ def engines(model_dir: Path, device: str, args: argparse.Namespace) -> dict:
     model.eval()
     rows = [json.loads(x)["prompt"] for x in (model_dir.parent / "prompts.jsonl").read_text().splitlines()]
     prompts = [tok(r).input_ids for r in rows[: args.requests]]
-    lengths = _lengths(len(prompts), args.short, args.long, args.long_frac)
+    lengths = forced_lengths(np.random.default_rng(0), len(prompts), args.short, args.long, args.long_frac)
     useful, cuda = sum(lengths), device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     got = {}
     for name, timed in (("ours", time_builtin), ("hf", time_generate)):
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        _peak_reset(cuda)
         seconds, idle = timed(model, tok, prompts, lengths, args.batch, "bfloat16", sync)
         got |= {f"{name}_tokens_per_s": useful / seconds, f"{name}_s": seconds, f"{name}_idle": idle,
-                f"{name}_peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0}
+                f"{name}_peak_gib": _peak_gib(cuda)}
     return {"requests": len(prompts), "batch": args.batch, "useful_tokens": useful, **got,
             "ratio": got["hf_s"] / got["ours_s"]}
 
 
 def train_run(root: Path, mode: str, rnd: int, args: argparse.Namespace, device: str) -> dict:
-    import torch
-
     from asyncflow.config.load import load_config
     from asyncflow.launch.registry import get_launcher
     from asyncflow.workflow.driver import train
@@ -135,9 +139,7 @@ def train_run(root: Path, mode: str, rnd: int, args: argparse.Namespace, device:
             "train.save_every=0", "progress=false", f"run_dir={root / 'runs'}", "launcher=local", f"seed={rnd}"]
     cfg = load_config(None, over)
     launcher = get_launcher("local")
-    if device == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+    _peak_reset(device == "cuda")
     t = time.perf_counter()
     try:
         s = train(cfg, launcher=launcher, evaluate=False)
@@ -145,7 +147,7 @@ def train_run(root: Path, mode: str, rnd: int, args: argparse.Namespace, device:
         launcher.shutdown()
     return {"mode": mode, "round": rnd, "samples_per_s": s["steady_samples_per_s"],
             "tokens_per_s": s["steady_tokens_per_s"], "wall_s": time.perf_counter() - t, "busy": s.get("busy"),
-            "peak_gib": (torch.cuda.max_memory_allocated() / 2**30) if device == "cuda" else 0.0}
+            "peak_gib": _peak_gib(device == "cuda")}
 
 
 def main(argv: list[str] | None = None) -> dict:
