@@ -19,8 +19,6 @@ class OrderLauncher(LocalLauncher):
         fut = super().submit(handle, method, *args)
         if method == "evaluate":
             self.events.append(("evaluate",))
-        elif method == "request":  # (the evaluator beside training)
-            self.events.append(("request", args[0]))
         elif method == "train_step":
             self.events.append(("submit", method, args[0]))
             fut.step = args[0]
@@ -61,12 +59,15 @@ def test_next_step_is_queued_early_except_before_an_evaluation(tmp_path):
 
 
 def test_evaluations_beside_training_never_hold_the_next_step_back(tmp_path, monkeypatch):
+    from asyncflow.workflow.evaluator import Evaluator
     from asyncflow.workflow.job import Job
 
     ready = Job.evaluator_ready  # (built in the background: here the driver waits for it, so step 2 requests)
     monkeypatch.setattr(Job, "evaluator_ready", lambda self: self._eval_built.wait(60) and ready(self))
     cfg = load_config(None, [*ORDER, f"run_dir={tmp_path}"])  # (train.eval_overlap: the default)
     launcher = OrderLauncher()
+    request = Evaluator.request  # (an object of the driver's process: asked directly, not through the launcher)
+    monkeypatch.setattr(Evaluator, "request", lambda self, v: launcher.events.append(("request", v)) or request(self, v))
     summary = train(cfg, launcher=launcher, run_dir=tmp_path)
     ev = [e for e in launcher.events if e[0] != "submit" or e[1] == "train_step"]
     assert ev == [

@@ -1,18 +1,27 @@
 """Evaluation beside training: the :class:`Evaluator` measures the held-out metric on a
 snapshot of the policy's weights while rollout and training go on (``train.eval_overlap``).
 
-Design: the evaluator is a worker of its own (a Ray actor asking for no CPU, or an object of
-the local launcher's process) with its own copy of the model. ``request(v)`` starts one
-evaluation of version ``v`` (the weights after ``v`` steps) on a fresh daemon thread and
-returns at once. That thread first takes the weights from the weight store, as rollout does
+Design: the evaluator is an object of the driver's process (with either launcher) with its own
+copy of the model; it asks for no CPU of the launcher. ``request(v)`` starts one evaluation of
+version ``v`` (the weights after ``v`` steps) on a fresh daemon thread and returns at once. That
+thread first takes the weights from the weight store, as rollout does
 (:class:`~asyncflow.weights.store.WeightSource`: the trainer publishes every version there),
 and copies them into host memory at normal priority (the store keeps only the newest version,
-so the copy is taken before the next step publishes); then it lowers its own priority to
-the lowest there is (nice 19 and ``SCHED_IDLE``, per thread on Linux, with one torch thread;
-in the local launcher's process, where it shares the GIL with the roles, nice 19 only)
-and verifies, loads and evaluates: it computes only on cycles that rollout and the trainer
-leave idle, so training is barely slowed, and an evaluation takes longer when the machine is
+so the copy is taken before the next step publishes); then it lowers its own priority to nice 19
+(per thread on Linux, one torch thread) and verifies, loads and evaluates: it computes second to
+the roles, so training is barely slowed, and an evaluation takes longer when the machine is
 busy. The driver collects finished results with ``poll`` at each step.
+
+Why the driver's process and not a worker of its own (as until 2026-11-27): the driver has
+imported torch and transformers already, so building the evaluator costs one model load
+(~0.1 s) instead of a process that starts and imports them (~5 s of CPU beside the workers'
+builds on the default example) and stays resident; and nothing crosses a process to ask it.
+Not ``SCHED_IDLE`` (which its own process had): here the thread shares the GIL with the driver's
+threads (the feeder among them), and a thread that may wait indefinitely for a core while holding
+the GIL would stall them; at nice 19 it waits at most a slice of the roles'. Measured on the
+default example (``benchmarks/eval_overlap.py``, docs/benchmarks.md): the RL loop with an
+evaluation every 10 steps 1.01 / 1.06 of its time without (1.10-1.14 with its own process); at
+nice 0 instead of 19, 1.18.
 
 Invariants:
 
@@ -25,17 +34,15 @@ Invariants:
   that never came, a bad weight set, the metric raising) is a result with ``error`` (one
   line), never raised in a thread nor a hang; ``stop`` never waits for an evaluation (its
   thread is a daemon and its result is dropped);
-* ``spans`` (wall-clock start, seconds) of each evaluation, for the run's ``trace.json``.
-
-* the build (model, task, metric) runs on a thread of its own at nice 19 (in a process of its
-  own; the local launcher's build shares the GIL and stays at normal priority); the job spawns it
-  beside the workers (:meth:`~asyncflow.workflow.job.Job.open_evaluator`), so its process starts and
-  imports while they build, not in the RL loop;
-* with pinned roles (``resources.pin_cores``) the whole process runs on the cores of every role but
-  the trainer (``cores``: rollout's), where idle cycles are; on the trainer's core even an
-  idle-priority thread slowed the loop ~17% (its cache, its wake-ups);
-* ``counts()["idle"]`` says whether the last evaluation ran at ``SCHED_IDLE`` (False in the local
-  launcher's process, or where the OS refused it).
+* ``spans`` (wall-clock start, seconds) of each evaluation, for the run's ``trace.json``;
+* the build (model, task, metric) runs on a thread of its own; the job starts it beside the
+  workers' builds under Ray (:meth:`~asyncflow.workflow.job.Job.open_evaluator`), after them in
+  the local launcher's process (whose workers load their models in it: a model load is not
+  thread-safe);
+* with pinned roles (``resources.pin_cores``) the evaluator's threads (its build, each evaluation)
+  run on the cores of every role but the trainer (``cores``: rollout's), where idle cycles are; on
+  the trainer's core even an idle-priority evaluation slowed the loop ~17% (its cache, its
+  wake-ups). The driver's other threads stay where they were.
 
 The model stays on the CPU whatever ``resources.device`` is (the evaluator asks for no GPU).
 """
@@ -65,57 +72,39 @@ BUILD_TIMEOUT_S = 600.0  # the build's own deadline (the job gives up waiting fo
 
 
 def lowest_nice() -> None:
-    """The calling thread (and the threads it starts) at nice 19 (Linux: per thread)."""
+    """The calling thread (and the threads it starts) at nice 19 (Linux: per thread; the driver's
+    other threads keep theirs)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (OSError, AttributeError):  # (not Linux: the whole process would change; leave it)
         pass
 
 
-def idle_priority(sched_idle: bool = True) -> bool:
-    """The calling thread (and the threads it starts) computes only on idle cycles: nice 19,
-    then (``sched_idle``) ``SCHED_IDLE`` where the OS has it, one torch thread (Linux applies
-    both per thread); True if the thread now runs at ``SCHED_IDLE``."""
-    lowest_nice()
-    try:
-        if sched_idle:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # (0: the calling thread)
-        idle = os.sched_getscheduler(0) == os.SCHED_IDLE
-    except (OSError, AttributeError):
-        idle = False
+def pin_thread(cores: tuple[int, ...]) -> None:
+    """The calling thread (and the threads it starts) on ``cores`` only (none: where the OS puts
+    it), with one torch thread: the cores of the roles that leave idle time (rollout's), never the
+    trainer's, whose cache and wake-ups an evaluation on its core would disturb (measured: the RL
+    loop ~17% slower unpinned)."""
     torch.set_num_threads(1)
-    return idle
-
-
-def pin_process(cores: tuple[int, ...]) -> None:
-    """Every thread of this process (and those it starts) on ``cores`` only: the cores of the roles
-    that leave idle time (rollout's), never the trainer's, whose cache and wake-ups an idle-priority
-    thread on its core would still disturb (measured: the RL loop ~17% slower unpinned)."""
-    for tid in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+    if cores:
         try:
-            os.sched_setaffinity(int(tid), cores)
-        except (OSError, ValueError, AttributeError):  # (a thread gone meanwhile; not Linux)
+            os.sched_setaffinity(0, cores)  # (0: the calling thread, on Linux)
+        except (OSError, ValueError, AttributeError):  # (not Linux; a core gone)
             pass
 
 
 class Evaluator:
-    """Held-out evaluations of published weight versions, one at a time, at idle priority."""
+    """Held-out evaluations of published weight versions, one at a time, at nice 19."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, weights: WeightSource, timeout_s: float = 60.0,
-                 driver_pid: int = -1, cores: tuple[int, ...] = ()):
-        self.cfg, self.weights, self.timeout_s = cfg, weights, timeout_s
-        # in the driver's process (the local launcher) its thread shares the GIL with the roles': a
-        # SCHED_IDLE thread holding it on a busy machine would stall them (nice 19 alone there)
-        self.sched_idle = os.getpid() != driver_pid
-        if self.sched_idle and cores:
-            pin_process(cores)
+                 cores: tuple[int, ...] = ()):
+        self.cfg, self.weights, self.timeout_s, self.cores = cfg, weights, timeout_s, cores
         self._lock = threading.Lock()
         self._running = False
         self._closed = False
         self._done: list[dict] = []
         self._spans: list[tuple[float, float]] = []
         self.requested = self.skipped = self.late = 0
-        self.idle = False  # the last evaluation ran at SCHED_IDLE
         self._since: float | None = None  # when the one computing now started
         self._init_error: BaseException | None = None
         build = threading.Thread(target=self._build, args=(model_dir,), name="evaluator-build", daemon=True)
@@ -125,13 +114,12 @@ class Evaluator:
             self._init_error = TimeoutError(f"worker 'evaluator' was not built within {BUILD_TIMEOUT_S:g} s")
 
     def _build(self, model_dir: str) -> None:
-        if self.sched_idle:  # (this thread only: the driver's calls are answered at normal priority; not
-            lowest_nice()  # in the driver's process: a thread at nice 19 holding the GIL would stall the roles)
+        pin_thread(self.cores)
         try:
             self.model, self.tokenizer = load_model(model_dir)
             self.task = build_task(self.cfg)
             self.metric, self.score = heldout_metric(self.cfg, self.task, self._reward)
-        except Exception as e:  # raised by health(), as a worker's (a Ray constructor's error loses its cause)
+        except Exception as e:  # raised by health(), as a worker's
             self._init_error = tag(e, "worker 'evaluator' (building)")
 
     def _reward(self) -> Callable:
@@ -165,7 +153,8 @@ class Evaluator:
             if got is None:
                 raise TimeoutError(f"weight version {version} was not published within {self.timeout_s:g} s")
             out["version"], buffers = got[0], {k: np.array(b, copy=True) for k, b in got[1].items()}
-            self.idle = idle_priority(self.sched_idle)  # from here on: only idle cycles
+            pin_thread(self.cores)
+            lowest_nice()  # from here on: second to the roles
             t0 = self._since = time.time()
             load_named_weights(self.model, verify(buffers))
             problems = self.task.heldout[: self.cfg.task.eval_n]
@@ -194,7 +183,7 @@ class Evaluator:
 
     def counts(self) -> dict[str, int | bool]:
         with self._lock:
-            return {"requested": self.requested, "skipped": self.skipped, "late": self.late, "idle": self.idle}
+            return {"requested": self.requested, "skipped": self.skipped, "late": self.late}
 
     def spans(self) -> dict[str, list[tuple[float, float]]]:
         """The evaluations' spans, the one computing now until now."""

@@ -17,20 +17,19 @@ queues ``sync_step(v)`` on each. With
 every rank gather the whole weights into rank 0's full copy (``gather_full``).
 
 Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
-:class:`~asyncflow.workflow.evaluator.Evaluator` worker that asks for no CPU takes published
-weight versions from the weight store. It is built in the background (a thread of the driver
-spawns it before the workers, so its process starts and imports beside their builds rather than
-in the RL loop, and waits for its ``health`` within the step timeout; pinned, with the roles, to
-every core but the trainer's: ``_evaluator_cores``): nothing waits for it; ``evaluator_ready`` says whether it
-is built yet (and raises its build error, or that it was not built in time). The job's
-``eval_request`` / ``eval_poll`` (only once it is ready) never wait longer than ``HEALTH_TIMEOUT_S``.
-It is not one of ``workers``: the watchdog's heartbeat does not ask it, so a failed evaluator
-ends the evaluations (the driver's one line), not the run.
+:class:`~asyncflow.workflow.evaluator.Evaluator`, an object of the driver's process with either launcher
+(it asks for no CPU), takes published weight versions from the weight store. It is built in the
+background by a thread of the driver (under Ray beside the workers' builds; in the local launcher's
+process after them) within the step timeout; with pinned roles its threads run on every core but the
+trainer's (``_evaluator_cores``). Nothing waits for it; ``evaluator_ready`` says whether it is built
+yet (and raises its build error, or that it was not built in time). The job's ``eval_request`` /
+``eval_poll`` (only once it is ready) answer at once. It is not one of ``workers``: the watchdog's
+heartbeat does not ask it, so a failed evaluator ends the evaluations (the driver's one line), not the
+run.
 """
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -43,7 +42,7 @@ from asyncflow.workflow.evaluator import Evaluator
 from asyncflow.workflow.failure import WorkerLost
 from asyncflow.workflow.fields import SCHEMA
 from asyncflow.workflow.launcher import Launcher
-from asyncflow.workflow.plan import WorkerSpec, plan_workers
+from asyncflow.workflow.plan import plan_workers
 from asyncflow.workflow.role_state import split_critic
 from asyncflow.workflow.watchdog import HEALTH_TIMEOUT_S, Watchdog
 from asyncflow.workflow.worker import Worker
@@ -78,8 +77,8 @@ class Job:
 
     def _launch(self, model_dir: str, evaluator: bool) -> None:
         cfg, launcher = self.cfg, self.launcher
-        # the evaluator (never waited for): its process starts and imports beside the workers' builds, not in
-        # the RL loop; in the launcher's own process after them (a model load is not thread-safe)
+        # the evaluator (never waited for): built beside the workers' builds, not in the RL loop; in the
+        # local launcher's process after them (its workers load their models here: not thread-safe)
         early = evaluator and not getattr(launcher, "in_process", False)
         if early:
             self.open_evaluator(model_dir)
@@ -172,36 +171,25 @@ class Job:
         return self.watch.ask(self.trainer, "evaluate", n)
 
     def open_evaluator(self, model_dir: str) -> None:
-        """Start building the evaluator worker (no CPU asked) in the background; returns at once."""
+        """Start building the evaluator (in this process, no CPU asked) in the background; returns at once."""
         self._eval_deadline = time.monotonic() + self.cfg.train.step_timeout_s
         self._eval_thread = threading.Thread(target=self._build_evaluator, args=(model_dir,), name="evaluator-spawn",
                                              daemon=True)
         self._eval_thread.start()
 
     def _build_evaluator(self, model_dir: str) -> None:
-        handle: Any = None
-        try:
-            spec = WorkerSpec("evaluator", ["evaluator"], threads=1, cpus=0.0)
-            handle = self.launcher.spawn(spec, Evaluator, self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6,
-                                         os.getpid(), self._evaluator_cores())
-            fut = self.launcher.submit(handle, "health")
-            while not self._closed:  # (short waits: a job shut down meanwhile stops waiting before its launcher)
-                try:
-                    self.launcher.result(fut, min(0.5, max(0.0, self._eval_deadline - time.monotonic())))
-                    break
-                except TimeoutError as e:
-                    if time.monotonic() >= self._eval_deadline:
-                        raise self.watch.blame("evaluator", e, "health", self.cfg.train.step_timeout_s) from None
-                except Exception as e:
-                    raise self.watch.blame("evaluator", e, "health") from None
+        handle: Evaluator | None = None
+        try:  # (an object of this process, with either launcher: asyncflow.workflow.evaluator says why)
+            handle = Evaluator(self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6, self._evaluator_cores())
+            handle.health()
         except Exception as e:
-            self._eval_error = e
-        with self._eval_lock:  # (a job shut down meanwhile, or a failed build: release it here)
+            self._eval_error = self.watch.blame("evaluator", e, "health")
+        with self._eval_lock:  # (a job shut down meanwhile, or a failed build: stop it here)
             keep = self._eval_error is None and not self._closed
             if keep:
                 self.evaluator = handle
         if handle is not None and not keep:
-            self.launcher.release(handle)
+            handle.stop()
         self._eval_built.set()
 
     def _evaluator_cores(self) -> tuple[int, ...]:
@@ -221,11 +209,12 @@ class Job:
             raise self._eval_error
         return True
 
-    def _ask_evaluator(self, method: str, *args: Any, timeout: float = HEALTH_TIMEOUT_S) -> Any:
+    def _ask_evaluator(self, method: str, *args: Any) -> Any:
+        """A call of the evaluator (in this process: it answers at once, under its lock)."""
         try:
-            return self.launcher.result(self.launcher.submit(self.evaluator, method, *args), timeout)
+            return getattr(self.evaluator, method)(*args)
         except Exception as e:
-            raise self.watch.blame("evaluator", e, method, timeout) from None
+            raise self.watch.blame("evaluator", e, method) from None
 
     def eval_request(self, version: int) -> bool:
         """Have the evaluator measure weight ``version`` beside training; False if one was running (skipped)."""
@@ -379,8 +368,7 @@ class Job:
                 self.plane.close()
             except Exception:
                 pass
-        evaluator = [self.evaluator] if self.evaluator is not None else []
-        for obj in [*self.workers.values(), *evaluator, self.plane, self.weights]:
+        for obj in [*self.workers.values(), self.plane, self.weights]:
             self.launcher.release(obj)
 
 
