@@ -79,6 +79,7 @@ def _zmq(**kw):
     def cleanup():
         client.disconnect()
         dep.shutdown()
+        shutil.rmtree(dep.folder, ignore_errors=True)  # (what a test saved in its state folder)
 
     return client, cleanup, pathlib.Path(dep.state_dir)
 

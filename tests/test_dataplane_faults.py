@@ -15,6 +15,7 @@ Every wait is bounded; each test starts its own deployment (it kills a part of i
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -175,6 +176,7 @@ def test_a_killed_storage_unit_fails_every_call_that_needs_it_and_nothing_else()
     finally:
         plane.disconnect()
         dep.shutdown()
+        shutil.rmtree(dep.folder, ignore_errors=True)  # (the live unit's half of the save)
 
 
 @pytest.mark.slow

@@ -3,9 +3,9 @@ the step boundary), except where a held-out evaluation must run between the two 
 
 from __future__ import annotations
 
+from asyncflow.api import train
 from asyncflow.config import load_config
 from asyncflow.launch.local import LocalLauncher
-from asyncflow.api import train
 
 
 class OrderLauncher(LocalLauncher):
@@ -67,7 +67,7 @@ def test_evaluations_beside_training_never_hold_the_next_step_back(tmp_path, mon
     cfg = load_config(None, [*ORDER, f"run_dir={tmp_path}"])  # (train.eval_overlap: the default)
     launcher = OrderLauncher()
     request = Evaluator.request  # (an object of the driver's process: asked directly, not through the launcher)
-    monkeypatch.setattr(Evaluator, "request", lambda self, v: launcher.events.append(("request", v)) or request(self, v))
+    monkeypatch.setattr(Evaluator, "request", lambda ev, v: launcher.events.append(("request", v)) or request(ev, v))
     summary = train(cfg, launcher=launcher, run_dir=tmp_path)
     ev = [e for e in launcher.events if e[0] != "submit" or e[1] == "train_step"]
     assert ev == [

@@ -181,7 +181,7 @@ class Evaluator:
         with self._lock:
             return self._running
 
-    def counts(self) -> dict[str, int | bool]:
+    def counts(self) -> dict[str, int]:
         with self._lock:
             return {"requested": self.requested, "skipped": self.skipped, "late": self.late}
 

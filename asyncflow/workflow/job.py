@@ -224,7 +224,7 @@ class Job:
         """The evaluator's results finished since the last poll, and whether one runs (``Evaluator.poll``)."""
         return self._ask_evaluator("poll")
 
-    def eval_counts(self) -> dict[str, int | bool]:
+    def eval_counts(self) -> dict[str, int]:
         return self._ask_evaluator("counts")
 
     def save(self, path: str) -> str:
