@@ -12,6 +12,12 @@ exactly the same useful tokens:
 Prints useful tokens/s of each, the ratio, and the share of batch slots idle.
 
     python benchmarks/engine.py [--requests 512] [--batch 64] [--threads 1]
+    python benchmarks/engine.py --vocab 32000 [--sampler multinomial]
+
+``--vocab`` widens the model's output layer to a real model's vocabulary (the prompts stay the
+tiny tokenizer's ids), where sampling costs what it costs there; ``--sampler multinomial`` makes
+the built-in engine draw with ``torch.multinomial`` at any vocabulary (as before
+``asyncflow.engines.sampling``), for an A/B of the sampler.
 """
 
 from __future__ import annotations
@@ -90,6 +96,9 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=8)
     ap.add_argument("--long", type=int, default=48)
     ap.add_argument("--long-frac", type=float, default=0.125)
+    ap.add_argument("--vocab", type=int, default=0, help="the model's vocabulary (0: the tokenizer's, 308)")
+    ap.add_argument("--sampler", choices=("auto", "multinomial"), default="auto",
+                    help="the built-in engine's draw: auto (inverse CDF from 4,096 entries) or always multinomial")
     args = ap.parse_args()
 
     import numpy as np
@@ -100,6 +109,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     tok = build_char_tokenizer()
     model = build_tiny_model(tok, seed=0).eval()
+    if args.vocab:
+        from transformers import Qwen2ForCausalLM
+
+        from asyncflow.engines.tiny import tiny_config
+
+        config = tiny_config(tok)
+        config.vocab_size = args.vocab
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).eval()
+    if args.sampler == "multinomial":
+        from asyncflow.engines import sampling
+
+        sampling.INVERSE_CDF_MIN_VOCAB = 1 << 62
     rng = np.random.default_rng(0)
     prompts = [[tok.bos_token_id, *tok(f"{a}+{b}=").input_ids] for a, b in rng.integers(0, 100, (args.requests, 2))]
     lengths = forced_lengths(rng, args.requests, args.short, args.long, args.long_frac)
@@ -108,7 +130,8 @@ def main() -> None:
     hf_s, hf_idle = time_generate(model, tok, prompts, lengths, args.batch)
 
     print(f"{args.requests} requests, batch {args.batch}, answers {args.short} tokens "
-          f"({1 - args.long_frac:.0%}) or {args.long} ({args.long_frac:.0%}), {args.threads} thread(s)")
+          f"({1 - args.long_frac:.0%}) or {args.long} ({args.long_frac:.0%}), {args.threads} thread(s), "
+          f"vocabulary {model.config.vocab_size}, built-in sampler {args.sampler}")
     print(f"{'engine':<28}{'useful tokens/s':>16}{'slots idle':>12}")
     print(f"{'asyncflow (continuous)':<28}{useful / ours_s:>16.0f}{ours_idle:>12.0%}")
     print(f"{'HF model.generate (static)':<28}{useful / hf_s:>16.0f}{hf_idle:>12.0%}")

@@ -1,6 +1,7 @@
 """benchmarks/minimal_grpo.py and benchmarks/vs_trl.py run end to end (``--smoke``: 1 round of
 2 steps of 8 prompts, on the untrained tiny model so that no warm-start runs). vs_trl needs the
-``bench`` extra (trl): skipped without it. No timing is checked: only that every side trains."""
+``bench`` extra (trl): skipped without it. No timing is checked: only that every side trains
+(gpu_scale's ``--small``, sampling's one round: that every side runs)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,12 @@ def test_gpu_scale_small_runs_both_engines_and_modes_on_a_model_folder_built_in_
         lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         assert len(lines) == 2 and all(short <= m["response_len"] <= long for m in lines)
         assert all(m["tokens"] % m["samples"] == 0 or short < m["tokens"] / m["samples"] < long for m in lines)
+
+
+def test_sampling_benchmark_times_both_samplers_at_every_vocabulary():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCH / "sampling.py"), "--rows", "4", "--rounds", "1"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    rows = [ln.split() for ln in out[2:]]
+    assert [r[0] for r in rows] == ["308", "32000", "151936"] and all(r[-1].endswith("x") for r in rows), out

@@ -268,8 +268,9 @@ class TrainConfig(_Section):
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N "
                                                   "steps (0 = only before and after).")
     eval_overlap: bool = Field(True, description="stream/async: periodic evaluations run beside training on a "
-                               "weight snapshot (a thread of the driver at nice 19; a due one is skipped while one runs), logged with "
-                               "the version measured (heldout_version). false, or mode=sync: training pauses for each.")
+                               "weight snapshot (a thread of the driver at nice 19; a due one is skipped while one "
+                               "runs), logged with the version measured (heldout_version). false, or mode=sync: "
+                               "training pauses for each.")
     dp: int = Field(1, ge=1, le=64, description="Data-parallel ranks of the trainer: each trains a "
                                                "token-balanced share of every micro-batch; gradients are summed, so "
                                                "a step equals the 1-rank step on the same rows. Ray: one process per "

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 
 from asyncflow.engines.device import model_device
+from asyncflow.engines.sampling import draw
 from asyncflow.engines.training import autocast
 from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
@@ -297,8 +298,9 @@ def sample_tokens(logits: torch.Tensor, sp: SamplingParams,
         cut = sorted_p.cumsum(-1) - sorted_p > sp.top_p
         sorted_p = sorted_p.masked_fill(cut, 0.0)
         probs = torch.zeros_like(probs).scatter(1, order, sorted_p)
-    tok = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    tok = draw(probs, generator)
     return tok, logp.gather(1, tok[:, None])[:, 0]
+
 
 
 class InferenceEngine:
