@@ -150,16 +150,29 @@ def _descendants(pid: int) -> dict[int, bytes]:
     return out
 
 
-def _end_orphans(procs: dict[int, bytes]) -> None:
-    """End at once what the killed driver leaves behind for a few seconds (its data-plane children
-    stop within a poll, Ray's agents once the reaper sweeps: tests/test_queue_shm.py and
-    tests/test_ray_reaper.py test those), ``kill -9`` each by its pid, only while it still runs
-    the same command line, so the resumed run's timing does not depend on them."""
-    for pid, cmd in procs.items():
+def _end_orphans(procs: dict[int, bytes], wait_s: float = 10.0) -> None:
+    """End at once what the killed driver leaves behind for a few seconds (Ray's agents, until
+    the reaper sweeps: tests/test_ray_reaper.py tests that), ``kill -9`` each by its pid, only while
+    it still runs the same command line, so the resumed run's timing does not depend on them. Its
+    data-plane processes (``multiprocessing`` children) are given ``wait_s`` to stop by themselves
+    first: the controller removes the job's folder when it sees its owner gone (killed, it would
+    leave an empty ``asyncflow-plane-*`` folder in the temp dir; tests/test_queue_shm.py tests that)."""
+
+    def same(pid: int, cmd: bytes) -> bool:
         try:
-            if Path(f"/proc/{pid}/cmdline").read_bytes() == cmd:
-                os.kill(pid, signal.SIGKILL)
+            return Path(f"/proc/{pid}/cmdline").read_bytes() == cmd
         except (FileNotFoundError, ProcessLookupError):
+            return False
+
+    plane = {pid: cmd for pid, cmd in procs.items() if b"multiprocessing" in cmd}
+    until = time.monotonic() + wait_s
+    for pid, cmd in [*[(p, c) for p, c in procs.items() if p not in plane], *plane.items()]:
+        while pid in plane and same(pid, cmd) and time.monotonic() < until:
+            time.sleep(0.05)
+        try:
+            if same(pid, cmd):
+                os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
 
 
