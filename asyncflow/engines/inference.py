@@ -302,7 +302,6 @@ def sample_tokens(logits: torch.Tensor, sp: SamplingParams,
     return tok, logp.gather(1, tok[:, None])[:, 0]
 
 
-
 class InferenceEngine:
     """Inference over a Hugging Face causal LM (the built-in engine).
 
