@@ -108,8 +108,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     tok = build_char_tokenizer()
-    model = build_tiny_model(tok, seed=0).eval()
-    if args.vocab:
+    if args.vocab:  # the tiny model's layers, a wider output layer
         from transformers import Qwen2ForCausalLM
 
         from asyncflow.engines.tiny import tiny_config
@@ -118,6 +117,8 @@ def main() -> None:
         config.vocab_size = args.vocab
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(config).eval()
+    else:
+        model = build_tiny_model(tok, seed=0).eval()
     if args.sampler == "multinomial":
         from asyncflow.engines import sampling
 
