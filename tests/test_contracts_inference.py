@@ -21,7 +21,15 @@ import pytest
 import torch
 
 from asyncflow.engines.adapters import StepEngine, Update
-from asyncflow.engines.types import STOP_REASONS, Completion, Engine, EngineBatch, MultiTurnBatch, Request, SamplingParams
+from asyncflow.engines.types import (
+    STOP_REASONS,
+    Completion,
+    Engine,
+    EngineBatch,
+    MultiTurnBatch,
+    Request,
+    SamplingParams,
+)
 
 torch.set_num_threads(1)
 

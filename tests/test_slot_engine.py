@@ -5,7 +5,8 @@ forward.
 * same tokens, per-token versions and log-probs (float32, rel 1e-5) as the reference under one
   seed, greedy and sampled (top-p too), across slot refills, a prefix-shared group, a weight swap
   with partial rollout (with and without recompute) and a restart (``partials``/``resume``);
-* recorded log-probs equal a full forward of prompt + answer (rel 1e-5);
+* recorded log-probs equal a full forward of prompt + answer (rel 1e-5); a model configured for
+  eager attention is driven too, and keeps its setting;
 * a group with one prompt is prefilled once (its keys/values forked into the other slots);
 * the draw rule of the CUDA graphs (uniform numbers drawn ahead, inverse CDF inside the step)
   gives the CPU draw's tokens;
@@ -105,6 +106,18 @@ def test_slots_equal_the_reference_across_refills_and_a_shared_group(tok, temper
     assert isinstance(batch, SlotBatch) and batch.pool.slots == 6
 
 
+def test_a_model_configured_for_eager_attention_is_driven_and_keeps_its_setting(tok):
+    """Our attention function is selected for the slot path's forwards only: an ``eager`` model
+    decodes like the reference and still says ``eager`` afterwards (training, save_pretrained)."""
+    sp = SamplingParams(1.0, max_new_tokens=8)
+    ref, _ = drive("reference", build_tiny_model(tok, seed=0), schedule(tok), sp)
+    model = build_tiny_model(tok, seed=0)
+    model.config._attn_implementation = "eager"
+    out, _ = drive("slots", model, schedule(tok), sp)
+    assert_same(ref, out)
+    assert model.config._attn_implementation == "eager"
+
+
 def test_a_refill_takes_the_freed_slot_and_moves_no_other_row(tok):
     model = build_tiny_model(tok, seed=0)
     batch = InferenceEngine(model, EOS, PAD, max_batch=3).new_batch(SamplingParams(1.0, max_new_tokens=8))
@@ -133,7 +146,7 @@ def test_partial_rollout_across_a_weight_swap_equals_the_reference(tok, recomput
     straddled = [c for c in out.values() if len(set(c.token_versions)) == 2]
     assert len(straddled) >= 2 and out["late"].token_versions[0] == 1
     if recompute:  # each token's log-prob is its own weights' full forward
-        old_te, new_te = TrainEngine(build_tiny_model(tok, seed=0), PAD), TrainEngine(build_tiny_model(tok, seed=1), PAD)
+        old_te, new_te = (TrainEngine(build_tiny_model(tok, seed=s), PAD) for s in (0, 1))
         for c in out.values():
             lp_old = old_te.logprobs([c.prompt_ids], [c.response_ids])[0]
             lp_new = new_te.logprobs([c.prompt_ids], [c.response_ids])[0]

@@ -8,7 +8,8 @@ drives. Its batches decode on **slots** (:class:`~asyncflow.engines.slot_batch.S
 * a KV cache preallocated once per batch (``[slots, kv_heads, capacity, head_dim]`` per layer,
   :mod:`asyncflow.engines.slot_cache`), written in place: a finished row's slot is refilled
   without moving any other row; the model writes into it through the transformers ``Cache``
-  API, with per-row ``position_ids`` and a 4-D per-slot attention mask (SDPA);
+  API, with per-row ``position_ids``, a 4-D per-slot attention mask and our SDPA attention
+  function (grouped heads read each cached key once);
 * the whole decode step (embedding, every layer, logits, sampling, log-prob, each row's stop
   check: EOS, ``stop_ids``, ``min_new_tokens``/``max_new_tokens``) on the model's device for
   every live row at once, tokens, log-probs and stop codes copied to the host as one small
@@ -22,8 +23,8 @@ drives. Its batches decode on **slots** (:class:`~asyncflow.engines.slot_batch.S
 * multi-turn: ``keep``/``extend``/``release``/``stop_ids``
   (:class:`~asyncflow.engines.types.MultiTurnBatch`).
 
-``path="reference"`` (or a model the slots cannot drive: sliding-window layers, flash or flex
-attention) uses :class:`~asyncflow.engines.reference.GenerationBatch`, the former right-aligned
+``path="reference"`` (or a model the slots cannot drive: no Hugging Face config, sliding-window
+layers) uses :class:`~asyncflow.engines.reference.GenerationBatch`, the former right-aligned
 ``DynamicCache`` path, which the slot path is tested against: same tokens and log-probs under
 one seed. ``generate`` is a whole-list call on top of a batch (sync mode, evaluation).
 
@@ -56,7 +57,7 @@ import torch
 from asyncflow.engines.device import model_device
 from asyncflow.engines.reference import GenerationBatch, sample_tokens, token_logprob
 from asyncflow.engines.slot_batch import SlotBatch, SlotPool
-from asyncflow.engines.slot_step import attention_kind
+from asyncflow.engines.slot_step import attention_configs
 from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
 __all__ = ["Completion", "GenerationBatch", "InferenceEngine", "Partial", "Request", "SamplingParams", "SlotBatch",
@@ -80,7 +81,7 @@ class InferenceEngine:
         self.max_batch = max_batch
         self.version = 0
         self.cuda_graphs = cuda_graphs
-        self.path = path if attention_kind(model) is not None else "reference"
+        self.path = path if attention_configs(model) is not None else "reference"
         device = model_device(model) if self.path == "reference" else torch.device("cpu")
         self.generator = torch.Generator(device).manual_seed(seed)
         self._pools: list[SlotPool] = []  # device resources of closed batches, for the next one

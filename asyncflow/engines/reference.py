@@ -2,7 +2,7 @@
 
 The built-in engine decodes on slots (:mod:`asyncflow.engines.slot_batch`); this path is the
 reference it is tested against (same tokens and log-probs under one seed), the path a model
-the slots cannot drive takes (sliding-window layers, flash or flex attention kernels), and the
+the slots cannot drive takes (no Hugging Face config, sliding-window layers), and the
 baseline of ``benchmarks/engine.py --path``.
 
 Design

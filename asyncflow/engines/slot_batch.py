@@ -50,6 +50,8 @@ from asyncflow.engines.slot_graphs import MIN_COLUMNS, StepGraphs, bucket
 from asyncflow.engines.slot_step import BROKEN, REASONS, Pick, SlotState, SlotStep, choose
 from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
+RESERVE = 1024  # answer tokens a row reserves in the cache up front (beyond that the cache grows)
+
 
 class SlotPool:
     """One batch's device resources, reusable by the next (see module doc)."""
@@ -110,16 +112,19 @@ class SlotBatch:
         self.used = np.zeros(S, dtype=bool)
         self.n = np.zeros(S, dtype=np.int64)  # tokens of the current turn
         self.pos = np.zeros(S, dtype=np.int64)  # tokens in the cache
+        # the current turn's tokens, log-probs and versions by slot and column (widened on demand)
+        self.toks = np.zeros((S, 0), np.int64)
+        self.lps = np.zeros((S, 0), np.float64)
+        self.vers = np.zeros((S, 0), np.int64)
         self._arrays(16)
 
     def _arrays(self, width: int) -> None:
-        old = getattr(self, "toks", None)
-        shape = (self.pool.slots, width)
-        toks, lps, vers = np.zeros(shape, np.int64), np.zeros(shape, np.float64), np.zeros(shape, np.int64)
-        if old is not None:
-            w = old.shape[1]
-            toks[:, :w], lps[:, :w], vers[:, :w] = self.toks, self.lps, self.vers
-        self.toks, self.lps, self.vers = toks, lps, vers
+        w = self.toks.shape[1]
+        for name in ("toks", "lps", "vers"):
+            old = getattr(self, name)
+            new = np.zeros((old.shape[0], width), old.dtype)
+            new[:, :w] = old
+            setattr(self, name, new)
 
     def __len__(self) -> int:
         return len(self.order)
@@ -139,8 +144,7 @@ class SlotBatch:
             return []
         for r in requests:
             r.version = self.version
-        limit = max(len(r.prompt_ids) + self._limit(r) for r in requests)
-        self.pool.ensure(limit + 1, 1 + max(len(r.stop_ids) for r in requests))
+        self.pool.ensure(max(self._room(r.prompt_ids, r) for r in requests), 1 + max(len(r.stop_ids) for r in requests))
         slots = self._take(len(requests))
         first: dict[tuple[int, ...], int] = {}
         src = [first.setdefault(tuple(r.prompt_ids), i) for i, r in enumerate(requests)]
@@ -183,6 +187,11 @@ class SlotBatch:
 
     def _limit(self, req: Request) -> int:
         return req.max_new_tokens or self.sampling.max_new_tokens
+
+    def _room(self, context: list[int], req: Request) -> int:
+        """Cache columns to reserve for a row: its context and answer, at most RESERVE of answer
+        ahead (a step grows the cache when a longer answer needs it: rare, but it recaptures graphs)."""
+        return len(context) + min(self._limit(req), RESERVE) + 1
 
     def _take(self, k: int) -> list[int]:
         """The ``k`` lowest free slots, evicting the oldest kept rows' caches if needed."""
@@ -317,7 +326,7 @@ class SlotBatch:
         parts = [p for p in parts if p.response_ids]  # (a live row has sampled at least one token)
         if not parts:
             return []
-        self.pool.ensure(max(len(p.req.prompt_ids) + len(p.response_ids) + self._limit(p.req) for p in parts) + 1,
+        self.pool.ensure(max(self._room(p.req.prompt_ids + p.response_ids, p.req) for p in parts),
                          1 + max(len(p.req.stop_ids) for p in parts))
         slots = self._take(len(parts))
         self.pool.step.prefill(slots, [0] * len(parts), [p.req.prompt_ids + p.response_ids[:-1] for p in parts])
@@ -353,7 +362,7 @@ class SlotBatch:
         context = kept.history + list(append_ids)
         req = dataclasses.replace(kept.req, prompt_ids=context, max_new_tokens=max_new_tokens,
                                   min_new_tokens=min_new_tokens, version=self.version)
-        self.pool.ensure(len(context) + max_new_tokens + 1, 1 + len(req.stop_ids))
+        self.pool.ensure(self._room(context, req), 1 + len(req.stop_ids))
         fresh = kept.slot is not None and kept.kv_version == self.version
         slot = kept.slot if kept.slot is not None else self._take(1)[0]
         if fresh:  # only what the cache lacks: the last sampled token and the observation

@@ -113,5 +113,5 @@ class SlotCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise NotImplementedError("SlotCache rows have their own lengths: pass position_ids and a 4-D mask")
 
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:  # type: ignore[override]
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         raise NotImplementedError("SlotCache rows have their own lengths: pass a 4-D attention mask")

@@ -10,15 +10,17 @@ numbers and its packed output ``out`` (token, log-prob, stop code per slot: one 
 the host per step).
 
 :meth:`SlotStep.decode` is one step for slots ``0 .. B-1`` (or, eagerly, a tensor of slots:
-the live ones, when finished rows left holes) attending to ``T`` cache columns:
-embed, every layer (through the model's own forward, with a :class:`SlotCache` and a 4-D
-per-slot mask), logits, sampling, log-prob and the stop check, for all rows at once, then the
-state advances in place. It reads and writes only preallocated tensors and never waits for
-the host, so it is **the function a CUDA graph captures** (:mod:`asyncflow.engines.slot_graphs`)
-and the function a CPU runs as is: the CPU tests cover the graphs' logic. Rows in the range
-that are not live (finished, parked, never used) compute garbage that nobody reads: they write
-to the cache's scratch column, attend to column 0 only (never a fully masked row: SDPA would
-give NaN), and keep their state.
+the live ones, when finished rows left holes) attending to ``T`` cache columns: embed, every
+layer (through the model's own forward, with a :class:`SlotCache`, a 4-D per-slot boolean mask
+and our attention function :func:`slot_attention`, registered with transformers'
+``AttentionInterface`` and selected only for the duration of our forwards), logits, sampling,
+log-prob and the stop check, for all rows at once; then the state advances in place. It reads
+and writes only preallocated tensors and never waits for the host, so it is **the function a
+CUDA graph captures** (:mod:`asyncflow.engines.slot_graphs`) and the function a CPU runs as
+is: the CPU tests cover the graphs' logic. Rows in the range that are not live (finished,
+kept, never used) compute garbage that nobody reads: they write to the cache's scratch
+column, attend to column 0 only (never a fully masked row: SDPA would give NaN), and keep
+their state.
 
 How a step draws (:func:`choose`): the log-prob recorded is ``log_softmax(logits / T)`` at the
 token, the unmasked policy's (what training recomputes); the token is drawn from the same
@@ -40,12 +42,13 @@ bound the 4-D mask; padding queries write to the scratch column.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface
 
 from asyncflow.engines.sampling import draw, inverse_cdf, nucleus
 from asyncflow.engines.slot_cache import SlotCache
@@ -104,25 +107,28 @@ class SlotState:
 
 def choose(logits: torch.Tensor, n_gen: torch.Tensor, min_new: torch.Tensor, max_new: torch.Tensor,
            stops: torch.Tensor, sp: SamplingParams, pick: Pick) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Tokens, their log-probs and stop codes for one row each of ``logits`` (see module doc).
+    """Tokens, their log-probs and stop codes for one row each of ``logits`` (may be overwritten).
 
     ``n_gen`` is the tokens each row generated before this one; the code is 1 (EOS), 2 (a stop
     id), 3 (``max_new`` reached), 0 (running) or -1 (probabilities not finite: a broken row).
-    Greedy when ``sp.temperature <= 0`` (log-probs then at T = 1)."""
+    Greedy when ``sp.temperature <= 0`` (log-probs then at T = 1). Passes over ``[rows, vocab]``
+    are what a large vocabulary costs, so the barred stop tokens are written in place and the
+    recorded log-prob is ``z[tok] - logsumexp(z)``: a barred token is never drawn, so its
+    unbarred logit is not needed."""
     t = sp.temperature if sp.temperature > 0 else 1.0
-    z = logits.float() / t
-    logp_all = F.log_softmax(z, -1)
+    z = logits.float() if t == 1.0 else logits.float() / t
+    lse = torch.logsumexp(z, -1)
     early = (n_gen < min_new)[:, None]
-    barred = z.scatter(1, stops, torch.where(early, float("-inf"), z.gather(1, stops)))
+    z.scatter_(1, stops, torch.where(early, float("-inf"), z.gather(1, stops)))
     ok = None
     if sp.temperature <= 0:
-        tok = barred.argmax(-1)
+        tok = z.argmax(-1)
     else:
-        probs = F.log_softmax(barred, -1).exp()
+        probs = torch.softmax(z, -1)
         if sp.top_p < 1.0:
             probs = nucleus(probs, sp.top_p)
         tok, ok = pick(probs)
-    logp = logp_all.gather(1, tok[:, None])[:, 0]
+    logp = z.gather(1, tok[:, None])[:, 0] - lse
     hit = tok[:, None] == stops
     code = torch.where(hit[:, 0], 1, torch.where(hit.any(-1), 2, torch.where(n_gen + 1 >= max_new, 3, 0)))
     if ok is not None:
@@ -130,16 +136,53 @@ def choose(logits: torch.Tensor, n_gen: torch.Tensor, min_new: torch.Tensor, max
     return tok, logp, code
 
 
-def attention_kind(model: torch.nn.Module) -> str | None:
-    """How the model's attention takes our 4-D mask: 'bool' (SDPA), 'additive' (eager), or None
-    when the slot path cannot drive it (sliding-window layers, flash/flex kernels)."""
-    config = next((m.config for m in model.modules() if hasattr(m, "config")), None)
-    if config is None:
+ATTENTION = "asyncflow_slots"  # the attention function our forwards select (registered below)
+
+
+def slot_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                   **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The slot path's attention (a transformers ``AttentionInterface`` function): SDPA under the
+    per-slot boolean mask. A decode step's single query packs the query heads of each key/value
+    head as that head's queries, so every cached key is read once (no ``repeat_kv``: at 14/2 heads
+    that copy would move 7x the cache's bytes a step); a prefill repeats the key/value heads."""
+    B, H, q, d = query.shape
+    kv = key.shape[1]
+    if q == 1 and H != kv:
+        out = F.scaled_dot_product_attention(query.reshape(B, kv, H // kv, d), key, value,
+                                             attn_mask=attention_mask, scale=scaling).reshape(B, H, 1, d)
+    else:
+        if H != kv:
+            key, value = key.repeat_interleave(H // kv, 1), value.repeat_interleave(H // kv, 1)
+        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, slot_attention)
+
+
+def attention_configs(model: torch.nn.Module) -> list[Any] | None:
+    """The configs whose ``_attn_implementation`` the model's attention layers read, or None when
+    the slot path cannot drive the model (no Hugging Face config, sliding-window layers)."""
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(getattr(m, "config", None),
+                                                                           "_attn_implementation")}
+    if not configs or any("sliding_attention" in (getattr(c, "layer_types", None) or ()) for c in configs.values()):
         return None
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return None
-    impl = getattr(config, "_attn_implementation", None) or "eager"
-    return {"sdpa": "bool", "eager": "additive"}.get(impl)
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def selected(configs: list[Any]) -> Iterator[None]:
+    """Our attention function for the forwards inside (the previous one restored after: a
+    colocated trainer's forwards keep theirs, and a saved config never names ours)."""
+    saved = [c._attn_implementation for c in configs]
+    for c in configs:
+        c._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        for c, impl in zip(configs, saved):
+            c._attn_implementation = impl
 
 
 class SlotStep:
@@ -151,8 +194,11 @@ class SlotStep:
         self.device = state.tok.device
         self.uniform, self.generator, self.pad_id = uniform, generator, pad_id
         self.sampling = SamplingParams()
-        self.order: torch.Tensor | None = None  # CPU draws: the live rows (indices into a step's rows), admitted first first
-        self.additive = attention_kind(model) == "additive"
+        self.order: torch.Tensor | None = None  # CPU draws: the live rows among a step's rows, in admission order
+        configs = attention_configs(model)
+        if configs is None:
+            raise ValueError("the slot path drives Hugging Face causal LMs with full attention (no sliding window)")
+        self.configs = configs
         self.bf16 = dtype == "bfloat16"
 
     # ------------------------------------------------------------------ decode (graph-capturable)
@@ -232,11 +278,8 @@ class SlotStep:
     # ------------------------------------------------------------------ the model
     def forward(self, ids: torch.Tensor, see: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """The model over ``ids`` with the bound cache; logits of the last column (float32)."""
-        mask: torch.Tensor = see
-        if self.additive:  # eager attention adds its mask to the scores
-            mask = torch.zeros(see.shape, device=see.device).masked_fill(~see, torch.finfo(torch.float32).min)
-        with self._precision():
-            out: Any = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
+        with self._precision(), selected(self.configs):
+            out: Any = self.model(input_ids=ids, attention_mask=see, position_ids=pos, past_key_values=self.cache,
                                   use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :].float()
 
