@@ -36,7 +36,10 @@ The model is the tiny Hugging Face model of the folder given as ``model``, decod
 a real KV cache (``tests/fake_llm_core.py``). Test-only knobs (``LLM(..., fake_knobs={...})``):
 ``"reset": "refuse"`` makes ``reset_prefix_cache`` return ``False`` (as a KV connector
 that refuses would); ``"hold": n`` stops every request after ``n`` tokens until the first
-weight reload (a slow engine frozen mid-answer, so a test's swap always meets live requests).
+weight reload (a slow engine frozen mid-answer, so a test's swap always meets live requests);
+``"first_batch": n`` makes the first engine step wait until ``n`` requests have arrived
+(the client adds them one message at a time; a contract test expects one step to give each
+of them a token).
 """
 
 from __future__ import annotations
@@ -220,12 +223,13 @@ class _Core:
         self.running: list[Seq] = []
         self.waiting: deque[Seq] = deque()
         self.paused = False
+        self.stepped = False
 
     def _held(self, seq: Seq) -> bool:
         return "hold" in self.knobs and not self.worker.loads and seq.n_out >= self.knobs["hold"]
 
     def has_work(self) -> bool:
-        if self.paused:
+        if self.paused or (not self.stepped and len(self.reqs) < self.knobs.get("first_batch", 0)):
             return False
         return bool(self.waiting and len(self.running) < self.max_seqs) or any(not self._held(s) for s in self.running)
 
@@ -252,6 +256,7 @@ class _Core:
                 self._free(self.reqs[rid])
 
     def step(self) -> list[list]:
+        self.stepped = True
         while self.waiting and len(self.running) < self.max_seqs:
             self.running.append(self.waiting.popleft())
         outs = []

@@ -101,6 +101,7 @@ def _drain(batch, limit_s: float = DEADLINE_S) -> list[Completion]:
 
 
 REQS = [Request(f"r{i}", [1, 5 + i, 6], max_new_tokens=8) for i in range(3)]
+BUILT: list = []  # adapters a test built: shut down after it
 
 
 def _requests() -> list[Request]:
@@ -117,6 +118,8 @@ def fake_vllm(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())
     monkeypatch.delenv("VLLM_ALLOW_INSECURE_SERIALIZATION", raising=False)
     yield fake_vllm
+    while BUILT:
+        BUILT.pop().shutdown()
     fake_vllm.shutdown_all()
 
 
@@ -138,7 +141,9 @@ def test_fake_vllm_keeps_the_serialisation_rules(fake_vllm, model_dir, monkeypat
 def _vllm(model_dir, **kw):
     from asyncflow.engines.vllm_engine import VLLMEngine
 
-    return VLLMEngine(str(model_dir), eos_id=EOS, max_batch=4, dtype="float32", seed=3, **kw)
+    BUILT.append(VLLMEngine(str(model_dir), eos_id=EOS, max_batch=4, dtype="float32", seed=3,
+                            weights_dir=str(model_dir.parent / "weights"), **kw))
+    return BUILT[-1]
 
 
 def test_vllm_generates_with_the_sampled_tokens_logprobs(fake_vllm, model_dir):
@@ -229,13 +234,16 @@ def fake_sglang(monkeypatch):
     for name, mod in fake_sglang.modules().items():
         monkeypatch.setitem(sys.modules, name, mod)
     yield fake_sglang
+    while BUILT:
+        BUILT.pop().shutdown()
     fake_sglang.shutdown_all()
 
 
 def _sglang(model_dir, **kw):
     from asyncflow.engines.sglang_engine import SGLangEngine
 
-    return SGLangEngine(str(model_dir), eos_id=EOS, max_batch=4, dtype="float32", seed=3, **kw)
+    BUILT.append(SGLangEngine(str(model_dir), eos_id=EOS, max_batch=4, dtype="float32", seed=3, **kw))
+    return BUILT[-1]
 
 
 def _wait_held(fake, n: int, tokens: int, batch) -> None:
@@ -338,8 +346,9 @@ def test_engine_switch_config_errors(monkeypatch):
 
     for name in ("vllm", "sglang"):
         if not config.engine_installed(name):
-            with pytest.raises(ConfigError, match=rf"^config error: rollout: rollout.engine={name} needs the {name} "
-                                                  rf"package, which is not installed: pip install 'asyncflow\[{name}\]'") as e:
+            expect = (rf"^config error: rollout: rollout.engine={name} needs the {name} package, which is not "
+                      rf"installed: pip install 'asyncflow\[{name}\]'")
+            with pytest.raises(ConfigError, match=expect) as e:
                 load_config(None, [f"rollout.engine={name}"])
             assert "\n" not in str(e.value)
     monkeypatch.setattr(config, "engine_installed", lambda name: True)
