@@ -48,6 +48,7 @@ from asyncflow.engines.adapters import EngineStepError, Loaded, StepEngine, Upda
 from asyncflow.engines.types import SamplingParams
 
 WEIGHTS_FILE = "model.safetensors"  # the loader globs *.safetensors in the folder
+RELOAD_TIMEOUT_S = 600.0  # collective_rpc's deadline for every worker's reload (sleep/reset/wake_up have none in vLLM)
 
 
 def update_from_output(out: Any) -> Update:
@@ -133,7 +134,8 @@ class VLLMBackend:
         try:
             self._step("sleep(level=0, mode='keep')", lambda: self.llm.sleep(level=0, mode="keep"))
             self._step("collective_rpc('reload_weights')", lambda: self.llm.collective_rpc(
-                "reload_weights", kwargs={"weights_path": self.folder, "is_checkpoint_format": True}))
+                "reload_weights", timeout=RELOAD_TIMEOUT_S,
+                kwargs={"weights_path": self.folder, "is_checkpoint_format": True}))
             self._step("reset_prefix_cache(reset_running_requests=True)",
                        lambda: self.llm.reset_prefix_cache(reset_running_requests=True), expect=True)
             self._step("wake_up(tags=['scheduling'])", lambda: self.llm.wake_up(tags=["scheduling"]), expect=True)
