@@ -2,7 +2,7 @@
 :class:`~asyncflow.engines.types.EngineBatch`), run against every engine.
 
 ``ENGINES`` lists the implementations (adding one is one line): the built-in engine on the
-tiny model, the deterministic ``FakeEngine``, the adapters' shared ``StepEngine`` over a
+tiny model, transformers' continuous batching (``hf_paged``) on it, the deterministic ``FakeEngine``, the adapters' shared ``StepEngine`` over a
 scripted backend (the pure-Python half of the vLLM and SGLang adapters, with the engine
 faked at its edge), and the real vLLM and SGLang engines, which need their package and a
 CUDA GPU and skip cleanly otherwise. Each case gives an engine and a weight set its
@@ -78,6 +78,12 @@ def _builtin(tmp_path):
     return InferenceEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
 
 
+def _hf_paged(tmp_path):
+    from asyncflow.engines.hf_paged import HFPagedEngine
+
+    return HFPagedEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
+
+
 def _fake(tmp_path):
     from asyncflow.engines.fake import FakeEngine
 
@@ -108,6 +114,7 @@ def _real(lib: str, module: str, cls: str):
 
 ENGINES = {
     "builtin": _builtin,
+    "hf_paged": _hf_paged,
     "fake": _fake,
     "adapter": _adapter,
     "vllm": _real("vllm", "vllm_engine", "VLLMEngine"),
@@ -119,9 +126,10 @@ ENGINES = {
 def case(request, tmp_path):
     engine, weights = ENGINES[request.param](tmp_path)
     yield engine, weights
-    close = getattr(engine, "shutdown", None)
-    if callable(close):
-        close()
+    for name in ("shutdown", "close"):
+        close = getattr(engine, name, None)
+        if callable(close):
+            close()
 
 
 def requests(n: int, **kw) -> list[Request]:
