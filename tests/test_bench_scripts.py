@@ -21,7 +21,7 @@ def benchmarks(monkeypatch):
     # importable by name: the scripts' spawned processes (plain loop --procs, TRL) import them again
     monkeypatch.syspath_prepend(str(BENCH))
     yield
-    for name in ("minimal_grpo", "vs_trl", "gpu_scale", "gpu_phases", "gpu_floors", "engine"):
+    for name in ("minimal_grpo", "vs_trl", "gpu_scale", "gpu_phases", "gpu_floors", "engine", "logprob_memory"):
         sys.modules.pop(name, None)
 
 
@@ -84,6 +84,14 @@ def test_gpu_scale_kills_a_phase_past_its_budget_and_goes_on(benchmarks, tmp_pat
     rows = gpu_scale.main(["--out", str(tmp_path), "--phases", "setup", "--budget", "setup=1"])
     status = [r for r in rows if r.get("status")]
     assert len(status) == 1 and status[0]["status"] == "timeout" and status[0]["wall_s"] < 30
+
+
+def test_logprob_memory_script_shows_the_chunked_peak_below_the_plain_one(benchmarks):
+    import logprob_memory
+
+    rows = logprob_memory.main(["--tokens", "64", "--chunk-mib", "0", "0.05", "--vocab", "20000", "--hidden", "16"])
+    plain, chunked = (r["peak_bytes"] for r in rows)
+    assert chunked < plain / 2 and plain > rows[0]["logits_bytes"]
 
 
 def test_gpu_floors_hand_computed(benchmarks):

@@ -122,9 +122,9 @@ def test_async_training_run_with_hf_paged_and_sync_is_refused(tmp_path):
         load_config(None, ["mode=sync", "rollout.engine=hf_paged"])
     assert "\n" not in str(e.value)
     cfg = load_config(None, ["mode=async", "rollout.engine=hf_paged", "launcher=local", "warmstart.enabled=false",
-                             "train.steps=2", "train.prompts_per_step=2", "train.micro_prompts=2", "rollout.group_size=2",
-                             "rollout.max_new_tokens=4", "train.eval_every=0", "train.save_every=0",
-                             "task.eval_n=1", "progress=false", f"run_dir={tmp_path}"])
+                             "train.steps=2", "train.prompts_per_step=2", "train.micro_prompts=2",
+                             "rollout.group_size=2", "rollout.max_new_tokens=4", "train.eval_every=0",
+                             "train.save_every=0", "task.eval_n=1", "progress=false", f"run_dir={tmp_path}"])
     launcher = get_launcher("local")
     try:
         summary = train(cfg, launcher=launcher, evaluate=False)

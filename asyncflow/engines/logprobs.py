@@ -93,7 +93,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
     divisor itself (1.0 for none)."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,  # type: ignore[override]
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                 temperature: float, chunk: int, dtype: torch.dtype, entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logp = hidden.new_empty(n, dtype=torch.float32)
@@ -113,7 +113,7 @@ class ChunkedHeadLogprobs(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(ctx: Any, g_logp: torch.Tensor | None,  # type: ignore[override]
+    def backward(ctx: Any, g_logp: torch.Tensor | None,
                  g_ent: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, targets, lse, ent = ctx.saved_tensors
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -156,7 +156,7 @@ def chunked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.
     (``hidden`` ``[N, H]``), ``chunk`` tokens at a time (:class:`ChunkedHeadLogprobs`); without
     ``entropy`` the entropies are zeros (and cost nothing)."""
     t = temperature if temperature > 0 else 1.0
-    return ChunkedHeadLogprobs.apply(hidden, weight, targets, float(t), max(1, int(chunk)),  # type: ignore[no-any-return]
+    return ChunkedHeadLogprobs.apply(hidden, weight, targets, float(t), max(1, int(chunk)),
                                      _compute_dtype(weight), entropy)
 
 

@@ -306,7 +306,7 @@ class TrainEngine:
         for idx in self._chunks(prompts, responses):
             batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id, self.device)
             with autocast(self.dtype, self.device):
-                logp = token_logprobs(self.model, batch, self.temperature, chunk_mib=self.logprob_chunk_mib).float().cpu()
+                logp = token_logprobs(self.model, batch, self.temperature, chunk_mib=self.logprob_chunk_mib).cpu()
             for j, i in enumerate(idx):
                 out[i] = logp[j, : batch.response_lens[j]].float().numpy().astype(np.float32)
         self.model.train(was_training)
