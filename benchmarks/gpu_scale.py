@@ -10,7 +10,7 @@ copy). Answers are long-tailed and forced: ``--short`` tokens (7 in 8) or ``--lo
 
 Phases (``benchmarks/gpu_phases.py``), each with its own time budget, in a process of its own
 (a phase past its budget is killed and the next one starts; ``--small`` runs them in this
-process):
+process, unless ``--isolate``):
 
 1. ``setup``: build and save the model, the prompts and the reward; the floors of each measured
    thing (``benchmarks/gpu_floors.py``: bytes and FLOPs of a decode step, of a training pass, of a
@@ -160,7 +160,9 @@ def spawn_phase(name: str, argv: list[str], log: Results, budget: float) -> None
     """One phase in a process of its own, killed (its process group) past ``budget`` seconds; a
     cut e2e run still gives its steady rate from the steps it finished."""
     t = time.monotonic()
-    cmd = [sys.executable, __file__, *argv, "--phase", name, "--deadline-in", f"{budget:.0f}"]
+    # the child's deadline on the same monotonic clock (system-wide on Linux), a few seconds
+    # before the kill so that its last line gets written
+    cmd = [sys.executable, __file__, *argv, "--phase", name, "--deadline-at", f"{t + budget - 3:.3f}"]
     proc = subprocess.Popen(cmd, start_new_session=True)
     try:
         rc = proc.wait(timeout=budget)
@@ -188,21 +190,21 @@ def report(rows: list[dict]) -> str:
            f"{setup_row.get('transformers', '?')}), {setup_row.get('parameters', 0):,} parameters"]
     out.append(f"{'engine':<16}{'answers':>8}{'tokens/s':>11}{'step ms':>9}{'floor t/s':>11}{'of floor':>9}"
                f"{'peak GiB':>9}  note")
-    for r in (r for r in rows if r.get("phase") == "engines"):
+    for r in (r for r in rows if r.get("phase") == "engines" and "engine" in r):
         note = r.get("skipped") or r.get("error") or ("cut at the window" if r.get("cut") else "")
         of = r.get("of_floor")
         out.append(f"{r['engine']:<16}{r['concurrency']:>8}{_f(r.get('tokens_per_s')):>11}"
                    f"{_f(r.get('step_ms'), '.1f'):>9}{_f(r.get('floor_tokens_per_s')):>11}"
                    f"{'-' if of is None else f'{of:.2%}':>9}{_f(r.get('peak_gib'), '.1f'):>9}  {note}")
     out.append(f"{'training pass':<24}{'peak GiB':>9}{'tokens/s':>10}{'s':>8}{'floor s':>9}{'MFU':>7}  note")
-    for r in (r for r in rows if r.get("phase") == "train_memory"):
+    for r in (r for r in rows if r.get("phase") == "train_memory" and "logprob_chunk_mib" in r):
         label = f"chunks {r['logprob_chunk_mib']:g} MiB" if r["logprob_chunk_mib"] else "no chunks"
         mfu = r.get("mfu")
         out.append(f"{label:<24}{_f(r.get('peak_gib'), '.1f'):>9}{_f(r.get('trained_tokens_per_s')):>10}"
                    f"{_f(r.get('seconds'), '.3f'):>8}{_f(r.get('floor_s'), '.3f'):>9}"
                    f"{'-' if mfu is None else f'{mfu:.1%}':>7}  {r.get('skipped') or r.get('error') or ''}")
     sync_floor = next((r for r in rows if r.get("what") == "sync_step"), {})
-    e2e = {r["mode"]: r for r in rows if r.get("phase") == "e2e"}
+    e2e = {r["mode"]: r for r in rows if r.get("phase") == "e2e" and "mode" in r}
     for mode in ("sync", "async"):
         r, floor = e2e.get(mode, {}), sync_floor.get(f"{mode}_samples_per_s")
         got = r.get("samples_per_s")
@@ -225,6 +227,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", default="/tmp/asyncflow-gpu-scale")
     ap.add_argument("--small", action="store_true", help="a 2-layer model, short answers, phases in this process "
                                                          "(a CPU dry run)")
+    ap.add_argument("--isolate", action="store_true", help="with --small: phases in processes of their own too")
     ap.add_argument("--phases", nargs="+", default=list(BUDGETS), choices=list(BUDGETS))
     ap.add_argument("--total-s", type=float, default=470.0, help="start no phase past this many seconds")
     ap.add_argument("--budget", nargs="*", default=[], metavar="PHASE=SECONDS", help="override a phase's budget")
@@ -245,7 +248,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--card", help="the card whose datasheet gives the floors (default: the device's name; "
                                    "H200 or H100)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # (a spawned phase)
-    ap.add_argument("--deadline-in", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--deadline-at", type=float, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.small:
         args.short, args.long, args.prompt_words, args.concurrency = 4, 16, 8, [4]
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     root.mkdir(parents=True, exist_ok=True)
     log = Results(root / "results.jsonl")
     if args.phase:  # a spawned phase
-        run_phase(args.phase, args, log, time.monotonic() + (args.deadline_in or 600.0))
+        run_phase(args.phase, args, log, args.deadline_at or time.monotonic() + 600.0)
         return log.rows()
     log.write({"phase": "start", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": raw})
     t0 = time.monotonic()
@@ -278,7 +281,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if budget < 10 and name != "setup":
             log.write({"phase": name, "skipped": f"total budget spent ({args.total_s:.0f} s)"})
             continue
-        if args.small:
+        if args.small and not args.isolate:
             run_phase(name, args, log, time.monotonic() + budget)
         else:
             spawn_phase(name, raw, log, budget)

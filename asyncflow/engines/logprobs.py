@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+from transformers import PreTrainedModel
 
 
 class ResponseBatch(Protocol):
@@ -65,8 +66,6 @@ class ResponseBatch(Protocol):
 
 def head_parts(model: torch.nn.Module) -> tuple[Callable[..., Any], torch.Tensor] | None:
     """``(decoder, head weight)`` of a plain Hugging Face causal LM, else ``None`` (module doc)."""
-    from transformers import PreTrainedModel
-
     if not isinstance(model, PreTrainedModel):
         return None
     base = getattr(model, "base_model", None)
