@@ -2,8 +2,8 @@
 :class:`~asyncflow.engines.types.EngineBatch`), run against every engine.
 
 ``ENGINES`` lists the implementations (adding one is one line): the built-in engine on the
-tiny model, the deterministic ``FakeEngine``, the adapters' shared ``StepEngine`` over a
-scripted backend, the vLLM adapter over ``tests/fake_vllm.py`` (vLLM 0.33.0's engine core
+tiny model, transformers' continuous batching (``hf_paged``) on it, the deterministic
+``FakeEngine``, the adapters' shared ``StepEngine`` over a scripted backend, the vLLM adapter over ``tests/fake_vllm.py`` (vLLM 0.33.0's engine core
 in another process, its serialisation, prefix cache and pause; the tiny model decoding),
 and the real vLLM and SGLang engines, which need their package and a CUDA GPU and skip
 cleanly otherwise. (The SGLang adapter's fake returns an answer only when it finishes or is
@@ -81,6 +81,12 @@ def _builtin(tmp_path, monkeypatch):
     return InferenceEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
 
 
+def _hf_paged(tmp_path, monkeypatch):
+    from asyncflow.engines.hf_paged import HFPagedEngine
+
+    return HFPagedEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
+
+
 def _fake(tmp_path, monkeypatch):
     from asyncflow.engines.fake import FakeEngine
 
@@ -127,6 +133,7 @@ def _real(lib: str, module: str, cls: str):
 
 ENGINES = {
     "builtin": _builtin,
+    "hf_paged": _hf_paged,
     "fake": _fake,
     "adapter": _adapter,
     "vllm-fake": _vllm_fake,
@@ -139,9 +146,10 @@ ENGINES = {
 def case(request, tmp_path, monkeypatch):
     engine, weights = ENGINES[request.param](tmp_path, monkeypatch)
     yield engine, weights
-    close = getattr(engine, "shutdown", None)
-    if callable(close):
-        close()
+    for name in ("shutdown", "close"):
+        close = getattr(engine, name, None)
+        if callable(close):
+            close()
 
 
 def requests(n: int, **kw) -> list[Request]:

@@ -29,6 +29,10 @@ class TrainConfig(Section):
     max_tokens_per_micro: int | None = Field(
         None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
                                 "rows x longest row <= budget (None = one pass per streamed micro-batch).")
+    logprob_chunk_mib: float = Field(256.0, ge=0, description="Training's log-probs and entropy: a pass whose float32 "
+                                     "logits (response tokens x vocabulary x 4 bytes) would exceed this many MiB runs "
+                                     "the LM head in chunks of that size, recomputed in backward, so the peak grows "
+                                     "with the chunk (about 3x it), not with the micro-batch (0 = never chunk).")
     split_padding: int = Field(128, ge=0, description="Without max_tokens_per_micro: cut a micro-batch (longest rows "
                                "first) into passes wherever a cut saves this many padded tokens (0 = one pass).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N "
