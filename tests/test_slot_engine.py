@@ -27,7 +27,7 @@ import torch
 
 from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams, load_named_weights
 from asyncflow.engines.slot_batch import SlotBatch, SlotPool
-from asyncflow.engines.slot_graphs import bucket
+from asyncflow.engines.slot_graphs import bucket, columns
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model, tiny_config
 from asyncflow.engines.training import TrainEngine
 
@@ -273,9 +273,11 @@ def test_min_new_tokens_bars_stop_ids_like_eos(tok):
     assert_full_forward(model, out)
 
 
-def test_buckets_are_powers_of_two_within_limits():
+def test_graph_buckets_are_coarse_for_rows_and_finer_for_long_columns():
     assert [bucket(n, 64) for n in (1, 2, 3, 33, 64, 65)] == [1, 2, 4, 64, 64, 64]
     assert bucket(3, 100, least=16) == 16 and bucket(70, 100, least=16) == 100
+    assert [columns(n, 4096) for n in (1, 17, 512, 513, 1056, 4000)] == [16, 32, 512, 768, 1280, 4096]
+    assert columns(1056, 1024) == 1024
 
 
 @pytest.mark.gpu

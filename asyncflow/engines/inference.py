@@ -28,8 +28,11 @@ layers) uses :class:`~asyncflow.engines.reference.GenerationBatch`, the former r
 ``DynamicCache`` path, which the slot path is tested against: same tokens and log-probs under
 one seed. ``generate`` is a whole-list call on top of a batch (sync mode, evaluation).
 
-The floor of a decode step (what the hardware cannot beat) is counted in docs/benchmarks.md
-("The floor of a decode step").
+The floor of a decode step of the 0.5B shape (what the hardware cannot beat: 0.99 GB of bf16
+weights and the live tokens' KV, 12 KiB each, read once; ~0.43 ms at 256 answers on an H200)
+and what this path moves beyond it (every row reads the longest live row's columns; float32
+sampling passes over the vocabulary) are counted in docs/benchmarks.md ("The prepared GPU
+command").
 
 Invariants
 ----------

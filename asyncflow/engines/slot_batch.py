@@ -46,7 +46,7 @@ import torch
 from asyncflow.engines.device import model_device
 from asyncflow.engines.sampling import BROKEN_ROW, draw, inverse_cdf, uniforms
 from asyncflow.engines.slot_cache import SlotCache
-from asyncflow.engines.slot_graphs import MIN_COLUMNS, StepGraphs, bucket
+from asyncflow.engines.slot_graphs import StepGraphs, bucket, columns
 from asyncflow.engines.slot_step import BROKEN, REASONS, Pick, SlotState, SlotStep, choose
 from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
@@ -220,7 +220,7 @@ class SlotBatch:
         pool.ensure(need, 1)
         rows: slice | torch.Tensor
         if pool.graphs is not None:  # fixed ranges: a graph per bucket
-            hi, T = bucket(hi, pool.slots), bucket(need, pool.cache.capacity, MIN_COLUMNS)
+            hi, T = bucket(hi, pool.slots), columns(need, pool.cache.capacity)
             rows = slice(0, hi)
         elif hi == len(live):  # no holes: a view of the first rows
             rows, T = slice(0, hi), need

@@ -6,9 +6,9 @@ A decode step of a small model is hundreds of kernel launches (every op of every
 each take microseconds of GPU time; launched one by one from Python the GPU idles between
 them. :class:`StepGraphs` captures :meth:`SlotStep.decode(slice(0, B), T) <asyncflow.engines.slot_step.SlotStep.decode>`
 once per bucket into a ``torch.cuda.CUDAGraph`` and replays it: one launch a step. Buckets
-(:func:`bucket`) are powers of two, rows up to the slot count and columns up to the cache
-capacity, so a handful of graphs serve every batch; a bucket is captured the first time a
-step needs it.
+are powers of two for rows (:func:`bucket`, up to the slot count) and for columns up to 512,
+then multiples of 256 (:func:`columns`, up to the cache capacity), so a handful of graphs
+serve every batch; a bucket is captured the first time a step needs it.
 
 Invariants
 ----------
@@ -45,6 +45,13 @@ def bucket(n: int, limit: int, least: int = 1) -> int:
     while b < n:
         b *= 2
     return min(b, limit)
+
+
+def columns(n: int, limit: int) -> int:
+    """The attention width of a graph for ``n`` columns: a power of two up to 512, then the next
+    multiple of 256 (every row reads the bucket's columns: coarser buckets above 512 would read
+    up to twice the cache), at most ``limit``."""
+    return bucket(n, limit, MIN_COLUMNS) if n <= 512 else min(-(-n // 256) * 256, limit)
 
 
 class StepGraphs:
