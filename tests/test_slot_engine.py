@@ -7,7 +7,8 @@ forward.
   with partial rollout (with and without recompute) and a restart (``partials``/``resume``);
 * recorded log-probs equal a full forward of prompt + answer (rel 1e-5); a model configured for
   eager attention is driven too, and keeps its setting;
-* a group with one prompt is prefilled once (its keys/values forked into the other slots);
+* a group with one prompt is prefilled once (its keys/values forked into the other slots); a
+  live row forked (``fork``, the tree-rollout primitive) continues as independent rows;
 * the draw rule of the CUDA graphs (uniform numbers drawn ahead, inverse CDF inside the step)
   gives the CPU draw's tokens;
 * multi-turn: ``extend`` prefills only what the cache lacks, its turn's log-probs equal a full
@@ -214,6 +215,34 @@ def test_the_graphs_draw_rule_gives_the_cpu_draws(tok):
         outs.append({c.key: c for c in done})
     assert_same(ref, outs[0])
     assert_same(outs[0], outs[1])
+
+
+def test_a_forked_live_row_continues_as_independent_rows_without_recompute(tok):
+    """``fork`` (the tree-rollout primitive): the copies share the row's tokens so far and its
+    cache (no forward); greedy, they continue exactly as the row does; sampled, each one's
+    log-probs equal a full forward of its own answer."""
+    model = build_tiny_model(tok, seed=0)
+    fed: list[int] = []
+    model.model.embed_tokens.register_forward_hook(lambda m, i, o: fed.append(i[0].numel()))
+    for temperature in (0.0, 1.0):
+        batch = InferenceEngine(model, EOS, PAD, max_batch=4).new_batch(SamplingParams(temperature, max_new_tokens=9))
+        batch.add([Request("t", prompt(tok, "12+34="), min_new_tokens=9)])
+        batch.step()
+        fed.clear()
+        batch.fork("t", ["t1", "t2"])
+        assert fed == [] and len(batch) == 3
+        done = []
+        while len(batch):
+            done += batch.step()
+        out = {c.key: c for c in done}
+        assert all(out[k].response_ids[:2] == out["t"].response_ids[:2] for k in ("t1", "t2"))
+        if temperature == 0.0:
+            assert out["t1"].response_ids == out["t2"].response_ids == out["t"].response_ids
+        else:
+            assert len({tuple(c.response_ids) for c in done}) > 1  # they sampled on their own
+        assert_full_forward(model, done, temperature)
+    with pytest.raises(KeyError, match="'gone'"):
+        batch.fork("gone", ["x"])
 
 
 # --------------------------------------------------------------------------- multi-turn

@@ -2,13 +2,8 @@
 
 Design
 ------
-A :class:`SlotPool` is one batch's device resources, allocated once and reused by the
-engine's next batch: a :class:`~asyncflow.engines.slot_cache.SlotCache` of ``max_batch``
-slots, the per-slot :class:`~asyncflow.engines.slot_step.SlotState`, the
-:class:`~asyncflow.engines.slot_step.SlotStep` and, on CUDA, its
-:class:`~asyncflow.engines.slot_graphs.StepGraphs`.
-
-:class:`SlotBatch` keeps the host's view: which request lives in which slot, the live slots
+:class:`SlotBatch` runs on a :class:`~asyncflow.engines.slot_pool.SlotPool` (the device side:
+cache, per-slot state, step, graphs) and keeps the host's view: which request lives in which slot, the live slots
 in admission order, the tokens/log-probs/versions of each live answer in numpy arrays (one
 vectorised write per step, lists only when an answer finishes) and the kept rows.
 
@@ -25,6 +20,10 @@ vectorised write per step, lists only when an answer finishes) and the kept rows
   (its last sampled token and the observation) and makes it live again. A kept row whose
   cache is stale (weights changed since) or was evicted (``add`` needed its slot; the oldest
   kept rows go first) is rebuilt from its token history.
+* ``fork(key, new_keys)`` copies a live row into new live rows (its cache by
+  :meth:`SlotPool.fork <asyncflow.engines.slot_pool.SlotPool.fork>`, its tokens so far), which
+  then sample on their own: the primitive for tree rollouts (issue 36's ETMR forks rows at
+  high-entropy tokens) and the one ``add`` uses for a group's shared prompt.
 
 Invariants: a slot is free, live (in ``order``) or kept, never two; ``len(batch)`` counts live
 rows only; every added request finishes exactly once (or is dropped) with
@@ -43,41 +42,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncflow.engines.device import model_device
 from asyncflow.engines.sampling import BROKEN_ROW, draw, inverse_cdf, uniforms
-from asyncflow.engines.slot_cache import SlotCache
-from asyncflow.engines.slot_graphs import StepGraphs, bucket, columns
-from asyncflow.engines.slot_step import BROKEN, REASONS, Pick, SlotState, SlotStep, choose
+from asyncflow.engines.slot_graphs import bucket, columns
+from asyncflow.engines.slot_pool import SlotPool
+from asyncflow.engines.slot_step import BROKEN, REASONS, Pick, choose
 from asyncflow.engines.types import Completion, Partial, Request, SamplingParams
 
 RESERVE = 1024  # answer tokens a row reserves in the cache up front (beyond that the cache grows)
-
-
-class SlotPool:
-    """One batch's device resources, reusable by the next (see module doc)."""
-
-    def __init__(self, model: torch.nn.Module, slots: int, eos_id: int, pad_id: int, dtype: str,
-                 generator: torch.Generator, uniform: bool | None = None, cuda_graphs: bool = True):
-        device = model_device(model)
-        self.slots, self.eos_id, self.generator = slots, eos_id, generator
-        self.cache = SlotCache(slots, capacity=0)
-        self.state = SlotState.allocate(slots, 1, eos_id, device)
-        self.step = SlotStep(model, self.cache, self.state, dtype,
-                             uniform=device.type != "cpu" if uniform is None else uniform,
-                             generator=generator, pad_id=pad_id)
-        self.graphs = StepGraphs(self.step) if cuda_graphs and device.type == "cuda" else None
-        self.u_host = torch.zeros(slots, dtype=torch.float64, pin_memory=device.type == "cuda")
-
-    def ensure(self, capacity: int, stop_width: int) -> None:
-        """Room for ``capacity`` tokens a slot and ``stop_width`` stop-table columns."""
-        if capacity > self.cache.capacity:
-            self.cache.grow(bucket(capacity, 1 << 40, least=64))
-            if self.graphs:
-                self.graphs.clear()
-        if stop_width > self.state.stops.shape[1]:
-            self.state.widen(stop_width, self.eos_id)
-            if self.graphs:
-                self.graphs.clear()
 
 
 @dataclass
@@ -278,6 +249,24 @@ class SlotBatch:
         else:
             self.used[slot] = False
         return c
+
+    def fork(self, key: Any, new_keys: list[Any]) -> None:
+        """Copy the live row ``key`` into new live rows, one per key of ``new_keys`` (the same
+        request otherwise): each starts with its tokens, log-probs and versions so far and its
+        cache (copied, not recomputed), and samples on its own from the next step. The caller
+        counts them against ``max_batch``."""
+        src = next((s for s in self.order if self.rows[s].req.key == key), None)
+        if src is None:
+            raise KeyError(f"fork: no live row with key {key!r}")
+        dsts = self._take(len(new_keys))
+        self.pool.fork(src, dsts)
+        row, n = self.rows[src], int(self.n[src])
+        for d, k in zip(dsts, new_keys):
+            self.rows[d] = dataclasses.replace(row, req=dataclasses.replace(row.req, key=k))
+            for arr in (self.toks, self.lps, self.vers):
+                arr[d, :n] = arr[src, :n]
+            self.n[d], self.pos[d] = n, self.pos[src]
+        self.order += dsts
 
     # ------------------------------------------------------------------ remove rows
     def drop_all(self) -> list[Request]:

@@ -90,8 +90,8 @@ class SlotCache(Cache):
             return
         index = torch.tensor(dsts, dtype=torch.long, device=self.keys[0].device)
         for k, v in zip(self.keys, self.values):
-            k[index, :, :n] = k[src, :, :n]
-            v[index, :, :n] = v[src, :, :n]
+            k[index, :, :n] = k[src, :, :n].clone()  # (a view of the written tensor may not be its own source)
+            v[index, :, :n] = v[src, :, :n].clone()
 
     @torch.no_grad()
     def grow(self, capacity: int) -> None:
