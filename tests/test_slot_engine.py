@@ -25,6 +25,7 @@ import copy
 import numpy as np
 import pytest
 import torch
+from transformers import Qwen2ForCausalLM
 
 from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams, load_named_weights
 from asyncflow.engines.slot_batch import SlotBatch, SlotPool
@@ -98,6 +99,8 @@ def schedule(tok) -> list:
 
 @pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 0.9)])
 def test_slots_equal_the_reference_across_refills_and_a_shared_group(tok, temperature, top_p):
+    """One seed, one schedule (refills, a group of three, min/max lengths): the slot path's tokens,
+    versions and log-probs are the reference path's, and its log-probs a full forward's."""
     sp = SamplingParams(temperature, top_p, max_new_tokens=8)
     ref, _ = drive("reference", build_tiny_model(tok, seed=0), schedule(tok), sp)
     model = build_tiny_model(tok, seed=0)
@@ -120,6 +123,8 @@ def test_a_model_configured_for_eager_attention_is_driven_and_keeps_its_setting(
 
 
 def test_a_refill_takes_the_freed_slot_and_moves_no_other_row(tok):
+    """A finished row's slot goes to the next request; the other rows' cached keys stay where
+    they were, bit for bit (no re-allocation, no re-padding)."""
     model = build_tiny_model(tok, seed=0)
     batch = InferenceEngine(model, EOS, PAD, max_batch=3).new_batch(SamplingParams(1.0, max_new_tokens=8))
     batch.add([Request(k, prompt(tok, t), max_new_tokens=m, min_new_tokens=m)
@@ -137,6 +142,9 @@ def test_a_refill_takes_the_freed_slot_and_moves_no_other_row(tok):
 
 @pytest.mark.parametrize("recompute", [True, False])
 def test_partial_rollout_across_a_weight_swap_equals_the_reference(tok, recompute):
+    """Weights swapped mid-flight (with recompute_cache, or continuing on the stale cache as the
+    reference does): the same answers as the reference; with recompute, each token's log-prob is
+    the full forward of the weights that sampled it."""
     sp = SamplingParams(1.0, max_new_tokens=9)
     new = {n: p.detach().clone() for n, p in build_tiny_model(tok, seed=1).named_parameters()}
     ops = [*schedule(tok)[:4], ("swap", (new, recompute)),
@@ -156,6 +164,8 @@ def test_partial_rollout_across_a_weight_swap_equals_the_reference(tok, recomput
 
 
 def test_a_group_is_prefilled_once_and_forked(tok):
+    """Five requests, two distinct prompts, one ``add``: one prefill row per prompt, the group's
+    other slots hold copies of its keys/values."""
     model = build_tiny_model(tok, seed=0)
     fed: list[tuple[int, ...]] = []
     model.model.embed_tokens.register_forward_hook(lambda m, i, o: fed.append(tuple(i[0].shape)))
@@ -169,6 +179,8 @@ def test_a_group_is_prefilled_once_and_forked(tok):
 
 
 def test_a_restart_continues_like_the_reference(tok):
+    """``partials`` at version 3, ``resume`` in a fresh engine at version 5 (another seed): the
+    same tokens, versions and log-probs as the reference path doing the same."""
     sp = SamplingParams(1.0, max_new_tokens=10)
     reqs = [Request(i, prompt(tok, t), min_new_tokens=6) for i, t in enumerate(["1+2=", "12+34=", "=", "8+8"])]
     results = {}
@@ -199,8 +211,9 @@ def test_the_graphs_draw_rule_gives_the_cpu_draws(tok):
     = the CPU's ``draw`` (inverse CDF from 4,096 entries) = the reference path's tokens."""
     config = tiny_config(tok, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=64)
     config.vocab_size = 5000
-    torch.manual_seed(0)
-    model = type(build_tiny_model(tok))(config).eval()
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(config).eval()
     sp = SamplingParams(1.0, max_new_tokens=8)
     ref, _ = drive("reference", model, schedule(tok), sp)
     outs = []
@@ -249,6 +262,10 @@ def test_a_forked_live_row_continues_as_independent_rows_without_recompute(tok):
 
 
 def test_extend_matches_a_full_forward_fresh_evicted_stale_and_grown(tok):
+    """Four continued turns of one kept row: on its cache (only 1 + observation tokens fed), after
+    its slot was taken (history re-prefilled), after a weight swap (re-prefilled, new weights)
+    and with a history longer than the cache (it grows): each turn's log-probs are a full
+    forward's under the weights that sampled it."""
     model = build_tiny_model(tok, seed=0)
     fed: list[int] = []
     model.model.embed_tokens.register_forward_hook(lambda m, i, o: fed.append(i[0].numel()))
@@ -290,6 +307,7 @@ def test_extend_matches_a_full_forward_fresh_evicted_stale_and_grown(tok):
 
 
 def test_min_new_tokens_bars_stop_ids_like_eos(tok):
+    """Before ``min_new_tokens`` neither EOS nor a stop id is drawn; after it they end the answer."""
     stops = tuple(range(3, 300))  # every token but <pad>, <bos>, EOS and the last eight bytes
     model = build_tiny_model(tok, seed=0)
     out = InferenceEngine(model, EOS, PAD, seed=0).generate(
