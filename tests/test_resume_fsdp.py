@@ -116,7 +116,7 @@ def test_a_shard_of_another_shape_is_refused_in_one_line():
     opt = torch.optim.AdamW(model.parameters())
     half = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}  # (saved by one of 2 ranks)
     with pytest.raises(ValueError, match=r"^checkpoint: model/weight is a shard of shape \(3, 4\) but this rank "
-                                         r"holds \(6, 4\); resume with the train.dp and train.strategy it was saved"):
+                                         r"holds \(6, 4\); resume with the train.dp, train.tp and train.strategy it was saved"):
         load_shards(model, opt, half, {})
     with pytest.raises(ValueError, match="its weights differ from the model's"):
         load_shards(model, opt, {"weight": torch.zeros(6, 4)}, {})

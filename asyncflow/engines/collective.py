@@ -26,6 +26,10 @@ flattened into as few contiguous buffers of one dtype and device as fit ``bucket
 round trip each (26 per step on the tiny model; gloo's TCP thread then used ~8% of the
 compute thread's CPU); element-wise sums are the same numbers either way.
 
+Sharded weights (FSDP, tensor parallel: DTensors) leave the trainer whole, bucket by bucket
+(:func:`full_buckets`): each bucket's shards all-gathered, copied to the host and handed on
+before the next bucket is gathered, so no rank holds more than one bucket of gathered weights.
+
 Invariant (both): the ops of one *channel* (gradients, control) are called in the same
 order by every rank; a rank that deviates blocks the others until ``timeout_s``.
 """
@@ -34,10 +38,11 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -92,6 +97,22 @@ def all_reduce_buckets(tensors: Sequence[torch.Tensor], reduce: Callable[[torch.
             n = tensors[i].numel()
             tensors[i].copy_(flat[at: at + n].view_as(tensors[i]))
             at += n
+
+
+@torch.no_grad()
+def full_buckets(model: torch.nn.Module, bucket_bytes: int = BUCKET_BYTES) -> Iterator[dict[str, np.ndarray]]:
+    """The model's parameters (tied ones once) as whole host numpy arrays by name, in buckets of
+    about ``bucket_bytes`` of whole tensors (:func:`buckets`). A sharded parameter (a DTensor) is
+    all-gathered: every rank holding a shard must iterate this, in the same order."""
+    named = list(model.named_parameters())
+    whole = [torch.empty(p.shape, dtype=p.dtype, device="meta") for _, p in named]  # (sizes, not shards)
+    for idx in buckets(whole, bucket_bytes):
+        out = {}
+        for i in idx:
+            name, p = named[i]
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = full.detach().to("cpu", copy=True).numpy()
+        yield out
 
 
 def free_address(host: str | None = None) -> str:
