@@ -16,8 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.weights.store import (CHECKSUMS, WeightSource, WeightStore, WeightTransferError, publish_parts, seal,
-                                     verify)
+from asyncflow.weights.store import (
+    CHECKSUMS,
+    WeightSource,
+    WeightStore,
+    WeightTransferError,
+    publish_parts,
+    seal,
+    verify,
+)
 from asyncflow.weights.subscriber import WeightSubscriber
 
 torch.set_num_threads(1)

@@ -13,6 +13,7 @@ the whole weights at the checkpoint.
 from __future__ import annotations
 
 import json
+import multiprocessing as mp
 import os
 import signal
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed.tensor.parallel  # noqa: F401  (imported once here: each forked rank inherits it)
+import torch.distributed.tensor.parallel  # (imported once here: each forked rank inherits it)
 from safetensors.numpy import load_file, save_file
 from test_dp_trainer import fill
 from test_tensor_parallel import run_ranks
@@ -77,8 +78,6 @@ def _rank(rank: int, address: str, phase: str, model_dir: str, out: str) -> None
 def _killed_after_snapshots(model_dir: str, out: Path, deadline_s: float = 300.0) -> None:
     """The ``cut`` ranks, ``SIGKILL`` ed once both have saved their snapshot (any later moment of
     their training: the resume must need nothing of them but the checkpoint)."""
-    import multiprocessing as mp
-
     ctx, address = mp.get_context("fork"), free_address()
     procs = [ctx.Process(target=_rank, args=(r, address, "cut", model_dir, str(out))) for r in range(2)]
     for p in procs:

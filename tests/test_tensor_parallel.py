@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed.tensor.parallel  # noqa: F401  (imported once here: each forked rank inherits it)
+import torch.distributed.tensor.parallel  # (imported once here: each forked rank inherits it)
 from transformers import OPTConfig, OPTForCausalLM, Qwen2ForCausalLM
 
 from asyncflow.algorithms.algorithm import Algorithm

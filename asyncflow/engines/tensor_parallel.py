@@ -158,11 +158,11 @@ def _divide_heads(model: torch.nn.Module, tp: int) -> None:
                 setattr(mod, key, n // tp)
 
 
-def _tied(model: torch.nn.Module) -> bool:
+def _tied(model: torch.nn.Module) -> tuple[Any, Any] | None:
+    """(input embedding, LM head) when they share their weight (HF's tied embeddings), else None."""
     get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if get_in is None or get_out is None or get_out() is None:
-        return False
-    return get_out().weight is get_in().weight
+    emb, head = (get_in(), get_out()) if callable(get_in) and callable(get_out) else (None, None)
+    return (emb, head) if emb is not None and head is not None and head.weight is emb.weight else None
 
 
 def apply_plan(model: torch.nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
@@ -173,8 +173,8 @@ def apply_plan(model: torch.nn.Module, mesh: DeviceMesh, plan: Plan) -> None:
     styles = resolve_plan(model, plan)
     _divide_heads(model, tp)
     parallelize_module(model, mesh, styles)
-    if tied:  # (each style distributed its own copy of the shared weight: share the embedding's again)
-        emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if tied is not None:  # (each style distributed its own copy of the shared weight: share the embedding's again)
+        emb, head = tied
         if not (isinstance(emb.weight, DTensor) and isinstance(head.weight, DTensor)
                 and emb.weight.placements == head.weight.placements):
             raise ValueError("train.tp plan: the LM head is tied to the embedding, so both must be sharded "

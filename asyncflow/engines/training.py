@@ -143,8 +143,8 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     logits = out.logits
     idx = (batch.gather_index() - (L - logits.shape[1])).clamp(min=0)  # into the kept positions
     if hasattr(logits, "to_local"):  # train.tp: logits sharded by vocabulary (a DTensor), never gathered
-        from asyncflow.engines.vocab_parallel import vocab_parallel_logprobs  # lazy: torch.distributed.tensor imports in seconds
-
+        # lazy: only with train.tp > 1 (torch.distributed.tensor takes seconds to import)
+        from asyncflow.engines.vocab_parallel import vocab_parallel_logprobs
         logp, ent = vocab_parallel_logprobs(logits, idx, batch.targets, temperature, entropy)
         if ent is not None:
             batch.entropy = ent * batch.mask

@@ -18,8 +18,9 @@ region"; ``torch.distributed.nn.all_reduce`` would sum the gradient over ranks a
 times too much). That holds only while each partial sum is a function of the rank's own shard:
 a partial sum that also read a reduced value (``sum_v p_v z_v`` with ``p_v = exp(z_v - lse)``)
 would send that value only this rank's share of its gradient, so the entropy's sum is taken as
-``sum_v exp(z_v - max) z_v``, divided by the reduced ``sum_v exp(z_v - max)`` afterwards. torch's ``loss_parallel`` does the same for cross-entropy only; the policy
-loss needs the per-token log-probs themselves.
+``sum_v exp(z_v - max) z_v``, divided by the reduced ``sum_v exp(z_v - max)`` afterwards.
+torch's ``loss_parallel`` does the same for cross-entropy only; the policy loss needs the
+per-token log-probs themselves.
 
 The whole weights reach rollout gathered bucket by bucket:
 :func:`asyncflow.engines.collective.full_buckets`.
@@ -34,18 +35,17 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 
-
 class _SumOverRanks(torch.autograd.Function):
     """All-reduce (sum) over ``group`` forward; identity backward (module doc)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
         x = x.clone()
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
         return x
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 

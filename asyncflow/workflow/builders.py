@@ -101,12 +101,14 @@ def algorithm(cfg: RunConfig) -> Algorithm:
 
 
 def _tensor_parallel(ctx: RoleContext) -> Any:
-    """``train.tp > 1``: the trainer's group on a ``(dp, tp)`` mesh, and the engine's plan (the user's by import path)."""
-    from asyncflow.engines.tensor_parallel import MeshGroup, TensorParallel  # lazy: torch.distributed.tensor takes seconds to import
+    """``train.tp > 1``: the trainer's group on a ``(dp, tp)`` mesh, and the engine's plan (a user's by import path)."""
+    # lazy: only with train.tp > 1 (torch.distributed.tensor takes seconds to import)
+    from asyncflow.engines.tensor_parallel import MeshGroup, TensorParallel
 
     t = ctx.cfg.train
     if not isinstance(ctx.group, TorchGroup):
-        raise ValueError(f"train.tp={t.tp} needs the trainer's ranks as processes (torch.distributed): set launcher=ray")
+        raise ValueError(f"train.tp={t.tp} needs the trainer's ranks as processes (torch.distributed): "
+                         "set launcher=ray")
     ctx.group = MeshGroup(ctx.group, t.dp, t.tp, ctx.cfg.resources.device.split(":")[0])
     plan = load_callable(t.tp_plan, "train.tp_plan") if t.tp_plan else None
     return TensorParallel(ctx.group.tp_mesh, plan)

@@ -147,9 +147,9 @@ class Worker:
         bucket by bucket."""
         @torch.no_grad()
         def gather() -> None:
-            whole = dict(self._full.named_parameters()) if self._full is not None else None  # (rank 0)
+            whole = dict(self._full.named_parameters()) if self._full is not None else {}  # (rank 0)
             for bucket in full_buckets(self.roles["actor"].engine.model):  # all-gathers: every rank joins
-                for name, w in bucket.items() if whole is not None else ():
+                for name, w in bucket.items() if whole else ():
                     whole[name].copy_(torch.from_numpy(w))
 
         self._on_compute(gather)
