@@ -1,13 +1,15 @@
 """Resumable ``train.tp`` runs: each rank checkpoints and restores its own shards.
 
-Two tensor-parallel trainer ranks (real :class:`Worker` s in forked processes, DTensors over gloo)
-checkpoint after ``AT`` steps and are then killed (``SIGKILL``, while they train on); fresh
-processes resume from the checkpoint and end with the weights of two ranks never stopped (1e-6),
-under a warmup-then-cosine LR schedule and AdamW (a resume that lost the moments, the step
-counts or the schedule's position would not). Each rank trains the same fixed rows each step
-(``mode=sync`` refuses tp: its rollout decodes with the trainer's model). The checkpoint is
-checked too: each rank's shards, put together (by rows or columns, or one replicated copy), are
-the whole weights at the checkpoint.
+* Exact (forked processes, no Ray): two tensor-parallel trainer ranks (real :class:`Worker` s,
+  DTensors over gloo) checkpoint after ``AT`` steps and are then killed (``SIGKILL``, while they
+  train on); fresh processes resume from the checkpoint and end with the weights of two ranks
+  never stopped (1e-6), under a warmup-then-cosine LR schedule and AdamW (a resume that lost the
+  moments, the step counts or the schedule's position would not). Each rank trains the same
+  fixed rows each step (``mode=sync`` refuses tp: its rollout decodes with the trainer's model).
+  The checkpoint is checked too: each rank's shards, put together (by rows or columns, or one
+  replicated copy), are the whole weights at the checkpoint.
+* Under Ray (slow): a run whose trainer rank 1 is killed restarts from its shards and trains every
+  prompt group once; its final ``checkpoint/`` is the shards put together.
 """
 
 from __future__ import annotations
@@ -16,23 +18,29 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import traceback
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed.tensor.parallel  # (imported once here: each forked rank inherits it)
 from safetensors.numpy import load_file, save_file
 from test_dp_trainer import fill
+from test_resume_async import TINY, check_every_group_once
 from test_tensor_parallel import run_ranks
+from transformers import AutoModelForCausalLM
 
+from asyncflow.cli import main
 from asyncflow.config import load_config
 from asyncflow.dataplane import DataPlane
 from asyncflow.engines.collective import free_address
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.workflow import checkpoint as C
 from asyncflow.workflow.fields import SCHEMA
+from asyncflow.workflow.job import Job
 from asyncflow.workflow.worker import Worker
 
 STEPS, AT = 4, 2  # the checkpoint after AT steps
@@ -136,3 +144,49 @@ def test_tp_ranks_killed_after_a_checkpoint_and_resumed_end_with_the_weights_of_
         for name, w in end.items():
             assert not np.allclose(w, at[name], atol=1e-4) or "norm" in name, name  # (it trained after AT)
             np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_killed_tp_rank_restarts_the_run_from_its_shards(tmp_path, capsys, monkeypatch):
+    """The whole path under Ray (``asyncflow train ... train.tp=2``): ``kill -9`` of trainer rank 1's
+    process once a checkpoint exists (rank 0 is then waiting in a collective) restarts the run from
+    the checkpoint (one line naming the worker), every rank takes its shards back, and it finishes
+    with every step and every prompt group once, the versions going on. The run's final
+    ``checkpoint/`` (the weights gathered bucket by bucket into rank 0's copy) is the last resumable
+    checkpoint's shards put together."""
+    start, killed = Job.start, []
+    runs, n = tmp_path / "runs", 6
+
+    def start_then_kill(self):
+        start(self)
+        if killed:  # (the restarted job is left alone)
+            return
+        pid = self.watch.ask("actor.1", "stats")["actor.1"]["pid"]
+        killed.append(pid)
+
+        def kill():
+            t = time.time()
+            while not (runs.exists() and any(runs.iterdir()) and C.complete(next(runs.iterdir()) / C.CKPT_DIR)):
+                assert time.time() - t < 300, "no checkpoint appeared"
+                time.sleep(0.01)
+            os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill, daemon=True).start()
+
+    monkeypatch.setattr(Job, "start", start_then_kill)
+    args = [a for a in TINY if a != "launcher=local"]
+    assert main(["train", *args, "launcher=ray", "train.tp=2", "train.step_timeout_s=30", f"run_dir={runs}",
+                 f"train.steps={n}"]) == 0
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
+    assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
+    assert "worker 'actor.1'" in err[0], err
+    run = next(runs.iterdir())
+    check_every_group_once(run, n)
+    assert json.loads((run / "summary.json").read_text())["restarts"] == 1
+    tensors, last = C.read(C.latest(run))
+    assert last["version"] == last["ranks"][0]["version"] == last["driver"]["step"] == n
+    final = AutoModelForCausalLM.from_pretrained(run / "checkpoint")
+    for name, w in final.named_parameters():
+        parts = [tensors[f"model/{name}"], tensors[f"rank1/model/{name}"]]
+        assert _whole_from(parts, w.detach().numpy()), name
