@@ -48,8 +48,10 @@ import torch.distributed as dist
 
 
 class Collective(Protocol):
-    rank: int
+    rank: int  # this process among the group's
     world: int
+    shard: int  # the rows this rank trains: shard `shard` of `shards` (rank and world, but on a
+    shards: int  # (dp, tp) mesh the tp ranks of one dp index train one shard: tensor_parallel.MeshGroup)
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> None: ...
     def broadcast(self, obj: Any) -> Any: ...
@@ -128,6 +130,7 @@ class TorchGroup:
 
     def __init__(self, address: str, rank: int, world: int, timeout_s: float = 900.0):
         self.rank, self.world, self._dist = rank, world, dist
+        self.shard, self.shards = rank, world
         dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         self._ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -180,6 +183,7 @@ class ThreadGroup:
 
     def __init__(self, rendezvous: ThreadRendezvous, rank: int):
         self.rdv, self.rank, self.world = rendezvous, rank, rendezvous.world
+        self.shard, self.shards = rank, self.world
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> None:
         mine = [t.detach().clone() for t in tensors]  # others read them while we write ours

@@ -41,6 +41,12 @@ histogram, rewards and sample counts are over all rows on every rank (rank 0 rep
 them); loss metrics (``loss``, ``clip_frac``...) are over the reporting rank's rows.
 Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
 compute thread, each in the same order on every rank.
+Tensor parallel (``train.tp``; the group is a :class:`~asyncflow.engines.tensor_parallel.MeshGroup`
+of ``dp x tp`` processes): ``rank`` / ``world`` count processes (rank 0 fetches, every process gets
+the broadcast and joins the barrier), while the rows are split over the group's ``shards`` (``dp``):
+the ``tp`` ranks of one ``dp`` index (``shard``) train the same rows, each its own shards of the
+weights; every rank joins the weights' all-gathers, bucket by bucket, and rank 0 publishes each
+bucket as a part (:func:`publish_weights`; FSDP's weights take the same path).
 Own rows (``shard_rows``: data-parallel ``sync``, not FSDP, a group-level estimator): each rank
 generated and scored whole groups of its own shard, so it trains exactly those
 (``ShardSampler(rank)``, one request a step, no rank-0 meta nor broadcast, and it starts as
@@ -60,7 +66,7 @@ bottleneck) trains big sorted calls with little padding, and one that waits stil
 the first micro-batch. FSDP (the engine's ``fsdp``)
 gathers and scatters inside every forward/backward and export: each rank runs one pass
 per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
-no rank empty; no token-budget chunks) and joins rank 0's export each step.
+no rank empty; no token-budget chunks) and joins the weights' all-gathers each step.
 """
 
 from __future__ import annotations
@@ -125,7 +131,7 @@ class ActorRole(Role):
         self.group = group  # data-parallel ranks (None: this role trains alone)
         self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
         # the rows this rank trains: shard `shard` of `shards` (tensor parallel: the tp ranks of a dp index share one)
-        self.shard, self.shards = getattr(group, "shard", self.rank), getattr(group, "shards", self.world)
+        self.shard, self.shards = (group.shard, group.shards) if group is not None else (0, 1)
         # own rows: this rank trains the shard_rows rows of its own shard a step (see the module docstring)
         self.own = shard_rows is not None and self.world > 1 and not algorithm.batch_level
         self.rows = shard_rows if self.own and shard_rows is not None else batch_size
