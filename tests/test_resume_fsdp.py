@@ -108,7 +108,7 @@ def test_fsdp_ranks_stopped_at_a_checkpoint_and_resumed_end_with_the_weights_of_
         assert set(got.files) == set(end.files)
         for name, w in end.items():
             assert not np.allclose(w, at[name], atol=1e-4) or "norm" in name, name  # (it trained after AT)
-            np.testing.assert_allclose(got[name], w, rtol=0, atol=1e-6, err_msg=f"rank {rank} {name}")
+            np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
 
 
 def test_a_shard_of_another_shape_is_refused_in_one_line():

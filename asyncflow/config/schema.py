@@ -74,9 +74,6 @@ class RunConfig(Section):
         if self.rollout.engine != "builtin" and self.mode == "sync":
             raise ValueError(f"rollout.engine={self.rollout.engine} needs mode=stream or async (sync shares one torch "
                              f"model between rollout and training); set mode=async or rollout.engine=builtin")
-        if self.rollout.engine == "sglang" and self.rollout.on_swap == "continue":
-            raise ValueError("rollout.engine=sglang returns an answer only when it finishes, so it cannot be "
-                             "continued after a weight swap: set rollout.on_swap=discard")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")

@@ -84,3 +84,13 @@ def vocab_parallel_logprobs(logits: DTensor, index: torch.Tensor, targets: torch
         return logp, None
     # sum_v p_v z_v = sum_v e_v z_v / total: the sum's terms from this rank's shard alone (module doc)
     return logp, lse - _SumOverRanks.apply((e * z).sum(-1), group) / total
+
+
+def sharded_logprobs(logits: DTensor, index: torch.Tensor, batch: Any, temperature: float,
+                     entropy: bool) -> torch.Tensor:
+    """:func:`~asyncflow.engines.training.token_logprobs` on vocabulary-parallel logits: the ``[B, R]``
+    log-probs of ``batch.targets``, 0 where ``batch.mask`` is (with ``entropy`` also ``batch.entropy``)."""
+    logp, ent = vocab_parallel_logprobs(logits, index, batch.targets, temperature, entropy)
+    if ent is not None:
+        batch.entropy = ent * batch.mask
+    return logp * batch.mask

@@ -33,6 +33,7 @@ from asyncflow.config import RunConfig
 from asyncflow.dataplane import ShardSampler
 from asyncflow.engines.collective import Collective, TorchGroup
 from asyncflow.engines.critic import CriticEngine
+from asyncflow.engines.hf_paged import HFPagedEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
 from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
@@ -86,7 +87,7 @@ def passes(cfg: RunConfig) -> dict:
     """How every training engine (actor, reference, critic) runs its forward/backward passes."""
     t = cfg.train
     return {"max_tokens_per_micro": t.max_tokens_per_micro, "split_padding": t.split_padding,
-            "dtype": cfg.model.dtype}
+            "dtype": cfg.model.dtype, "logprob_chunk_mib": t.logprob_chunk_mib}
 
 
 def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
@@ -137,12 +138,16 @@ def build_actor(ctx: RoleContext) -> Role:
 
 
 def _inference_engine(ctx: RoleContext) -> Any:
-    """The built-in engine on ``ctx.model``, or (``rollout.engine=vllm|sglang``) the adapter
-    loading the same model folder on the GPU."""
+    """The built-in engine on ``ctx.model``, transformers' continuous batching on it
+    (``rollout.engine=hf_paged``: stream/async, where the rollout worker owns its model), or
+    (``rollout.engine=vllm|sglang``) the adapter loading the same model folder on the GPU."""
     cfg, r, tok = ctx.cfg, ctx.cfg.rollout, ctx.tokenizer
     if r.engine == "builtin":
         return InferenceEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
                                dtype=cfg.model.dtype)
+    if r.engine == "hf_paged":
+        return HFPagedEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                             dtype=cfg.model.dtype)
     dtype = "float32" if cfg.model.dtype == "float32" else "bfloat16"
     adapter = VLLMEngine if r.engine == "vllm" else SGLangEngine
     return adapter(ctx.model_dir, tok.eos_token_id, r.max_batch, dtype, cfg.seed)

@@ -156,7 +156,8 @@ def rank_part(snap: Snapshot, r: int) -> Snapshot:
 def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, snap: Snapshot) -> None:
     """Put a :func:`capture` back (into a trainer built from the same config)."""
     tensors, meta = snap
-    weights = {k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")}
+    # (a loaded file's arrays are read-only views; torch wants writable ones: copy them)
+    weights = {k[6:]: torch.from_numpy(np.array(v)) for k, v in tensors.items() if k.startswith("model/")}
     state: dict[int, dict[str, Any]] = {int(i): dict(s) for i, s in meta["optim_scalars"].items()}
     for k, v in tensors.items():
         if k.startswith("optim/"):

@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncflow.config import RunConfig
+from asyncflow.workflow.best import BestKeeper
 from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.evaluator import Evaluator
@@ -52,8 +53,9 @@ RESUME_TIMEOUT_S = 60.0  # rollout waits this long for the weights the restored 
 
 
 class Job:
-    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str, evaluator: bool = False):
-        self.cfg, self.launcher = cfg, launcher
+    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str, evaluator: bool = False,
+                 keeper: BestKeeper | None = None):
+        self.cfg, self.launcher, self.keeper = cfg, launcher, keeper  # keeper: train.keep_best
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
         r = cfg.resources
@@ -90,8 +92,7 @@ class Job:
         # the trainer's workers, rank 0 first (sync: the colocated workers, every one an actor rank)
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles]
         self.watch.waiting("building the workers")
-        for name in self.workers:  # wait for every worker to be built (errors surface here)
-            self.watch.ask(name, "health")
+        self.watch.wait_built(self.cfg.train.build_timeout_s)  # (errors surface here)
         if len(self.ranks) > 1:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
             self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
@@ -181,7 +182,8 @@ class Job:
     def _build_evaluator(self, model_dir: str) -> None:
         handle: Evaluator | None = None
         try:  # (an object of this process, with either launcher: asyncflow.workflow.evaluator says why)
-            handle = Evaluator(self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6, self._evaluator_cores())
+            handle = Evaluator(self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6, self._evaluator_cores(),
+                               self.keeper)
             handle.health()
         except Exception as e:
             self._eval_error = self.watch.blame("evaluator", e, "health")

@@ -52,7 +52,7 @@ def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | Non
     CPUs; a vLLM / SGLang rollout worker gets its share whatever the device."""
     specs = _plan(cfg, ncpu or os.cpu_count() or 1)
     on_gpu = [s for s in specs if s.cpus > 0 and (cfg.resources.device != "cpu" or
-                                                  ("rollout" in s.roles and cfg.rollout.engine != "builtin"))]
+                                                  ("rollout" in s.roles and cfg.rollout.engine in ("vllm", "sglang")))]
     for s in on_gpu if ngpu else []:
         s.gpus = min(1.0, round(ngpu / len(on_gpu), 4))  # Ray's fractional GPUs: 4 decimals
     return assign_cores(specs, cores) if cores and cfg.mode != "sync" else specs
