@@ -13,6 +13,8 @@
 * The weights reach rollout whole: rank 0 publishes them to a weight store in parts (buckets of
   4 KiB: many parts), every rank joining each bucket's all-gathers; the set verifies (CRC-32) and,
   loaded into a fresh model as rollout loads it, gives the one-process weights and log-probs.
+* The vocabulary-parallel log-probs alone (every rank, first): values, entropy and gradients of
+  ``Shard(-1)`` logits with uneven shards, against ``log_softmax`` of the whole logits.
 * What needs no processes: a plan pattern that matches nothing, an unknown style and heads that
   do not divide are refused in one line; so are the configs tensor parallelism cannot run.
 """
@@ -30,6 +32,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.tensor.parallel  # (imported once here: each forked rank inherits it)
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from transformers import OPTConfig, OPTForCausalLM, Qwen2ForCausalLM
 
 from asyncflow.algorithms.algorithm import Algorithm
@@ -39,6 +42,7 @@ from asyncflow.engines.inference import load_named_weights
 from asyncflow.engines.tensor_parallel import MeshGroup, TensorParallel, check_heads, resolve_plan
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model, tiny_config
 from asyncflow.engines.training import TrainEngine
+from asyncflow.engines.vocab_parallel import vocab_parallel_logprobs
 from asyncflow.tasks.plugins import load_callable
 from asyncflow.weights.store import WeightStore, publish_parts, verify
 from asyncflow.workflow.roles.actor import publish_weights
@@ -123,10 +127,34 @@ def train(name: str, rows: slice, group: MeshGroup | None = None) -> dict[str, n
     return out
 
 
+def check_vocab_parallel(mesh) -> None:
+    """:func:`vocab_parallel_logprobs` on ``Shard(-1)`` logits (a vocabulary of 311: shards of 156 and
+    155) at temperature 0.7 gives ``log_softmax`` of the whole logits at the targets, its entropy,
+    and the gradient of a loss of both for this rank's slice of the logits."""
+    g = torch.Generator().manual_seed(1)
+    whole = torch.randn(2, 6, 311, generator=g) * 3
+    index, targets = torch.randint(0, 6, (2, 4), generator=g), torch.randint(0, 311, (2, 4), generator=g)
+    w1, w2 = torch.randn(2, 4, generator=g), torch.randn(2, 4, generator=g)
+    ref = whole.clone().requires_grad_()
+    logp_all = torch.log_softmax(ref.gather(1, index[:, :, None].expand(-1, -1, 311)) / 0.7, -1)
+    logp, ent = logp_all.gather(2, targets[:, :, None])[:, :, 0], -(logp_all.exp() * logp_all).sum(-1)
+    ((logp * w1).sum() + (ent * w2).sum()).backward()
+    mine = distribute_tensor(whole, mesh, [Shard(-1)]).to_local().clone().requires_grad_()
+    logits = DTensor.from_local(mine, mesh, [Shard(-1)], run_check=False, shape=whole.shape, stride=whole.stride())
+    got, got_ent = vocab_parallel_logprobs(logits, index, targets, 0.7, entropy=True)
+    assert got_ent is not None
+    ((got * w1).sum() + (got_ent * w2).sum()).backward()
+    start = mesh.get_local_rank() * 156
+    for a, b, what in [(got, logp, "log-probs"), (got_ent, ent, "entropy"),
+                       (mine.grad, ref.grad[:, :, start:start + mine.shape[-1]], "gradient")]:
+        close(a.detach().numpy(), b.detach().numpy(), f"vocabulary-parallel {what}")
+
+
 def _rank(rank: int, address: str, dp: int, tp: int, names: list[str], out: str) -> None:
     try:
         torch.set_num_threads(1)
         group = MeshGroup(TorchGroup(address, rank, dp * tp, timeout_s=120), dp, tp)
+        check_vocab_parallel(group.tp_mesh)
         share = B // dp
         for name in names:
             np.savez(f"{out}/{name}.{rank}.npz", **train(name, slice(group.shard * share, (group.shard + 1) * share),
@@ -235,6 +263,7 @@ def test_heads_that_do_not_divide_among_the_ranks_are_refused():
     (["mode=sync"], r"mode=sync with train.tp=2: .* set mode=async \(or stream\), or train.tp=1"),
     (["train.dp=2", "train.strategy=fsdp"], r"train.tp=2 with train.strategy=fsdp: .* set train.strategy=ddp"),
     (["resources.device=cuda"], r"resources.device=cuda with train.tp=2: .* set resources.device=cpu"),
+    (["model.num_kv_heads=1", "model.num_heads=2"], r"train.tp=2 must divide model.num_kv_heads \(1\): "),
 ])
 def test_configs_tensor_parallelism_cannot_run_are_refused_in_one_line(args, match):
     with pytest.raises(ConfigError, match=match) as e:
