@@ -29,6 +29,7 @@ import torch
 import torch.distributed.tensor.parallel  # (imported once here: each forked rank inherits it)
 from safetensors.numpy import load_file, save_file
 from test_dp_trainer import fill
+from test_failures import SLOW_BUILD
 from test_resume_async import TINY, check_every_group_once
 from test_tensor_parallel import run_ranks
 from transformers import AutoModelForCausalLM
@@ -179,7 +180,8 @@ def test_a_killed_tp_rank_restarts_the_run_from_its_shards(tmp_path, capsys, mon
     args = [a for a in TINY if a != "launcher=local"]
     assert main(["train", *args, "launcher=ray", "train.tp=2", "train.step_timeout_s=120", f"run_dir={runs}",
                  f"train.steps={n}"]) == 0
-    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
+    err = [x for x in capsys.readouterr().err.splitlines()
+           if x.startswith("asyncflow:") and not x.startswith(SLOW_BUILD)]  # (a loaded machine's note: not an error)
     assert len(err) == 1 and err[0].startswith("asyncflow: restart 1/2 from checkpoint step-"), err
     assert "worker 'actor.1'" in err[0], err
     run = next(runs.iterdir())
