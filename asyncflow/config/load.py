@@ -61,7 +61,8 @@ def _source(e: ValidationError, path: Any, given: dict[str, str], loaded: dict) 
         return f"'{path}'" if path else None
     rest = [k for k in dict.fromkeys(keys) if k not in given and k != loc]
     where = [f"{k} from '{path}'" if _in(loaded, k) else f"{k}'s default" for k in rest]
-    return f"the command line's {', '.join(cli)}" + (f" (with {', '.join(where)})" if where else "")
+    return (f"the override{'s' if len(cli) > 1 else ''} {', '.join(cli)}"
+            + (f" (with {', '.join(where)})" if where else ""))
 
 
 def _in(data: dict, dotted: str) -> bool:
