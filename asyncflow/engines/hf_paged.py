@@ -62,7 +62,7 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
 )
 from transformers.generation.logits_process import LogitsProcessorList
 
-from asyncflow.engines.adapters import CHECKSUMS, StepBatch, StepEngine, Update
+from asyncflow.engines.adapters import CHECKSUMS, Loaded, StepBatch, StepEngine, Update
 from asyncflow.engines.device import model_device
 from asyncflow.engines.inference import load_named_weights
 from asyncflow.engines.training import autocast
@@ -181,9 +181,9 @@ class PagedBackend:
                 del self.logprobs[o.request_id]
         return out
 
-    def load(self, weights: list[tuple[str, Any]]) -> str:
+    def load(self, weights: list[tuple[str, Any]]) -> Loaded:
         load_named_weights(self.model, dict(weights))
-        return "in place"
+        return Loaded("in place")
 
 
 class HFPagedEngine(StepEngine):
@@ -198,13 +198,15 @@ class HFPagedEngine(StepEngine):
         ctx = int(getattr(model.config, "max_position_embeddings", 4096) or 4096)
         self.kv_tokens = kv_tokens or max_batch * min(ctx, 4096)
         self.backends: dict[tuple[float, float], PagedBackend] = {}
+        self._shells: dict[tuple[float, float], StepEngine] = {}  # one per backend: routes its updates
 
     def new_batch(self, sampling: SamplingParams) -> StepBatch:
         key = (sampling.temperature, sampling.top_p)
         if key not in self.backends:
             self.backends[key] = PagedBackend(self.model, sampling, self.eos_id, self.max_batch, self.kv_tokens,
                                               self.page_size, self.seed, self.dtype)
-        return StepBatch(self.backends[key], sampling, self.eos_id, self.version)
+            self._shells[key] = StepEngine(self.backends[key], self.eos_id, self.max_batch)
+        return StepBatch(self._shells[key], sampling, self.version)
 
     def load_weights(self, version: int, tensors: Mapping[str, Any]) -> None:
         """Copy host buffers into the parameters in place (between two steps) and set ``version``."""
@@ -220,3 +222,4 @@ class HFPagedEngine(StepEngine):
                 self.model.set_attn_implementation(original)
                 b.manager._original_attn_impl = None
         self.backends.clear()
+        self._shells.clear()
