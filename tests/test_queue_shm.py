@@ -42,8 +42,13 @@ def files(prefixes, kind: str = "") -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) for p in prefixes if n.startswith(p + kind))
 
 
-def ours() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("afdp-")}
+def ours(dep) -> list[str]:
+    """Every segment of ``dep``'s storage units (each name starts ``afdp-<unit pid>-``), left or
+    not. Only these: a check of every ``afdp-*`` name in /dev/shm also saw the segments of other
+    deployments on the machine (another job, or another test run beside this one), created while
+    this test ran, and failed with their ``afdp-<other pid>-...-s1`` (reproduced with a second
+    deployment putting in a loop beside the test)."""
+    return sorted(n for n in os.listdir(shm.SHM_DIR) for p in dep.processes if n.startswith(f"afdp-{p.pid}-"))
 
 
 def settled(prefixes, kind: str, n: int) -> bool:
@@ -87,7 +92,6 @@ def dep():
 
 
 def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
-    before = ours()
     d = launch(SCHEMA, n_storage=2, token="tok")
     plane = client(d)
     try:
@@ -121,11 +125,10 @@ def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
     finally:
         plane.disconnect()
         d.shutdown()
-    assert ours() - before == set()
+    assert ours(d) == []
 
 
 def test_shutdown_and_a_killed_unit_leave_nothing():
-    before = ours()
     d = launch(SCHEMA, n_storage=2)
     plane = client(d)
     plane.put({"x": np.ones((128, 64), np.float32)}, partition=0)
@@ -138,7 +141,7 @@ def test_shutdown_and_a_killed_unit_leave_nothing():
     d.processes[0].join(5)
     plane.disconnect()
     d.shutdown(timeout=2)
-    assert ours() - before == set()
+    assert ours(d) == []
     assert not Path(d.folder).exists()
 
 
@@ -337,7 +340,6 @@ def test_unit_recycles_a_cleared_segment_only_when_no_process_maps_it():
 
 def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritten():
     schema = Schema([Field("y", "float32", (1 << 15,))])  # 128 KiB a row: 160 rows, 20 MiB
-    before = ours()
     d = launch(schema, n_storage=1)
     plane = d.client()
     try:
@@ -364,7 +366,7 @@ def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritte
     finally:
         plane.disconnect()
         d.shutdown()
-    assert ours() - before == set()
+    assert ours(d) == []
 
 
 def test_a_get_refuses_a_segment_recycled_while_it_was_being_mapped(monkeypatch):
