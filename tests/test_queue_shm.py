@@ -435,3 +435,52 @@ def test_servers_of_an_owner_killed_with_kill_9_stop_and_free_their_memory():
     assert files(prefixes) == []  # its segments unlinked
     assert not folder.exists(), list(folder.rglob("*"))  # the job folder (its sockets) gone
     print(f"servers gone {time.monotonic() - t:.2f} s after the owner's kill -9")
+
+
+def test_a_process_that_exits_without_shutdown_leaves_no_folder_and_no_segment(tmp_path):
+    """A script that launches a deployment and exits without ``shutdown``: before, Python's
+    exit terminated the servers (multiprocessing's SIGTERM, none of their clean-up runs) and
+    the job folder stayed in the temp dir, every unit's segments in /dev/shm. Now
+    ``launch`` registers the shutdown at exit."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # (the job folder goes there)
+    out = subprocess.run([sys.executable, "-c", OWNER.replace("time.sleep(600)", "")], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert files(got["prefixes"]) == []
+    assert not Path(got["folder"]).exists() and Path(got["folder"]).parent == tmp_path
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_next_launch_clears_the_folders_of_jobs_killed_whole(tmp_path):
+    """A job killed with its servers at once (``kill -9`` of its process group) leaves its job
+    folder (nobody is left to remove it): the next launch removes such folders, by the launching
+    pid in their name, only when that process is gone, only this user's, keeping a saved state."""
+    from asyncflow.dataplane.transport.deploy import sweep_job_folders
+
+    gone = subprocess_pid()
+    dead, alive, kept = (tmp_path / f"asyncflow-plane-{gone}-abc", tmp_path / f"asyncflow-plane-{os.getpid()}-abc",
+                         tmp_path / f"asyncflow-plane-{gone}-def")
+    for folder in (dead, alive, kept):
+        (folder / "sock").mkdir(parents=True)
+        (folder / "state").mkdir()
+    (kept / "state" / "index.msgpack").write_bytes(b"saved")
+    (tmp_path / "asyncflow-plane-notapid").mkdir()
+    sweep_job_folders(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [alive.name, kept.name, "asyncflow-plane-notapid"])
+    assert sorted(p.name for p in kept.iterdir()) == ["state"]  # its sockets gone, the saved state kept
+
+
+def subprocess_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid

@@ -89,7 +89,7 @@ class ControllerStart:
         if missing and now < self._probe_deadline:
             return
         self.refusal = self._refusal(info, missing)
-        if self.refusal is None:
+        if self.refusal is None or self.restarted:  # (every unit answered with its id)
             self.unit_ids = [got["id"] for got in info if got is not None]
         held, self.starting = self.starting, None
         self.gated = self.refusal is not None

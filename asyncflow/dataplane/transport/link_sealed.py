@@ -92,7 +92,8 @@ class SealedLink(Link):
                 return await super().call(op, args, buffers, deadline)
             except _Forgotten:
                 if self.renew is None:
-                    break
+                    raise DataPlaneUnavailable(f"{self.who} no longer holds this client's sealed session; request "
+                                               f"{op!r} not answered") from None
                 await self._renew(sid)
         raise DataPlaneUnavailable(
             f"{self.who} forgot this client's sealed session {RENEWALS} times before answering {op!r} (more "
