@@ -27,7 +27,10 @@ Invariants:
 
 * ``put`` validates the whole write against the schema before anything is sent
   (all-or-nothing, errors name field and row); rows become ready only at ``commit``,
-  after every storage unit acknowledged its slice.
+  after every storage unit acknowledged its slice, and the commit carries the units' write
+  receipts (:mod:`~.receipts`: the controller refuses fields no unit acknowledged). A
+  unit's slice goes as messages under the servers' ``max_msg_bytes`` (told by ``hello``;
+  :mod:`~.split`); a row that alone passes it is refused before anything is sent.
 * ``put_nowait`` validates and copies the data, starts the put and returns without any
   round trip; the first error among sent puts is raised by the client's next call
   (``flush`` waits for all and raises it too). Closing the core flushes first.
@@ -86,6 +89,7 @@ __all__ = ["AsyncZmqDataPlane"]
 def _receipt(result: Any) -> bytes | None:
     """The receipt in a unit's answer to a write (receipts.py), ``None`` if it gives none."""
     return result.get("receipt") if isinstance(result, dict) else None
+
 
 class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
     """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
@@ -221,7 +225,8 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
         fields, ctrl = list(columns), self._ctrl
         assert ctrl is not None  # connected by _enter
         total = sum(v.nbytes if isinstance(v, np.ndarray) else sum(r.nbytes for r in v) for v in columns.values())
-        if total > self._max_msg - SLACK:  # (frames are split below the servers' limit: split.py)
+        frames = total < self.shm_min_bytes or None in self._shm_prefix  # (some unit gets frames)
+        if frames and total > self._max_msg - SLACK:  # (frames are split below the servers' limit: split.py)
             check_rows(columns, n_rows, self._max_msg)
         if rows is None:
             rows = (await ctrl.call("alloc", {"partition": partition, "n": n_rows, "timeout": timeout},
