@@ -173,11 +173,9 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     the job's 0700 folder (one machine only; skips the TCP stack). ``secure`` (default):
     fresh CURVE keys for this job (see the module docstring). ``state_dir``: the folder
     ``save``/``load`` names are relative to (default: ``state`` in the job folder).
-    ``max_msg_bytes``: the largest message a server reads (a bigger frame is refused at its
-    header, a bigger message with an error reply; clients split their puts below it);
-    ``max_sessions``: sealed bulk sessions per storage unit (past it the least recently used
-    is forgotten and its client makes a new one: :mod:`~asyncflow.dataplane.transport.bulk`). The
-    child processes get only plain data (the schema as lists, endpoints, keys, token).
+    ``max_msg_bytes``: the largest message a server reads (clients split their puts below it);
+    ``max_sessions``: sealed bulk sessions per storage unit (:mod:`~asyncflow.dataplane.transport.bulk`).
+    The child processes get only plain data (the schema as lists, endpoints, keys, token).
 
     Across hosts: ``host`` is the address this machine's servers bind and advertise
     (``tcp://<host>:<port>``; a non-loopback one needs ``secure``, a wildcard is refused);
@@ -188,11 +186,7 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     """
     creds = credentials if credentials is not None else Credentials.generate() if secure else None
     _check_launch(transport, n_storage + len(storage), host, creds)
-    sweep_job_folders()
-    folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # mode 0700: this user only
-    os.mkdir(os.path.join(folder, "sock"), 0o700)
-    state = os.path.join(folder, "state") if state_dir is None else os.path.abspath(state_dir)
-    os.makedirs(state, 0o700, exist_ok=True)
+    folder, state = _job_folder(state_dir)
     bind = (lambda k: f"ipc://{folder}/sock/{k}") if transport == "ipc" else (lambda k: tcp_bind(host))
     keys = None if creds is None else creds.to_msg()
     ctx = mp.get_context(start_method)
@@ -207,9 +201,9 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         procs.append(p)
         return parent
 
+    # write receipts (receipts.py): keyed by the CURVE keys, else a key only these processes get
+    rkey = receipt_key(creds) or (None if storage else os.urandom(32))
     try:
-        # write receipts (receipts.py): keyed by the CURVE keys, else a key only these processes get
-        rkey = receipt_key(creds) or (None if storage else os.urandom(32))
         unit_limits = {"max_msg_bytes": max_msg_bytes, "max_sessions": max_sessions, "receipts": rkey}
         pipes = [start(_run_storage, msg, bind(k), token, keys, state, unit_limits, os.getpid())  # all at once
                  for k in range(n_storage)]
@@ -219,17 +213,33 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         endpoint = _endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
                                      limits, os.getpid(), folder), "controller")
     except BaseException:
-        for p in procs:  # none is left behind by a launch that failed
-            p.terminate()
-            p.join(5)
-        sweep_pids([p.pid for p in procs])
-        shutil.rmtree(folder, ignore_errors=True)
+        _undo(procs, folder)  # none is left behind by a launch that failed
         raise
     labels = [f"storage unit {k} ({endpoints[k]})" for k in range(n_storage)] + [
         f"the data plane's controller {endpoint}"]
     dep = Deployment(endpoint, token, procs, creds, folder, state, labels)
     atexit.register(dep._at_exit)  # (runs before multiprocessing's own exit hook, registered at its import)
     return dep
+
+
+def _undo(procs: list, folder: str) -> None:
+    """Stop the processes a failed launch started and remove its job folder."""
+    for p in procs:
+        p.terminate()
+        p.join(5)
+    sweep_pids([p.pid for p in procs])
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _job_folder(state_dir: str | os.PathLike | None) -> tuple[str, str]:
+    """A new job folder (mode 0700, its ``sock`` subfolder) and the state folder; stale job
+    folders of killed jobs are cleared first (:func:`sweep_job_folders`)."""
+    sweep_job_folders()
+    folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # mode 0700: this user only
+    os.mkdir(os.path.join(folder, "sock"), 0o700)
+    state = os.path.join(folder, "state") if state_dir is None else os.path.abspath(state_dir)
+    os.makedirs(state, 0o700, exist_ok=True)
+    return folder, state
 
 
 def remove_job_folder(folder: str) -> None:
