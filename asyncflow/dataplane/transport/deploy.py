@@ -50,7 +50,7 @@ import sys
 import tempfile
 import types
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -113,6 +113,7 @@ class Deployment:
     folder: str | None = None
     state_dir: str | None = None
     labels: list[str] | None = None  # what each of ``processes`` is, for error lines
+    owner: int = field(default_factory=os.getpid)  # the launching process (its exit shuts this down)
 
     def lost(self) -> str | None:
         """The first server process of this deployment that is gone, in words, or ``None``."""
@@ -153,8 +154,10 @@ class Deployment:
     def _at_exit(self) -> None:
         """The launching process exits without :meth:`shutdown`: without this, ``multiprocessing``
         would terminate the servers (SIGTERM: no clean-up of theirs runs) and leave the job folder
-        in the temp dir and every unit's segments in /dev/shm."""
-        self.shutdown(timeout=2.0, polite=False)
+        in the temp dir and every unit's segments in /dev/shm. (Not in a forked child that exits:
+        the servers are its parent's.)"""
+        if os.getpid() == self.owner:
+            self.shutdown(timeout=2.0, polite=False)
 
     def _remove_folder(self) -> None:
         if self.folder is not None:
