@@ -28,13 +28,25 @@ def _present() -> set[str]:
     return found | ({str(p) for p in _REAL_CACHE.iterdir()} if _REAL_CACHE.is_dir() else set())
 
 
+# pytest-xdist: a worker shares the HOME its controller made (one warm-start cache for the run;
+# entries are published with os.replace, so two workers writing one key is safe); the controller
+# removes it and checks for leftovers once every worker is done.
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _BEFORE = _present()
-_HOME = tempfile.mkdtemp(prefix="asyncflow-test-home-")  # (under /tmp: excluded from the check, removed below)
+if _WORKER and os.environ.get("ASYNCFLOW_TEST_HOME"):
+    _HOME = os.environ["ASYNCFLOW_TEST_HOME"]
+else:
+    _HOME = tempfile.mkdtemp(prefix="asyncflow-test-home-")  # (under /tmp: excluded from the check, removed below)
+    os.environ["ASYNCFLOW_TEST_HOME"] = _HOME
 os.environ["HOME"] = _HOME
 os.environ["XDG_CACHE_HOME"] = os.path.join(_HOME, ".cache")
+if _WORKER:  # two workers on two cores: one torch thread each (the project's rule for processes side by side)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if _WORKER:
+        return
     shutil.rmtree(_HOME, ignore_errors=True)
     left = sorted(_present() - _BEFORE - {_HOME})
     if left and os.environ.get("ASYNCFLOW_ALLOW_LEFTOVERS") != "1":  # (a machine shared with other jobs)
@@ -61,3 +73,14 @@ def model_dir(tmp_path):
     model.save_pretrained(tmp_path / "m")
     tok.save_pretrained(tmp_path / "m")
     return tmp_path / "m"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (``-n 2 --dist loadfile``, the README's command) files are handed to the
+    workers in collection order as they free up: the files with end-to-end runs (a test marked
+    ``slow`` or ``ray``) go first, so the long ones start early and the short ones fill the gaps
+    (longest first). A plain ``pytest`` keeps the files' order."""
+    if not hasattr(config, "workerinput"):
+        return
+    heavy = {it.path for it in items if it.get_closest_marker("slow") or it.get_closest_marker("ray")}
+    items.sort(key=lambda it: it.path not in heavy)  # (stable: a file's own tests keep their order)
