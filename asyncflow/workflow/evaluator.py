@@ -52,7 +52,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -60,11 +61,13 @@ import torch
 
 from asyncflow.config import RunConfig
 from asyncflow.engines.inference import load_named_weights
+from asyncflow.engines.lora_merge import AdapterMerger
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource, verify
+from asyncflow.workflow.builders import lora_spec
 from asyncflow.workflow.failure import one_line, tag
 
 EVAL_BATCH = 512  # problems per greedy batch (as the trainer's own evaluation)
@@ -107,6 +110,7 @@ class Evaluator:
         self.requested = self.skipped = self.late = 0
         self._since: float | None = None  # when the one computing now started
         self._init_error: BaseException | None = None
+        self._load: Callable[[Mapping[str, np.ndarray]], None]  # published weights into self.model (_build)
         build = threading.Thread(target=self._build, args=(model_dir,), name="evaluator-build", daemon=True)
         build.start()
         build.join(BUILD_TIMEOUT_S)
@@ -117,6 +121,9 @@ class Evaluator:
         pin_thread(self.cores)
         try:
             self.model, self.tokenizer = load_model(model_dir)
+            lora = lora_spec(self.cfg)  # (a LoRA trainer publishes adapters: merged into this model's base)
+            self._load = partial(load_named_weights, self.model) if lora is None else \
+                AdapterMerger(self.model, lora.scale).apply
             self.task = build_task(self.cfg)
             self.metric, self.score = heldout_metric(self.cfg, self.task, self._reward)
         except Exception as e:  # raised by health(), as a worker's
@@ -156,7 +163,7 @@ class Evaluator:
             pin_thread(self.cores)
             lowest_nice()  # from here on: second to the roles
             t0 = self._since = time.time()
-            load_named_weights(self.model, verify(buffers))
+            self._load(verify(buffers))
             problems = self.task.heldout[: self.cfg.task.eval_n]
             out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
                                           self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
