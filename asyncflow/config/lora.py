@@ -23,7 +23,7 @@ class LoraConfig(Section):
     r: int | None = Field(0, ge=0, description="LoRA rank: the trainer optimises rank-r adapters B A of the "
                           "target modules on a frozen base, and each weight sync ships only them. 0 or null = off "
                           "(full fine-tuning). Needs the [lora] extra (peft).")
-    alpha: float = Field(16.0, gt=0, description="The adapters' scale numerator: a module's weight is "
+    alpha: int = Field(16, gt=0, description="The adapters' scale numerator: a module's weight is "
                                                  "W0 + (alpha / r) B A.")
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the adapters' input while training "
                                                         "(log-probs, rollout and evaluation run without).")

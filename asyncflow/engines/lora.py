@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +60,7 @@ class LoraSpec:
     """The adapters: rank, scale numerator, dropout, target modules (peft's names), init seed."""
 
     r: int
-    alpha: float = 16.0
+    alpha: int = 16
     dropout: float = 0.0
     target_modules: tuple[str, ...] | str = "all-linear"
     seed: int = 0
@@ -81,10 +82,12 @@ def attach(model: torch.nn.Module, spec: LoraSpec) -> Any:
     """Inject adapters into ``model`` in place (the rest frozen); the ``PeftModel`` around it."""
     from peft import get_peft_model  # lazy: peft is the optional [lora] extra
 
-    peft_model = get_peft_model(model, spec.peft_config())
+    with warnings.catch_warnings():  # (transformers 5 deprecates is_gradient_checkpointing, which peft asks)
+        warnings.simplefilter("ignore", FutureWarning)
+        peft_model = get_peft_model(model, spec.peft_config())
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
-        for name, a, b in sorted(_adapter_pairs(model), key=lambda t: t[0]):
+        for _, a, b in sorted(_adapter_pairs(model), key=lambda t: t[0]):  # (in name order)
             init = torch.empty(a.shape, dtype=a.dtype)
             torch.nn.init.kaiming_uniform_(init, a=math.sqrt(5), generator=gen)  # (peft's init, our generator)
             a.copy_(init)
@@ -99,7 +102,9 @@ def _adapter_pairs(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, torc
     for name, module in model.named_modules():
         a, b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
         if isinstance(a, torch.nn.ModuleDict) and "default" in a and isinstance(b, torch.nn.ModuleDict):
-            out.append((name, a["default"].weight, b["default"].weight))
+            wa, wb = a["default"].weight, b["default"].weight
+            assert isinstance(wa, torch.Tensor) and isinstance(wb, torch.Tensor)  # (peft's nn.Linear pair)
+            out.append((name, wa, wb))
     return out
 
 
@@ -109,12 +114,12 @@ def lora_of(model: torch.nn.Module) -> LoraSpec | None:
     return spec if isinstance(spec, LoraSpec) else None
 
 
-def adapter_tensors(peft_model: Any) -> dict[str, np.ndarray]:
-    """Float32 host copies of the adapters, by the names of peft's adapter file."""
+def adapter_tensors(peft_model: Any) -> dict[str, torch.Tensor]:
+    """The adapters by the names of peft's adapter file, as tensors sharing the live parameters'
+    storage (an optimizer step shows through them)."""
     from peft import get_peft_model_state_dict  # lazy: peft is the optional [lora] extra
 
-    state = get_peft_model_state_dict(peft_model)
-    return {k: v.detach().to("cpu", torch.float32, copy=True).numpy() for k, v in state.items()}
+    return {k: v.detach() for k, v in get_peft_model_state_dict(peft_model).items()}
 
 
 class LoraTrainEngine(TrainEngine):
@@ -127,11 +132,13 @@ class LoraTrainEngine(TrainEngine):
         super().__init__(peft_model.get_base_model(), pad_id, **kwargs)
         if self.fsdp:
             raise ValueError("LoRA with FSDP is not supported (model.lora with train.strategy=fsdp)")
+        # (found once: peft walks the whole state_dict to find them, ~50 ms on the tiny model)
+        self._adapters = adapter_tensors(peft_model)
 
     @torch.no_grad()
     def export_weights(self) -> dict[str, np.ndarray]:
         """The adapters only (float32 host copies, peft's names): what rollout merges into its base."""
-        return adapter_tensors(self.peft)
+        return {k: v.to("cpu", torch.float32, copy=True).numpy() for k, v in self._adapters.items()}
 
 
 class BaseView(torch.nn.Module):

@@ -282,8 +282,9 @@ class TrainEngine:
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
         self.grad_clip = grad_clip
-        # (what trains: every parameter, or the adapters of a LoRA model, whose frozen base has no AdamW state)
-        trained = [p for p in model.parameters() if p.requires_grad]
+        # (what trains: every parameter, or the adapters of a LoRA model, whose frozen base has no AdamW state;
+        # a model frozen whole, one that only gives log-probs, keeps them all as before)
+        trained = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
         self.opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         self.version = 0

@@ -13,10 +13,11 @@ whichever comes first, even when later writes succeeded: no checkpoint goes miss
 
 A checkpoint is two files and no pickle: ``state.safetensors`` (the model's state_dict as
 ``model/<name>``; with ``model.lora`` the adapters alone, the frozen base coming back from the
-model folder: :func:`~asyncflow.engines.lora.trained_state`; AdamW's per-parameter tensors as ``optim/<index>/<key>``, the RNG states
-as ``rng/...``) and ``state.json`` (the optimizer's param groups, the LR schedule's
-position, the policy versions, numpy's and Python's RNG positions, the driver's state: the
-step, the prompt ids trained so far (:func:`pack`) and the answers in flight).
+model folder: :func:`~asyncflow.engines.lora.trained_state`; AdamW's per-parameter tensors
+as ``optim/<index>/<key>``, the RNG states as ``rng/...``) and ``state.json`` (the
+optimizer's param groups, the LR schedule's position, the policy versions, numpy's and
+Python's RNG positions, the driver's state: the step, the prompt ids trained so far
+(:func:`pack`) and the answers in flight).
 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
 (:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
