@@ -22,7 +22,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute precision of training and inference: float32, or bfloat16 (autocast; "
                                "float32 master weights and AdamW states).")
-    lora: LoraConfig = LoraConfig()
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters through peft (r > 0: on).")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:
