@@ -7,7 +7,7 @@ whole model). Prints one line per run and the means. Accuracy does not depend on
 machine's load (a run's wall time does).
 
     python benchmarks/lora_learning.py                                   # seeds 0 1 2, 120 steps
-    python benchmarks/lora_learning.py --seeds 0 --steps 40 mode=sync    # extra key=value overrides
+    python benchmarks/lora_learning.py --seeds 0 --steps 40 --lora-lr 5e-4 2e-3 launcher=local  # overrides
 """
 
 from __future__ import annotations
@@ -36,18 +36,19 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--rank", type=int, default=8, help="model.lora.r of the LoRA runs")
-    ap.add_argument("--lora-lr", type=float, default=1e-3, help="train.lr of the LoRA runs")
+    ap.add_argument("--lora-lr", type=float, nargs="+", default=[1e-3], help="train.lr of the LoRA runs (each)")
     ap.add_argument("--run-dir", default="runs/lora_learning")
     args = ap.parse_args()
-    gains: dict[str, list[float]] = {"full": [], "lora": []}
+    gains: dict[str, list[float]] = {}
     print(f"{'seed':>4}  {'run':<22} {'before':>7} -> {'after':>6}  {'gain':>6}  {'wall s':>7}", flush=True)
     for seed in args.seeds:
         common = [f"seed={seed}", f"train.steps={args.steps}", f"run_dir={args.run_dir}", *args.overrides]
-        for name, extra in (("full", []), ("lora", [f"model.lora.r={args.rank}", f"train.lr={args.lora_lr}"])):
+        variants = [("full", [])] + [(f"lora r={args.rank} lr={lr:g}", [f"model.lora.r={args.rank}", f"train.lr={lr}"])
+                                     for lr in args.lora_lr]
+        for label, extra in variants:
             s = run(common + extra)
             a0, a1 = s["heldout_acc_before"], s["heldout_acc_after"]
-            gains[name].append(100 * (a1 - a0))
-            label = "full" if name == "full" else f"lora r={args.rank} lr={args.lora_lr:g}"
+            gains.setdefault(label, []).append(100 * (a1 - a0))
             print(f"{seed:>4}  {label:<22} {a0:7.1%} -> {a1:6.1%} {100 * (a1 - a0):+6.1f}  {s['wall_s']:7.1f}",
                   flush=True)
     for name, g in gains.items():

@@ -4,9 +4,10 @@ A model built in code (``--model``: ``tiny``, the built-in example's; ``small``;
 Qwen2-0.5B shape of ``benchmarks/gpu_scale.py``: ~494M parameters, ~2 GB in float32, random
 weights). Each sync goes through the real path of the delayed update: the trainer's
 ``export_weights`` and ``seal`` (a CRC-32 per tensor), ``WeightStore.publish``, a
-``WeightSubscriber``'s host copy and CRC check (until staged), and the swap into the rollout
-model, the only part exposed to generation (full: ``load_named_weights`` of every parameter;
-LoRA: ``AdapterMerger`` writes ``W0 + scale B A`` into every adapted weight from its kept base).
+``WeightSubscriber``'s host copy and CRC check (LoRA: and ``AdapterMerger.prepare``, which
+computes ``W0 + scale B A`` of every adapted weight from its kept base) until staged, and the
+swap into the rollout model, the only part exposed to generation (full: ``load_named_weights``
+of every parameter; LoRA: ``AdapterMerger.commit``, a copy of the adapted weights).
 Rounds alternate full and LoRA (r = ``--rank``, all linear layers); per kind the median of
 ``--rounds``, then the ratios full / LoRA. One torch thread (``--threads``), as each role has
 in ``stream``/``async`` by default.
@@ -91,7 +92,8 @@ def sync_rounds(name: str, rank: int, rounds: int) -> dict[str, list[dict]]:
     spec = LoraSpec(r=rank, alpha=2 * rank)
     engines = {"full": TrainEngine(base, pad_id=0), "lora": LoraTrainEngine(attach(copy.deepcopy(base), spec), 0)}
     merger = AdapterMerger(rollout, spec.scale)
-    apply = {"full": lambda v, t: load_named_weights(rollout, t), "lora": lambda v, t: merger.apply(t)}
+    apply = {"full": lambda v, t: load_named_weights(rollout, t), "lora": lambda v, merged: merger.commit(merged)}
+    prepare = {"full": None, "lora": merger.prepare}  # (as builders.build_rollout wires them)
     print(f"{name}: {sum(p.numel() for p in base.parameters()):,} parameters; LoRA r={rank} on all linear layers: "
           f"{sum(p.numel() for p in engines['lora'].model.parameters() if p.requires_grad):,} trained", flush=True)
     got: dict[str, list[dict]] = {"full": [], "lora": []}
@@ -99,7 +101,7 @@ def sync_rounds(name: str, rank: int, rounds: int) -> dict[str, list[dict]]:
     for r in range(rounds + 1):  # (round 0 warms up: first allocations, the merger's copy of W0)
         for kind in ("full", "lora"):
             store = WeightStore()
-            sub = WeightSubscriber(store, apply[kind], start_version=version, poll_s=0.05)
+            sub = WeightSubscriber(store, apply[kind], start_version=version, poll_s=0.05, prepare=prepare[kind])
             version += 1
             try:
                 m = one_sync(engines[kind], store, sub, version)

@@ -3,7 +3,8 @@ tests/test_lora_runs.py).
 
 * the trainer trains and exports the adapters only, the base stays bit for bit;
 * rollout's merge of a published set gives the trainer's log-probs and peft's own merge, each
-  version from the kept base (swapping back and forth drifts by no bit), all or nothing;
+  version from the kept base (swapping back and forth drifts by no bit), all or nothing, and
+  is computed on the weight subscriber's thread: the swap only copies it in;
 * the KL reference is the base with the adapters off, sharing the actor's parameters;
 * the adapter folder loads with ``PeftModel.from_pretrained`` (and the merged folder with
   ``AutoModelForCausalLM``) and gives the trainer's log-probs;
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 
 import numpy as np
 import pytest
@@ -24,9 +26,12 @@ from transformers import AutoModelForCausalLM
 
 from asyncflow.config import ConfigError, load_config
 from asyncflow.engines.lora import BaseView, LoraSpec, LoraTrainEngine, attach, save_adapter, save_merged
-from asyncflow.engines.lora_merge import AdapterMerger
+from asyncflow.engines.inference import InferenceEngine
+from asyncflow.engines.lora_merge import AdapterLoader, AdapterMerger
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine
+from asyncflow.weights.store import WeightStore, seal
+from asyncflow.weights.subscriber import WeightSubscriber
 from asyncflow.workflow import checkpoint as C
 
 torch.set_num_threads(1)
@@ -133,6 +138,36 @@ def test_a_bad_adapter_set_is_refused_whole(damage, match):
     with pytest.raises(ValueError, match=match):
         merger.apply(bad)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing changed
+
+
+def test_rollout_merges_on_the_subscribers_thread_and_the_swap_only_copies_it_in():
+    trainer = _lora()
+    _train(trainer, 2)
+    engine = InferenceEngine(_base(), eos_id=2, pad_id=0)
+    loader = AdapterLoader(engine, SPEC.scale)
+    store = WeightStore()
+    sub = WeightSubscriber(store, loader.load, start_version=0, poll_s=0.02, prepare=loader.prepare)
+    base = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    try:
+        store.publish(1, seal(trainer.export_weights()))
+        assert sub.wait_staged(30) and sub.staged_version() == 1
+        assert all(torch.equal(p, base[n]) for n, p in engine.model.named_parameters())  # merged, not swapped yet
+        assert sub.swap_if_ready() and engine.version == 1
+        _close(TrainEngine(engine.model, pad_id=0).logprobs(PROMPTS, RESPONSES), trainer.logprobs(PROMPTS, RESPONSES))
+        merged = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        bad = trainer.export_weights()
+        bad.pop(next(k for k in sorted(bad) if k.endswith("lora_B.weight")))
+        store.publish(2, seal(bad))  # (sealed as it is: it verifies, and the merger refuses it)
+        deadline = time.monotonic() + 30
+        while sub.rejected == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _train(trainer, 1)
+        store.publish(3, seal(trainer.export_weights()))
+        assert sub.wait_staged(30) and sub.staged_version() == 3 and sub.rejected == 1
+        assert all(torch.equal(p, merged[n]) for n, p in engine.model.named_parameters())
+        assert sub.swap_if_ready() and engine.version == 3
+    finally:
+        sub.close()
 
 
 def test_the_reference_is_the_base_with_the_adapters_off_without_a_copy():

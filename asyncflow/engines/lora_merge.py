@@ -8,14 +8,17 @@ sets the weight of every adapted module to ``W0 + scale * B @ A``.
 
 Design
 ------
-``W0`` is a copy of the module's weight kept at the first apply: each version is computed
+``W0`` is a copy of the module's weight kept at the first merge: each version is computed
 from the base, never from the previous merge, so swaps do not accumulate rounding error
-and a version applied twice gives the same weights bit for bit. The merge is one fused
-``torch.addmm(W0, B, A, alpha=scale, out=W)`` per module: it reads ``W0`` and writes ``W``
-once, the memory traffic of copying a full weight in, for the adapted modules only. Decoding
-then runs the model's own forward (no LoRA branch per token), and a CUDA graph captured on
-``W`` stays valid (written in place). The price is ``W0`` held once more for the adapted
-modules (``all-linear`` on a Qwen2-0.5B shape: ~360M parameters, ~1.4 GB in float32).
+and a version applied twice gives the same weights bit for bit. A merge is two halves:
+:meth:`AdapterMerger.prepare` computes ``torch.addmm(W0, B, A, alpha=scale)`` per module into
+new tensors without touching the model, so a rollout worker runs it on its weight
+subscriber's background thread while decoding goes on; :meth:`AdapterMerger.commit` copies
+them in, the only part exposed to generation (one copy of the adapted weights: less than a
+full set's). Decoding then runs the model's own forward (no LoRA branch per token), and a
+CUDA graph captured on ``W`` stays valid (written in place). The price is memory: ``W0`` and
+one prepared set beside the model's weights for the adapted modules (``all-linear`` on a
+Qwen2-0.5B shape: ~360M parameters, ~1.4 GB each in float32).
 
 Invariants
 ----------
@@ -29,6 +32,7 @@ Invariants
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -67,6 +71,13 @@ def _tensor(x: Any) -> torch.Tensor:
     return x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
 
 
+@dataclass
+class Merged:
+    """:meth:`AdapterMerger.prepare`'s result: (the model's weight, its new value) per adapted module."""
+
+    weights: list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class AdapterMerger:
     """Merges adapter sets into ``model``'s own weights from its kept base (module doc)."""
 
@@ -97,23 +108,39 @@ class AdapterMerger:
         return plan
 
     @torch.no_grad()
-    def apply(self, tensors: Mapping[str, Any]) -> None:
-        """Set every adapted weight to ``W0 + scale * B @ A`` (all or nothing)."""
+    def prepare(self, tensors: Mapping[str, Any]) -> Merged:
+        """The merged weights of a set, ``W0 + scale * B @ A`` per adapted module, in new tensors
+        beside the model's (the model is not changed: this may run while it decodes)."""
+        out = []
         for module, weight, lhs, rhs in self._plan(tensors):
             w0 = self.base.get(module)
-            if w0 is None:
+            if w0 is None:  # (the first set: nothing is merged yet, the weight is the base's)
                 w0 = self.base[module] = weight.detach().clone()
             lhs, rhs = (t.to(weight.device, weight.dtype) for t in (lhs, rhs))
-            torch.addmm(w0, lhs, rhs, alpha=self.scale, out=weight.data)
+            out.append((weight, torch.addmm(w0, lhs, rhs, alpha=self.scale)))
+        return Merged(out)
+
+    @torch.no_grad()
+    def commit(self, merged: Merged) -> None:
+        """Copy :meth:`prepare`'s weights into the model (in place: the swap itself)."""
+        for weight, new in merged.weights:
+            weight.data.copy_(new)
+
+    def apply(self, tensors: Mapping[str, Any]) -> None:
+        """Set every adapted weight to ``W0 + scale * B @ A`` (all or nothing: checked first)."""
+        self.commit(self.prepare(tensors))
 
 
-def adapter_loader(engine: Any, scale: float) -> Callable[[int, Mapping[str, Any]], None]:
-    """An inference engine's ``load_weights`` for adapter sets: merged into ``engine.model``
-    (:class:`AdapterMerger`), then the engine's policy version moves (as ``load_weights`` does)."""
-    merger = AdapterMerger(engine.model, scale)
+class AdapterLoader:
+    """An inference engine's weight loading for adapter sets: :meth:`prepare` merges a set into
+    copies of the base's weights (a :class:`~asyncflow.weights.subscriber.WeightSubscriber`'s
+    ``prepare``, on its background thread), :meth:`load` copies them into ``engine.model`` and
+    moves the engine's policy version, as ``load_weights`` does (its ``apply``, at the swap)."""
 
-    def load(version: int, tensors: Mapping[str, Any]) -> None:
-        merger.apply(tensors)
-        engine.version = version
+    def __init__(self, engine: Any, scale: float):
+        self.engine, self.merger = engine, AdapterMerger(engine.model, scale)
+        self.prepare: Callable[[Mapping[str, Any]], Merged] = self.merger.prepare
 
-    return load
+    def load(self, version: int, merged: Merged) -> None:
+        self.merger.commit(merged)
+        self.engine.version = version

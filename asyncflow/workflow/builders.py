@@ -39,7 +39,7 @@ from asyncflow.engines.collective import Collective
 from asyncflow.engines.critic import CriticEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
 from asyncflow.engines.lora import BaseView, LoraSpec, LoraTrainEngine
-from asyncflow.engines.lora_merge import adapter_loader
+from asyncflow.engines.lora_merge import AdapterLoader
 from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
@@ -166,9 +166,12 @@ def _scoring(ctx: RoleContext) -> dict:
 def build_rollout(ctx: RoleContext) -> Role:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine = _inference_engine(ctx)
-    lora = lora_spec(cfg)  # (stream/async: the trainer publishes adapters, merged here into this worker's base)
-    load = engine.load_weights if lora is None else adapter_loader(engine, lora.scale)
-    subscriber = WeightSubscriber(ctx.weights, load, start_version=0) if cfg.mode != "sync" else None
+    subscriber = None
+    if cfg.mode != "sync":
+        lora = lora_spec(cfg)  # (the trainer publishes adapters: merged into this worker's base, off the swap)
+        loader = AdapterLoader(engine, lora.scale) if lora is not None else None
+        subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if loader is None else \
+            WeightSubscriber(ctx.weights, loader.load, start_version=0, prepare=loader.prepare)
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     shard = ctx.rank if sync_ranks(cfg) > 1 else None
     return RolloutRole(engine, ctx.plane, sp, r.group_size, sync_share(cfg, ctx.rank), cfg.effective_staleness,
