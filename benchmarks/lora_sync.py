@@ -151,7 +151,7 @@ def step_rounds(name: str, rank: int, rounds: int, rows: int, tokens: int) -> di
                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
             if r:  # (round 0 warms up kernels and allocators)
                 got[kind].append(m)
-                print(f"  round {r} {kind:<4}  step {m['step_s']:.3f} s  peak {m['peak_gib']:.2f} GiB", flush=True)
+                print(f"  round {r} {kind:<4}  step {m['step_s']:.3f} s  peak {gib(m['peak_gib'])}", flush=True)
             del engine, model
             gc.collect()
             if cuda:
@@ -159,11 +159,16 @@ def step_rounds(name: str, rank: int, rounds: int, rows: int, tokens: int) -> di
     return got
 
 
+def gib(x: float) -> str:
+    return "-" if x != x else f"{x:.2f} GiB"  # (nan: no GPU, no peak measured)
+
+
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(m[key] for m in runs)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict]]]:
+    """Run and print; the measurements (``sync`` and ``step``: per kind, one dict a round)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["tiny", "small", "0.5b"], default="0.5b")
     ap.add_argument("--rank", type=int, default=8)
@@ -177,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
+    out: dict[str, dict[str, list[dict]]] = {}
     if args.rounds > 0:
-        got = sync_rounds(args.model, args.rank, args.rounds)
+        got = out["sync"] = sync_rounds(args.model, args.rank, args.rounds)
         print(f"\nweight sync, {args.model}, median of {args.rounds} rounds:")
         print(f"  {'':<6} {'MB':>10} {'trainer s':>10} {'transfer s':>11} {'swap s':>9} {'total s':>9}")
         for kind, runs in got.items():
@@ -187,12 +193,13 @@ def main(argv: list[str] | None = None) -> None:
         ratio = {p: median(got["full"], p) / max(median(got["lora"], p), 1e-12) for p in PARTS}
         print("  full / LoRA: " + ", ".join(f"{p} {ratio[p]:.1f}x" for p in PARTS), flush=True)
     if args.step:
-        got = step_rounds(args.model, args.rank, args.step_rounds, args.rows, args.tokens)
+        got = out["step"] = step_rounds(args.model, args.rank, args.step_rounds, args.rows, args.tokens)
         print(f"\ntraining step, {args.model}, {args.rows} rows x {args.tokens} tokens, median of "
               f"{args.step_rounds} rounds: full {median(got['full'], 'step_s'):.3f} s "
-              f"({median(got['full'], 'peak_gib'):.2f} GiB peak), LoRA {median(got['lora'], 'step_s'):.3f} s "
-              f"({median(got['lora'], 'peak_gib'):.2f} GiB peak); full / LoRA: step "
+              f"(peak {gib(median(got['full'], 'peak_gib'))}), LoRA {median(got['lora'], 'step_s'):.3f} s "
+              f"(peak {gib(median(got['lora'], 'peak_gib'))}); full / LoRA: step "
               f"{median(got['full'], 'step_s') / median(got['lora'], 'step_s'):.2f}x", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -254,3 +255,16 @@ def test_lora_is_off_by_default_and_on_with_a_rank():
     assert not load_config(None, []).model.lora.on and not load_config(None, ["model.lora.r=null"]).model.lora.on
     cfg = load_config(None, ["model.lora.r=8", "model.lora.target_modules=[q_proj, v_proj]"])
     assert cfg.model.lora.on and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_the_sync_benchmark_ships_only_the_adapters_of_the_tiny_model(monkeypatch):
+    """benchmarks/lora_sync.py through the real path, one round: the bytes are the hand-counted ones
+    (tiny model: 532,096 float32 parameters in 26 tensors; r=8 on 7 linear layers x 2 blocks:
+    8 x (256 + 192 + 192 + 256 + 640 + 640 + 640) x 2 = 45,056 in 28 tensors; + 8 bytes of CRC a tensor)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "benchmarks"))
+    import lora_sync
+
+    got = lora_sync.main(["--model", "tiny", "--rounds", "1"])["sync"]
+    assert got["full"][0]["bytes"] == 4 * 532_096 + 8 * 26
+    assert got["lora"][0]["bytes"] == 4 * 45_056 + 8 * 28
+    assert all(m["swap_s"] > 0 and m["total_s"] >= m["swap_s"] for runs in got.values() for m in runs)
