@@ -30,9 +30,9 @@ class LoraConfig(Section):
     target_modules: list[str] | str = Field(
         "all-linear", description="Modules that get adapters: 'all-linear' (every linear layer but the LM head), "
                                   "or names such as [q_proj, v_proj] (peft's target_modules).")
-    merged: bool = Field(False, description="At the end of a run also write RUN_DIR/merged/: a whole model folder "
-                                            "with the adapters merged into the base (RUN_DIR/checkpoint/ holds the "
-                                            "PEFT adapter folder either way).")
+    merged: bool = Field(False, description="Also write checkpoint/merged/ in the run folder: a whole model folder "
+                                            "with the adapters merged into the base (checkpoint/ itself is the PEFT "
+                                            "adapter folder either way).")
 
     @field_validator("target_modules")
     @classmethod
@@ -57,6 +57,9 @@ def check_lora(cfg: RunConfig) -> None:
     if cfg.train.dp > 1 and cfg.train.strategy == "fsdp":
         raise ValueError("model.lora with train.strategy=fsdp is not wired yet (FSDP's gathered copy on rank 0 and "
                          "its sharded checkpoints take whole weights, not adapters); use train.strategy=ddp")
+    if cfg.train.tp > 1:
+        raise ValueError(f"model.lora with train.tp={cfg.train.tp} is not wired yet (the tensor-parallel plan shards "
+                         f"the linear layers that peft wraps); set train.tp=1")
     if cfg.algorithm.name == "ppo":
         raise ValueError("model.lora with algorithm.name=ppo: the critic (a copy of the policy) has no adapters of "
                          "its own yet; use a critic-free estimator (algorithm.name=grpo, rloo, ...) with LoRA")

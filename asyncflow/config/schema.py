@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.algorithm import AlgorithmConfig
 from asyncflow.config.base import ConfigError, Section
-from asyncflow.config.checks import check_dp
+from asyncflow.config.checks import check_dp, check_tp
 from asyncflow.config.lora import LoraConfig, check_lora
 from asyncflow.config.model import BUILTIN_TASKS, ModelConfig, TaskConfig
 from asyncflow.config.outputs import EvalConfig, LogConfig
@@ -75,9 +75,6 @@ class RunConfig(Section):
         if self.rollout.engine != "builtin" and self.mode == "sync":
             raise ValueError(f"rollout.engine={self.rollout.engine} needs mode=stream or async (sync shares one torch "
                              f"model between rollout and training); set mode=async or rollout.engine=builtin")
-        if self.rollout.engine == "sglang" and self.rollout.on_swap == "continue":
-            raise ValueError("rollout.engine=sglang returns an answer only when it finishes, so it cannot be "
-                             "continued after a weight swap: set rollout.on_swap=discard")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
@@ -86,6 +83,8 @@ class RunConfig(Section):
                              "is kept or dropped when it finishes): set reward.placement=rollout")
         if self.train.dp > 1:
             check_dp(self)
+        if self.train.tp > 1:
+            check_tp(self)
         if self.model.lora.on:
             check_lora(self)
         if self.resources.device != "cpu" and self.train.dp > 1:

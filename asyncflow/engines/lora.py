@@ -185,6 +185,18 @@ def save_adapter(peft_model: Any, path: str | Path) -> None:
     peft_model.save_pretrained(str(path))
 
 
+def write_adapter_folder(path: str | Path, tensors: Mapping[str, np.ndarray], spec: LoraSpec, base: str) -> None:
+    """The PEFT adapter folder of published adapters (:meth:`LoraTrainEngine.export_weights`: they
+    carry the names of peft's file already) on the base in folder ``base``, without a model that
+    holds them: what :func:`save_adapter` writes for the trainer's own."""
+    from safetensors.numpy import save_file  # (with peft: only a LoRA run writes one)
+
+    config = spec.peft_config()
+    config.base_model_name_or_path = base
+    config.save_pretrained(str(path))
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(Path(path) / "adapter_model.safetensors"))
+
+
 def save_merged(peft_model: Any, path: str | Path) -> None:
     """A whole model folder with the adapters merged into a copy of the base (peft's
     ``merge_and_unload``); the trained model keeps its adapters."""

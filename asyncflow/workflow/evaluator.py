@@ -61,12 +61,14 @@ import torch
 
 from asyncflow.config import RunConfig
 from asyncflow.engines.inference import load_named_weights
+from asyncflow.engines.lora import LoraSpec, write_adapter_folder
 from asyncflow.engines.lora_merge import AdapterMerger
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource, verify
+from asyncflow.workflow.best import BestKeeper
 from asyncflow.workflow.builders import lora_spec
 from asyncflow.workflow.failure import one_line, tag
 
@@ -100,8 +102,9 @@ class Evaluator:
     """Held-out evaluations of published weight versions, one at a time, at nice 19."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, weights: WeightSource, timeout_s: float = 60.0,
-                 cores: tuple[int, ...] = ()):
+                 cores: tuple[int, ...] = (), keeper: BestKeeper | None = None):
         self.cfg, self.weights, self.timeout_s, self.cores = cfg, weights, timeout_s, cores
+        self.keeper = keeper  # train.keep_best: a new best figure is saved from this thread
         self._lock = threading.Lock()
         self._running = False
         self._closed = False
@@ -111,6 +114,8 @@ class Evaluator:
         self._since: float | None = None  # when the one computing now started
         self._init_error: BaseException | None = None
         self._load: Callable[[Mapping[str, np.ndarray]], None]  # published weights into self.model (_build)
+        self._lora: LoraSpec | None = None  # model.lora (_build): adapters are published, merged here
+        self._adapters: Mapping[str, np.ndarray] = {}  # the adapters of the last evaluation (model.lora)
         build = threading.Thread(target=self._build, args=(model_dir,), name="evaluator-build", daemon=True)
         build.start()
         build.join(BUILD_TIMEOUT_S)
@@ -121,9 +126,10 @@ class Evaluator:
         pin_thread(self.cores)
         try:
             self.model, self.tokenizer = load_model(model_dir)
-            lora = lora_spec(self.cfg)  # (a LoRA trainer publishes adapters: merged into this model's base)
-            self._load = partial(load_named_weights, self.model) if lora is None else \
-                AdapterMerger(self.model, lora.scale).apply
+            self._lora, self._model_dir = lora_spec(self.cfg), model_dir
+            self._load = partial(load_named_weights, self.model) if self._lora is None else self._merge
+            if self._lora is not None:
+                self._merger = AdapterMerger(self.model, self._lora.scale)
             self.task = build_task(self.cfg)
             self.metric, self.score = heldout_metric(self.cfg, self.task, self._reward)
         except Exception as e:  # raised by health(), as a worker's
@@ -167,6 +173,8 @@ class Evaluator:
             problems = self.task.heldout[: self.cfg.task.eval_n]
             out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
                                           self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
+            if self.keeper is not None:
+                self.keeper.offer(out["version"], out["heldout_acc"], self._save)
         except Exception as e:
             out["error"] = one_line(tag(e, f"evaluating weight version {out['version'] or version}"))
         out["eval_s"] = time.time() - t0
@@ -176,6 +184,22 @@ class Evaluator:
             self.late += int((out["version"] or version) > version)
             self._done.append(out)
             self._running = False
+
+    def _merge(self, adapters: Mapping[str, np.ndarray]) -> None:
+        self._merger.apply(adapters)
+        self._adapters = adapters  # (what _save writes as a PEFT adapter folder)
+
+    def _save(self, path: str) -> None:
+        """The weights just evaluated, as a model folder (``train.keep_best``); with ``model.lora`` as
+        the trainer saves its own: a PEFT adapter folder (and the merged model in ``merged/``)."""
+        if self._lora is None:
+            self.model.save_pretrained(path)
+        else:
+            write_adapter_folder(path, self._adapters, self._lora, self._model_dir)
+            if self.cfg.model.lora.merged:
+                self.model.save_pretrained(os.path.join(path, "merged"))
+                self.tokenizer.save_pretrained(os.path.join(path, "merged"))
+        self.tokenizer.save_pretrained(path)
 
     def poll(self) -> dict:
         """``done``: the evaluations finished since the last poll (``requested`` and ``version``
