@@ -7,7 +7,8 @@ tests/test_lora_runs.py).
   is computed on the weight subscriber's thread: the swap only copies it in;
 * the KL reference is the base with the adapters off, sharing the actor's parameters;
 * the adapter folder loads with ``PeftModel.from_pretrained`` (and the merged folder with
-  ``AutoModelForCausalLM``) and gives the trainer's log-probs;
+  ``AutoModelForCausalLM``) and gives the trainer's log-probs, as does the folder written from
+  the published adapters alone (the evaluator's best);
 * a checkpoint holds the adapters and their AdamW state and continues the same steps;
 * the config's checks are one line each.
 """
@@ -26,8 +27,16 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
 from asyncflow.config import ConfigError, load_config
-from asyncflow.engines.lora import BaseView, LoraSpec, LoraTrainEngine, attach, save_adapter, save_merged
 from asyncflow.engines.inference import InferenceEngine
+from asyncflow.engines.lora import (
+    BaseView,
+    LoraSpec,
+    LoraTrainEngine,
+    attach,
+    save_adapter,
+    save_merged,
+    write_adapter_folder,
+)
 from asyncflow.engines.lora_merge import AdapterLoader, AdapterMerger
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine
@@ -199,6 +208,10 @@ def test_the_adapter_folder_loads_with_peft_and_gives_the_trainers_logprobs(tmp_
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in n for n, _ in merged.named_parameters())
     _close(TrainEngine(merged, pad_id=0).logprobs(PROMPTS, RESPONSES), want)
+    # the evaluator's best (train.keep_best): a folder written from the published adapters alone
+    write_adapter_folder(tmp_path / "published", engine.export_weights(), SPEC, str(tmp_path / "base"))
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "published")
+    _close(TrainEngine(loaded, pad_id=0).logprobs(PROMPTS, RESPONSES), want)
     assert all(np.array_equal(a, b) for a, b in zip(engine.logprobs(PROMPTS, RESPONSES), want))  # still adapted
 
 
@@ -240,6 +253,7 @@ def test_every_rank_starts_from_the_same_adapters_whatever_the_global_rng():
     (["mode=async", "rollout.engine=vllm"], "model.lora with rollout.engine=vllm"),
     (["launcher=ray", "train.dp=2", "train.strategy=fsdp"], "model.lora with train.strategy=fsdp"),
     (["algorithm.name=ppo"], "model.lora with algorithm.name=ppo"),
+    (["launcher=ray", "mode=async", "train.tp=2"], "model.lora with train.tp=2"),
     (["model.lora.target_modules=[]"], "target_modules is empty"),
 ])
 def test_a_lora_config_that_cannot_run_is_one_line(overrides, match, monkeypatch):
