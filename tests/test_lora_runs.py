@@ -8,7 +8,8 @@
   right, and an answer in flight kept the versions it was sampled with);
 * ``sync`` with two ranks, resumed from an earlier checkpoint, ends with the same adapters as
   the uninterrupted run; the run's adapter folder is the trainer's last adapters, loads with
-  ``PeftModel.from_pretrained`` and gives the log-probs of the run's merged model folder.
+  ``PeftModel.from_pretrained`` and gives the log-probs of the run's merged model folder
+  (``checkpoint/merged``).
 """
 
 from __future__ import annotations
@@ -146,7 +147,7 @@ def test_a_lora_run_resumed_from_an_earlier_checkpoint_is_exact_and_leaves_a_pef
     assert main(["train", *common, f"run_dir={tmp_path / 'runs'}"]) == 0
     whole = next((tmp_path / "runs").iterdir())
     again = shutil.copytree(whole, tmp_path / "again")
-    for gone in (again / "checkpoint", again / "merged", again / "checkpoints" / "step-4"):
+    for gone in (again / "checkpoint", again / "checkpoints" / "step-4"):
         shutil.rmtree(gone)
     assert main(["train", "--resume", str(again)]) == 0
     a, b = (load_file(str(d / "checkpoint" / "adapter_model.safetensors")) for d in (whole, again))
@@ -162,7 +163,7 @@ def test_a_lora_run_resumed_from_an_earlier_checkpoint_is_exact_and_leaves_a_pef
 
     base = AutoModelForCausalLM.from_pretrained(whole / "initial_model")
     peft = TrainEngine(PeftModel.from_pretrained(base, whole / "checkpoint"), pad_id=0)
-    merged = TrainEngine(AutoModelForCausalLM.from_pretrained(whole / "merged"), pad_id=0)
+    merged = TrainEngine(AutoModelForCausalLM.from_pretrained(whole / "checkpoint" / "merged"), pad_id=0)
     prompts, responses = [[1, 5, 14, 6, 18], [1, 7, 18]], [[8, 2], [9, 10, 11, 2]]
     for x, y in zip(peft.logprobs(prompts, responses), merged.logprobs(prompts, responses)):
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
