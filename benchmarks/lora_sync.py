@@ -12,14 +12,11 @@ Rounds alternate full and LoRA (r = ``--rank``, all linear layers); per kind the
 ``--rounds``, then the ratios full / LoRA. One torch thread (``--threads``), as each role has
 in ``stream``/``async`` by default.
 
-``--step``: also a training step of each kind (``forward_backward`` of ``--rows`` rows of
-``--tokens`` tokens, then ``optimizer_step``; bf16 autocast on a GPU), a fresh engine per kind
-and round, alternating: the median step time and, on a GPU, the peak memory of the step (the
-model's own weights included).
+LoRA against full fine-tuning's training step (time, peak memory on a GPU) is the ``lora``
+phase of ``benchmarks/gpu_scale.py`` (``benchmarks/gpu_lora.py``).
 
     python benchmarks/lora_sync.py --model 0.5b                  # bytes and sync time (~12 GB of RAM)
     python benchmarks/lora_sync.py --model tiny --rounds 5
-    python benchmarks/lora_sync.py --model 0.5b --step --sync-rounds 0   # on a GPU: step time, peak memory
 
 Seconds on a machine shared with other work are indicative only; bytes are exact.
 """
@@ -28,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
 import os
 import statistics
 import sys
@@ -42,7 +38,7 @@ PARTS = ("bytes", "trainer_s", "transfer_s", "swap_s", "total_s")
 
 
 def build(name: str):
-    """The base model of ``name`` (random weights, float32) and its vocabulary size."""
+    """The base model of ``name`` (random weights, float32)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -51,12 +47,12 @@ def build(name: str):
     torch.manual_seed(0)
     if name == "tiny":
         tok = build_char_tokenizer()
-        return build_tiny_model(tok), len(tok)
+        return build_tiny_model(tok)
     from gpu_scale import QWEN2_05B, SMALL
 
     dims = QWEN2_05B if name == "0.5b" else SMALL
     config = Qwen2Config(**dims, max_position_embeddings=4096, tie_word_embeddings=True, pad_token_id=0)
-    return Qwen2ForCausalLM(config), dims["vocab_size"]
+    return Qwen2ForCausalLM(config)
 
 
 def one_sync(engine, store, subscriber, version: int) -> dict:
@@ -87,7 +83,7 @@ def sync_rounds(name: str, rank: int, rounds: int) -> dict[str, list[dict]]:
     from asyncflow.weights.store import WeightStore
     from asyncflow.weights.subscriber import WeightSubscriber
 
-    base, _ = build(name)
+    base = build(name)
     rollout = copy.deepcopy(base)  # the rollout worker's own model, loaded from the same folder
     spec = LoraSpec(r=rank, alpha=2 * rank)
     engines = {"full": TrainEngine(base, pad_id=0), "lora": LoraTrainEngine(attach(copy.deepcopy(base), spec), 0)}
@@ -115,92 +111,32 @@ def sync_rounds(name: str, rank: int, rounds: int) -> dict[str, list[dict]]:
     return got
 
 
-def step_rounds(name: str, rank: int, rounds: int, rows: int, tokens: int) -> dict[str, list[dict]]:
-    import numpy as np
-    import torch
-
-    from asyncflow.engines.lora import LoraSpec, LoraTrainEngine, attach
-    from asyncflow.engines.training import TrainEngine
-
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
-    base, vocab = build(name)
-    rng = np.random.default_rng(0)
-    prompts = rng.integers(3, vocab, (rows, tokens // 2)).tolist()
-    responses = rng.integers(3, vocab, (rows, tokens - tokens // 2)).tolist()
-
-    def loss(out, batch, extras):
-        return -(out * batch.mask).sum() / rows, {}
-
-    got: dict[str, list[dict]] = {"full": [], "lora": []}
-    for r in range(rounds + 1):
-        for kind in ("full", "lora"):
-            model = copy.deepcopy(base).to(device)
-            kw = {"pad_id": 0, "dtype": "bfloat16" if cuda else "float32", "lr": 1e-5}
-            engine = (TrainEngine(model, **kw) if kind == "full"
-                      else LoraTrainEngine(attach(model, LoraSpec(r=rank, alpha=2 * rank)), **kw))
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            t = time.perf_counter()
-            engine.forward_backward(prompts, responses, {}, loss)
-            engine.optimizer_step()
-            if cuda:
-                torch.cuda.synchronize()
-            m = {"step_s": time.perf_counter() - t,
-                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")}
-            if r:  # (round 0 warms up kernels and allocators)
-                got[kind].append(m)
-                print(f"  round {r} {kind:<4}  step {m['step_s']:.3f} s  peak {gib(m['peak_gib'])}", flush=True)
-            del engine, model
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-    return got
-
-
-def gib(x: float) -> str:
-    return "-" if x != x else f"{x:.2f} GiB"  # (nan: no GPU, no peak measured)
-
-
 def median(runs: list[dict], key: str) -> float:
     return statistics.median(m[key] for m in runs)
 
 
 def main(argv: list[str] | None = None) -> dict[str, dict[str, list[dict]]]:
-    """Run and print; the measurements (``sync`` and ``step``: per kind, one dict a round)."""
+    """Run and print; the measurements (``sync``: per kind, one dict a round)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=["tiny", "small", "0.5b"], default="0.5b")
     ap.add_argument("--rank", type=int, default=8)
-    ap.add_argument("--rounds", "--sync-rounds", dest="rounds", type=int, default=3)
-    ap.add_argument("--step", action="store_true", help="also time a training step of each (and its peak memory)")
-    ap.add_argument("--step-rounds", type=int, default=3)
-    ap.add_argument("--rows", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=512)
+    ap.add_argument("--rounds", type=int, default=3, help="kept rounds (full, LoRA; after a warm-up round)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a role's default: 1)")
     args = ap.parse_args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
-    out: dict[str, dict[str, list[dict]]] = {}
-    if args.rounds > 0:
-        got = out["sync"] = sync_rounds(args.model, args.rank, args.rounds)
-        print(f"\nweight sync, {args.model}, median of {args.rounds} rounds:")
-        print(f"  {'':<6} {'MB':>10} {'trainer s':>10} {'transfer s':>11} {'swap s':>9} {'total s':>9}")
-        for kind, runs in got.items():
-            print(f"  {kind:<6} {median(runs, 'bytes') / 1e6:10.2f} {median(runs, 'trainer_s'):10.4f} "
-                  f"{median(runs, 'transfer_s'):11.4f} {median(runs, 'swap_s'):9.4f} {median(runs, 'total_s'):9.4f}")
-        ratio = {p: median(got["full"], p) / max(median(got["lora"], p), 1e-12) for p in PARTS}
-        print("  full / LoRA: " + ", ".join(f"{p} {ratio[p]:.1f}x" for p in PARTS), flush=True)
-    if args.step:
-        got = out["step"] = step_rounds(args.model, args.rank, args.step_rounds, args.rows, args.tokens)
-        print(f"\ntraining step, {args.model}, {args.rows} rows x {args.tokens} tokens, median of "
-              f"{args.step_rounds} rounds: full {median(got['full'], 'step_s'):.3f} s "
-              f"(peak {gib(median(got['full'], 'peak_gib'))}), LoRA {median(got['lora'], 'step_s'):.3f} s "
-              f"(peak {gib(median(got['lora'], 'peak_gib'))}); full / LoRA: step "
-              f"{median(got['full'], 'step_s') / median(got['lora'], 'step_s'):.2f}x", flush=True)
-    return out
-
+    if args.rounds < 1:
+        ap.error("--rounds: at least 1 (the median of the kept rounds)")
+    got = sync_rounds(args.model, args.rank, args.rounds)
+    print(f"\nweight sync, {args.model}, median of {args.rounds} rounds:")
+    print(f"  {'':<6} {'MB':>10} {'trainer s':>10} {'transfer s':>11} {'swap s':>9} {'total s':>9}")
+    for kind, runs in got.items():
+        print(f"  {kind:<6} {median(runs, 'bytes') / 1e6:10.2f} {median(runs, 'trainer_s'):10.4f} "
+              f"{median(runs, 'transfer_s'):11.4f} {median(runs, 'swap_s'):9.4f} {median(runs, 'total_s'):9.4f}")
+    ratio = {p: median(got["full"], p) / max(median(got["lora"], p), 1e-12) for p in PARTS}
+    print("  full / LoRA: " + ", ".join(f"{p} {ratio[p]:.1f}x" for p in PARTS), flush=True)
+    return {"sync": got}
 
 if __name__ == "__main__":
     main()
