@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import shutil
@@ -114,29 +115,23 @@ def _reward(tmp_path) -> str:
 
 def _check_logprobs_per_version(base_dir, published: dict, rows: list, scale: float) -> None:
     """Each token's recorded log-prob is its own version's: base + that version's adapters."""
+    base = AutoModelForCausalLM.from_pretrained(base_dir)  # (loaded once: each version merges into a copy)
+    prompts, responses = [r["prompt_ids"].tolist() for _, r in rows], [r["response_ids"].tolist() for _, r in rows]
+    at_base = TrainEngine(base, pad_id=0).logprobs(prompts, responses)
     moved = 0.0
     for w in sorted({int(t) for _, r in rows for t in r["token_versions"]}):
-        model = AutoModelForCausalLM.from_pretrained(base_dir)
+        model = copy.deepcopy(base)
         if w > 0:
             AdapterMerger(model, scale).apply(published[w])
-        engine = TrainEngine(model, pad_id=0)
-        mine = [r for _, r in rows if w in r["token_versions"]]
-        got = engine.logprobs([r["prompt_ids"].tolist() for r in mine], [r["response_ids"].tolist() for r in mine])
-        for r, lp in zip(mine, got):
+        mine = [i for i, (_, r) in enumerate(rows) if w in r["token_versions"]]
+        got = TrainEngine(model, pad_id=0).logprobs([prompts[i] for i in mine], [responses[i] for i in mine])
+        for i, lp in zip(mine, got):
+            r = rows[i][1]
             at = r["token_versions"] == w
             np.testing.assert_allclose(r["logprobs"][at], lp[at], rtol=1e-5, atol=1e-4)  # (KV-cached decode)
             if w > 0:
-                moved = max(moved, float(np.abs(lp[at] - _base_logprobs(base_dir, r)[at]).max()))
+                moved = max(moved, float(np.abs(lp[at] - at_base[i][at]).max()))
     assert moved > 1e-2  # the adapters did change the policy: the check above could tell versions apart
-
-
-_BASE: dict = {}
-
-
-def _base_logprobs(base_dir, row) -> np.ndarray:
-    if "engine" not in _BASE or _BASE["dir"] != base_dir:
-        _BASE.update(dir=base_dir, engine=TrainEngine(AutoModelForCausalLM.from_pretrained(base_dir), pad_id=0))
-    return _BASE["engine"].logprobs([row["prompt_ids"].tolist()], [row["response_ids"].tolist()])[0]
 
 
 def test_a_lora_run_resumed_from_an_earlier_checkpoint_is_exact_and_leaves_a_peft_folder(tmp_path):
