@@ -303,8 +303,7 @@ class TrainEngine:
         self.temperature = temperature if temperature > 0 else 1.0
         self.logprob_chunk_mib = logprob_chunk_mib  # (see token_logprobs; 0 = never chunk)
         self.grad_clip = grad_clip
-        # (what trains: every parameter, or the adapters of a LoRA model, whose frozen base has no AdamW state;
-        # a model frozen whole, one that only gives log-probs, keeps them all as before)
+        # (what trains: the adapters of a LoRA model, frozen base without AdamW state; else every parameter)
         trained = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
         self.opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
