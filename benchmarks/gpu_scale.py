@@ -24,7 +24,9 @@ process, unless ``--isolate``):
    (``--micro-tokens``) with chunked log-probs (``--chunk-mib``) and without, trained tokens/s
    and model-FLOPs utilisation;
 4. ``e2e_sync``, ``e2e_async``: steady samples/s of the whole loop (``launcher=local``: rollout
-   and trainer threads of one process on the one GPU).
+   and trainer threads of one process on the one GPU);
+5. ``lora`` (only when named in ``--phases``; ``benchmarks/gpu_lora.py``): LoRA against full
+   fine-tuning's training step, peak memory and step time, rounds alternating.
 
 Every result is a JSON line of ``--out``/results.jsonl, flushed and synced when measured, so a
 run cut anywhere keeps what it measured; the table at the end prints each figure, its floor
@@ -32,6 +34,7 @@ and the ratio.
 
     python benchmarks/gpu_scale.py --out /tmp/gs            # a GPU (about 7-8 minutes)
     python benchmarks/gpu_scale.py --small --out /tmp/gs    # a CPU dry run of the same path (seconds)
+    python benchmarks/gpu_scale.py --phases setup lora --out /tmp/gs-lora   # LoRA vs full (~1-2 min)
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, vocab_size=1000)
 # Seconds each phase may take on a GPU (its process included); together under 8 minutes.
 BUDGETS = {"setup": 60, "engines": 170, "train_memory": 60, "e2e_sync": 80, "e2e_async": 80}
+OPTIONAL = {"lora": 150}  # phases that run only when --phases names them (after the default ones)
 REWARD = '''"""The benchmark's reward: the share of answer words with an even number (varies within a group)."""
 
 
@@ -139,9 +143,10 @@ def _from_setup(args: argparse.Namespace, log: Results) -> argparse.Namespace:
 
 def run_phase(name: str, args: argparse.Namespace, log: Results, deadline: float) -> None:
     """One phase in this process (cooperative deadline; an exception is recorded, not raised)."""
+    import gpu_lora
     import gpu_phases as ph
 
-    fns = {"setup": setup, "engines": ph.engines, "train_memory": ph.train_memory,
+    fns = {"setup": setup, "engines": ph.engines, "train_memory": ph.train_memory, "lora": gpu_lora.lora,
            "e2e_sync": lambda a, lg, d: ph.e2e(a, lg, d, "sync"),
            "e2e_async": lambda a, lg, d: ph.e2e(a, lg, d, "async")}
     if name != "setup":
@@ -219,7 +224,10 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         if r.get("status") not in (None, "done"):
             out.append(f"phase {r['phase']}: {r['status']} after {r['wall_s']:.0f} s (budget {r['budget_s']:.0f} s)")
-    return "\n".join(out)
+    import gpu_lora
+
+    lora = gpu_lora.report_line(rows)
+    return "\n".join(out + ([lora] if lora else []))
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -228,7 +236,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--small", action="store_true", help="a 2-layer model, short answers, phases in this process "
                                                          "(a CPU dry run)")
     ap.add_argument("--isolate", action="store_true", help="with --small: phases in processes of their own too")
-    ap.add_argument("--phases", nargs="+", default=list(BUDGETS), choices=list(BUDGETS))
+    ap.add_argument("--phases", nargs="+", default=list(BUDGETS), choices=list(BUDGETS | OPTIONAL))
     ap.add_argument("--total-s", type=float, default=470.0, help="start no phase past this many seconds")
     ap.add_argument("--budget", nargs="*", default=[], metavar="PHASE=SECONDS", help="override a phase's budget")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[64, 256])
@@ -245,6 +253,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--chunk-mib", type=float, default=256.0, help="train.logprob_chunk_mib of the chunked side")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--passes", type=int, default=4, help="training passes of each train_memory side")
+    ap.add_argument("--lora-rank", type=int, default=8, help="model.lora.r of the lora phase")
+    ap.add_argument("--lora-rounds", type=int, default=3, help="kept rounds (full, LoRA) of the lora phase")
     ap.add_argument("--card", help="the card whose datasheet gives the floors (default: the device's name; "
                                    "H200 or H100)")
     ap.add_argument("--phase", help=argparse.SUPPRESS)  # (a spawned phase)
@@ -274,8 +284,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         return log.rows()
     log.write({"phase": "start", "date": time.strftime("%Y-%m-%d %H:%M"), "argv": raw})
     t0 = time.monotonic()
-    budgets = BUDGETS | {k: float(v) for k, v in (b.split("=") for b in args.budget)}
-    for name in [p for p in BUDGETS if p in args.phases]:
+    budgets = BUDGETS | OPTIONAL | {k: float(v) for k, v in (b.split("=") for b in args.budget)}
+    for name in [p for p in BUDGETS | OPTIONAL if p in args.phases]:
         left = args.total_s - (time.monotonic() - t0)
         budget = min(budgets[name], left)
         if budget < 10 and name != "setup":

@@ -21,7 +21,8 @@ def benchmarks(monkeypatch):
     # importable by name: the scripts' spawned processes (plain loop --procs, TRL) import them again
     monkeypatch.syspath_prepend(str(BENCH))
     yield
-    for name in ("minimal_grpo", "vs_trl", "gpu_scale", "gpu_phases", "gpu_floors", "engine", "logprob_memory"):
+    for name in ("minimal_grpo", "vs_trl", "gpu_scale", "gpu_phases", "gpu_floors", "gpu_lora", "engine",
+                 "logprob_memory"):
         sys.modules.pop(name, None)
 
 
@@ -53,10 +54,12 @@ def test_vs_trl_smoke_runs_trl_and_asyncflow_sync(benchmarks, tmp_path):
 def test_gpu_scale_small_runs_every_phase_and_writes_each_result_as_a_json_line(benchmarks, tmp_path):
     """The GPU command's whole path on a CPU: a model folder built in code, every engine side
     (the eager one skipped, with its reason, until the engine has a ``cuda_graphs`` switch),
-    training with and without chunked log-probs, sync and async runs; the floors of an H200."""
+    training with and without chunked log-probs, sync and async runs, the lora phase (LoRA
+    against full fine-tuning's step: only the adapters train); the floors of an H200."""
     import gpu_scale
 
-    rows = gpu_scale.main(["--small", "--card", "H200", "--out", str(tmp_path)])
+    rows = gpu_scale.main(["--small", "--card", "H200", "--out", str(tmp_path), "--lora-rounds", "1",
+                           "--phases", *gpu_scale.BUDGETS, "lora"])
     assert rows == [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
     eng = [r for r in rows if r["phase"] == "engines"]
     assert {r["engine"] for r in eng} >= {"hf_paged", "generate"} and all("error" not in r for r in eng)
@@ -69,6 +72,12 @@ def test_gpu_scale_small_runs_every_phase_and_writes_each_result_as_a_json_line(
     assert set(train) == {0.02, 0.0} and all(r["trained_tokens_per_s"] > 0 and r["mfu"] > 0 for r in train.values())
     e2e = {r["mode"]: r for r in rows if r["phase"] == "e2e"}
     assert set(e2e) == {"sync", "async"} and all(r["samples_per_s"] > 0 for r in e2e.values())
+    (lora,) = [r for r in rows if r["phase"] == "lora" and r.get("summary")]
+    full, adapters = lora["trained"]["full"], lora["trained"]["lora"]
+    # r=8 on every linear layer of SMALL's 2 layers: per layer q, k, v, o (64 -> 64, 32, 32; 64 -> 64),
+    # gate, up (64 -> 128), down (128 -> 64): 8 x (in + out) each
+    assert full == 138_304 and adapters == 2 * 8 * (128 + 96 + 96 + 128 + 2 * 192 + 192) == 16_384
+    assert lora["full_step_s"] > 0 and lora["lora_step_s"] > 0 and lora["peak_ratio"] is None  # (no GPU: no peak)
     short, long = 4, 16
     for mode in ("sync", "async"):  # every answer has one of the forced lengths
         (run,) = (tmp_path / f"runs-{mode}").iterdir()

@@ -27,14 +27,15 @@ def test_configuration_page_is_up_to_date():
         "(from the repository root) and commit the result")
 
 
-def _all_fields():
-    """(dotted key, FieldInfo) of every config field: the top-level ones and each section's."""
-    for name, info in RunConfig.model_fields.items():
+def _all_fields(model: type[BaseModel] = RunConfig, prefix: str = ""):
+    """(dotted key, FieldInfo) of every config field: the top-level ones and each section's,
+    a section within a section (``model.lora``) included."""
+    for name, info in model.model_fields.items():
         ann = info.annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel):
-            yield from ((f"{name}.{k}", f) for k, f in ann.model_fields.items())
+            yield from _all_fields(ann, f"{prefix}{name}.")
         else:
-            yield name, info
+            yield f"{prefix}{name}", info
 
 
 def test_every_field_is_documented_and_on_the_page():

@@ -2,7 +2,9 @@
 
 ``ENGINES`` lists the implementations (adding one is one line): the built-in
 ``TrainEngine`` in each way it runs its passes (one pass, token-budget micro-batches,
-padding split, bfloat16 mixed precision), on the tiny model. The critic's
+padding split, bfloat16 mixed precision), on the tiny model, and ``LoraTrainEngine`` (LoRA
+adapters on the frozen tiny model: it exports the adapters, which load by merging them into
+the same base). The critic's
 ``CriticEngine`` is not one: it has values, not log-probs (see the engine's module doc).
 """
 
@@ -13,6 +15,8 @@ import pytest
 import torch
 
 from asyncflow.engines.inference import load_named_weights
+from asyncflow.engines.lora import LoraSpec, LoraTrainEngine, attach
+from asyncflow.engines.lora_merge import AdapterMerger
 from asyncflow.engines.training import TrainEngine, TrainingEngine
 
 torch.set_num_threads(1)
@@ -33,11 +37,27 @@ ENGINES = {  # name -> keyword arguments of a TrainEngine on the tiny model
     "token-budget": {"max_tokens_per_micro": 16},  # lengths 7, 7, 8: two chunks
     "padding-split": {"split_padding": 1},  # lengths 7, 7, 8: two passes
     "bfloat16": {"dtype": "bfloat16"},
+    "lora": {},  # (LoraTrainEngine: see make)
 }
+LORA = LoraSpec(r=4, alpha=8)
 
 
 def make(name: str, seed: int = 0) -> TrainingEngine:
+    if name == "lora":
+        return LoraTrainEngine(attach(_tiny(seed), LORA), pad_id=0, lr=1e-2)
     return TrainEngine(_tiny(seed), pad_id=0, lr=1e-2, **ENGINES[name])
+
+
+def load_into(name: str, weights: dict) -> torch.nn.Module:
+    """A fresh model with ``weights`` loaded: another initialisation of the same architecture, or
+    (LoRA: adapters mean something only on their own base) the same base with them merged in."""
+    if name == "lora":
+        model = _tiny(seed=0)
+        AdapterMerger(model, LORA.scale).apply(weights)
+        return model
+    model = _tiny(seed=7)
+    load_named_weights(model, weights)
+    return model
 
 
 @pytest.fixture(params=list(ENGINES))
@@ -100,15 +120,14 @@ def test_exported_weights_load_into_a_fresh_model(name):
     engine.forward_backward(PROMPTS, RESPONSES, {"advantages": [1.0, 0.0, -1.0], "rows": 3}, policy_loss)
     engine.optimizer_step()
     weights = engine.export_weights()
-    params = dict(engine.model.named_parameters())
+    params = {k if name != "lora" else f"base_model.model.{k.replace('.default', '')}": p
+              for k, p in engine.model.named_parameters() if p.requires_grad}
     assert set(weights) == set(params)
     for k, v in weights.items():
         assert isinstance(v, np.ndarray) and v.shape == tuple(params[k].shape)
     next(iter(weights.values()))[...] = 0.0  # a host copy: the engine is not touched
     assert any(not np.array_equal(a, b) for a, b in zip(engine.logprobs(PROMPTS, RESPONSES),
                                                          make(name).logprobs(PROMPTS, RESPONSES)))
-    fresh_model = _tiny(seed=7)  # another initialisation, same architecture
-    load_named_weights(fresh_model, engine.export_weights())
-    fresh = TrainEngine(fresh_model, pad_id=0, **ENGINES[name])
+    fresh = TrainEngine(load_into(name, engine.export_weights()), pad_id=0, **ENGINES[name])
     for a, b in zip(engine.logprobs(PROMPTS, RESPONSES), fresh.logprobs(PROMPTS, RESPONSES)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

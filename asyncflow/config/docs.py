@@ -94,8 +94,16 @@ def _code(text: str) -> str:
 
 
 def _table(prefix: str, fields: dict[str, FieldInfo]) -> list[str]:
-    lines = ["| key | type | default | description |", "|---|---|---|---|"]
+    return ["| key | type | default | description |", "|---|---|---|---|", *_rows(prefix, fields)]
+
+
+def _rows(prefix: str, fields: dict[str, FieldInfo]) -> list[str]:
+    """One row a field; a nested section (``model.lora``) as its own fields' rows, ``model.lora.r``..."""
+    lines = []
     for name, info in fields.items():
+        if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+            lines += _rows(f"{prefix}{name}.", info.annotation.model_fields)
+            continue
         typ = _type(info.annotation)
         bounds = _constraints(info)
         typ = f"{typ} ({bounds})" if bounds else typ

@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.base import Section
+from asyncflow.config.lora import LoraConfig
 
 
 class ModelConfig(Section):
@@ -21,6 +22,7 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Compute precision of training and inference: float32, or bfloat16 (autocast; "
                                "float32 master weights and AdamW states).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters through peft (r > 0: on).")
 
     @model_validator(mode="after")
     def _heads(self) -> ModelConfig:

@@ -20,14 +20,15 @@ from pydantic import Field, field_validator, model_validator
 from asyncflow.config.algorithm import AlgorithmConfig
 from asyncflow.config.base import ConfigError, Section
 from asyncflow.config.checks import check_dp, check_tp
+from asyncflow.config.lora import LoraConfig, check_lora
 from asyncflow.config.model import BUILTIN_TASKS, ModelConfig, TaskConfig
 from asyncflow.config.outputs import EvalConfig, LogConfig
 from asyncflow.config.rollout import RewardConfig, RolloutConfig, engine_installed
 from asyncflow.config.train import ResourcesConfig, TrainConfig
 from asyncflow.config.warmstart import WarmStartConfig
 
-__all__ = ["BUILTIN_TASKS", "AlgorithmConfig", "ConfigError", "EvalConfig", "LogConfig", "ModelConfig",
-           "ResourcesConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TaskConfig", "TrainConfig",
+__all__ = ["BUILTIN_TASKS", "AlgorithmConfig", "ConfigError", "EvalConfig", "LogConfig", "LoraConfig",
+           "ModelConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TaskConfig", "TrainConfig",
            "WarmStartConfig", "engine_installed"]
 
 
@@ -84,6 +85,8 @@ class RunConfig(Section):
             check_dp(self)
         if self.train.tp > 1:
             check_tp(self)
+        if self.model.lora.on:
+            check_lora(self)
         if self.resources.device != "cpu" and self.train.dp > 1:
             raise ValueError(f"resources.device={self.resources.device} with train.dp={self.train.dp}: data-parallel "
                              f"trainer ranks run on CPU only so far; set train.dp=1 or resources.device=cpu")

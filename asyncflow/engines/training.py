@@ -240,7 +240,9 @@ class TrainingEngine(Protocol):
       ``optimizer_step``, which also adds 1 to ``version`` and returns ``grad_norm`` and ``lr``;
     * ``export_weights`` returns host numpy copies by parameter name that, loaded into a
       fresh model of the same architecture
-      (:func:`asyncflow.engines.inference.load_named_weights`), give the same ``logprobs``.
+      (:func:`asyncflow.engines.inference.load_named_weights`), give the same ``logprobs``
+      (a LoRA engine: its adapters, merged into the same base by
+      :class:`~asyncflow.engines.lora_merge.AdapterMerger`).
     """
 
     version: int  # optimizer steps taken (the policy version of the weights)
@@ -301,7 +303,9 @@ class TrainEngine:
         self.temperature = temperature if temperature > 0 else 1.0
         self.logprob_chunk_mib = logprob_chunk_mib  # (see token_logprobs; 0 = never chunk)
         self.grad_clip = grad_clip
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
+        # (what trains: the adapters of a LoRA model, frozen base without AdamW state; else every parameter)
+        trained = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
+        self.opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=betas)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
         self.version = 0
         self._readers: list[tuple[threading.Event, float]] = []  # (see defer_updates)

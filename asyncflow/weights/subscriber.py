@@ -4,17 +4,22 @@ A background thread waits on a :class:`~asyncflow.weights.store.WeightSource` fo
 version, copies it into host memory beside the worker and verifies it (``staged``); the
 worker swaps it in at its own micro-batch boundary (:meth:`WeightSubscriber.swap_if_ready`),
 so only that local copy is exposed to generation. A corrupted or partial set is rejected
-(logged, counted in ``rejected``) and the weights in use stay.
+(logged, counted in ``rejected``) and the weights in use stay. ``prepare`` (optional) turns a
+verified set into what ``apply`` takes, on the background thread too, so work that needs no
+change to the model (LoRA: merging adapters into copies of the base's weights,
+:mod:`asyncflow.engines.lora_merge`) stays off the swap.
 
 Invariants (``tests/test_contracts_weights.py``, over every
 :class:`~asyncflow.weights.store.WeightSource`):
 
 * ``apply`` runs only inside :meth:`WeightSubscriber.swap_if_ready`, on the caller's
-  thread, with a verified set (checksum entry removed) of a version newer than ``version``;
+  thread, with a verified set (checksum entry removed; passed through ``prepare`` if given)
+  of a version newer than ``version``;
 * ``staged_version()`` is the version the next swap would apply (``version`` if none);
   ``version`` only grows, and ``swaps`` counts the applied versions;
-* a set that fails :func:`~asyncflow.weights.store.verify` is never staged: it is counted in
-  ``rejected`` and a later good version is staged as usual.
+* a set that fails :func:`~asyncflow.weights.store.verify`, or that ``prepare`` refuses (raises
+  ``ValueError``), is never staged: it is counted in ``rejected`` and a later good version is
+  staged as usual.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -34,11 +40,12 @@ log = logging.getLogger(__name__)
 class WeightSubscriber:
     """Prefetches new versions in the background; swaps at the caller's boundary."""
 
-    def __init__(self, source: WeightSource, apply: Callable[[int, Mapping[str, np.ndarray]], None],
-                 start_version: int = 0, poll_s: float = 0.5):
-        self._source, self._apply = source, apply
+    def __init__(self, source: WeightSource, apply: Callable[[int, Any], None],
+                 start_version: int = 0, poll_s: float = 0.5,
+                 prepare: Callable[[Mapping[str, np.ndarray]], Any] | None = None):
+        self._source, self._apply, self._prepare = source, apply, prepare
         self._lock = threading.Lock()
-        self._staged: tuple[int, dict[str, np.ndarray]] | None = None
+        self._staged: tuple[int, Any] | None = None  # (version, the verified set or what prepare made of it)
         self.version = start_version  # the version the worker runs now
         self._seen = start_version
         self._stop = threading.Event()
@@ -57,10 +64,12 @@ class WeightSubscriber:
             if got is None:
                 continue
             version, buffers = got
-            staged = {k: np.array(v, copy=True) for k, v in buffers.items()}  # host copy, off the hot path
+            staged: Any = {k: np.array(v, copy=True) for k, v in buffers.items()}  # host copy, off the hot path
             try:
                 staged = verify(staged)  # checked on the local copy: what will be swapped in
-            except WeightTransferError as e:
+                if self._prepare is not None:
+                    staged = self._prepare(staged)
+            except (WeightTransferError, ValueError) as e:
                 self.rejected += 1
                 self._seen = version  # skip it; the weights in use stay, the next version may pass
                 log.error("rejected weight version %d: %s; keeping version %d", version, e, self.version)

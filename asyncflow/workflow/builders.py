@@ -10,6 +10,10 @@ Sharing rules (why the order matters): the actor is built first and trains ``ctx
 itself; the rollout engine of a colocated (``sync``) worker decodes with that same model (no
 weight copy); reference and critic take copies (a critic hosted alone takes the model). A
 rollout worker that owns its model on a GPU with ``model.dtype=bfloat16`` holds it in bf16.
+With ``model.lora`` the actor's worker has attached adapters to its model (``ctx.peft``): the
+actor's engine trains and exports them alone, a colocated reference is that model with its
+adapters off (:class:`~asyncflow.engines.lora.BaseView`, no copy), and a rollout worker of its
+own merges each published adapter set into its base (:mod:`asyncflow.engines.lora_merge`).
 Only the actor of rank 0 publishes weights, and only outside ``sync``. In ``sync`` (without
 FSDP) the actor fetches a step's rows in one request (the rows are all ready by then) and its
 engine trains them in length-sorted passes of ``train.micro_prompts`` groups' rows
@@ -39,6 +43,8 @@ from asyncflow.engines.critic import CriticEngine
 from asyncflow.engines.device import model_device
 from asyncflow.engines.hf_paged import HFPagedEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
+from asyncflow.engines.lora import BaseView, LoraSpec, LoraTrainEngine
+from asyncflow.engines.lora_merge import AdapterLoader
 from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
@@ -70,6 +76,7 @@ class RoleContext:
     model_dir: str
     hosted: list[str]  # the roles of this worker
     rank: int = 0  # the actor's data-parallel rank
+    peft: Any = None  # model.lora: the PeftModel around ``model`` (adapters attached by the actor's worker)
     group: Collective | None = None  # the actor's data-parallel group (set by join_dp)
     _reward: Callable | None = field(default=None, repr=False)
 
@@ -92,6 +99,16 @@ def passes(cfg: RunConfig) -> dict:
     t = cfg.train
     return {"max_tokens_per_micro": t.max_tokens_per_micro, "split_padding": t.split_padding,
             "dtype": cfg.model.dtype, "logprob_chunk_mib": t.logprob_chunk_mib}
+
+
+def lora_spec(cfg: RunConfig) -> LoraSpec | None:
+    """``model.lora`` as the engines take it (None: full fine-tuning)."""
+    lo = cfg.model.lora
+    if not lo.on:
+        return None
+    assert lo.r is not None  # (on)
+    targets = lo.target_modules if isinstance(lo.target_modules, str) else tuple(lo.target_modules)
+    return LoraSpec(r=lo.r, alpha=lo.alpha, dropout=lo.dropout, target_modules=targets, seed=cfg.seed)
 
 
 def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
@@ -128,10 +145,11 @@ def build_actor(ctx: RoleContext) -> Role:
     # a lone trainer outside sync: greedy fetches (every ready group) trained in the same sorted passes
     greedy = not whole and trainer_ranks(cfg) == 1
     tp = _tensor_parallel(ctx) if t.tp > 1 else None
-    engine = TrainEngine(ctx.model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
-                         grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
-                         collective=ctx.group, fsdp=fsdp, tensor_parallel=tp,
-                         rows_per_pass=t.micro_prompts * r.group_size if whole or greedy else None, **passes(cfg))
+    kind, model = (LoraTrainEngine, ctx.peft) if ctx.peft is not None else (TrainEngine, ctx.model)
+    engine = kind(model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
+                  grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
+                  collective=ctx.group, fsdp=fsdp, tensor_parallel=tp,
+                  rows_per_pass=t.micro_prompts * r.group_size if whole or greedy else None, **passes(cfg))
     publish = partial(publish_parts, ctx.weights) if (ctx.weights is not None and cfg.mode != "sync"
                                                       and ctx.rank == 0) else None
     fetch_prompts = -(-t.prompts_per_step // t.dp) if whole else t.micro_prompts
@@ -180,7 +198,12 @@ def _scoring(ctx: RoleContext) -> dict:
 def build_rollout(ctx: RoleContext) -> Role:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine = _inference_engine(ctx)
-    subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if cfg.mode != "sync" else None
+    subscriber = None
+    if cfg.mode != "sync":
+        lora = lora_spec(cfg)  # (the trainer publishes adapters: merged into this worker's base, off the swap)
+        loader = AdapterLoader(engine, lora.scale) if lora is not None else None
+        subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if loader is None else \
+            WeightSubscriber(ctx.weights, loader.load, start_version=0, prepare=loader.prepare)
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     shard = ctx.rank if sync_ranks(cfg) > 1 else None
     return RolloutRole(engine, ctx.plane, sp, r.group_size, sync_share(cfg, ctx.rank), cfg.effective_staleness,
@@ -195,7 +218,8 @@ def build_reward(ctx: RoleContext) -> Role:
 
 
 def build_reference(ctx: RoleContext) -> Role:
-    ref_model = copy.deepcopy(ctx.model).eval()
+    # the frozen base; beside a LoRA actor (sync) the actor's own model with its adapters off: no copy
+    ref_model = BaseView(ctx.peft) if ctx.peft is not None else copy.deepcopy(ctx.model).eval()
     engine = TrainEngine(ref_model, ctx.tokenizer.pad_token_id, temperature=ctx.cfg.rollout.temperature,
                          **passes(ctx.cfg))
     return ReferenceRole(engine, ctx.plane, sampler=ShardSampler(ctx.rank) if sync_ranks(ctx.cfg) > 1 else None)

@@ -12,10 +12,12 @@ answered its snapshot, a full disk) is raised to the driver at the next write or
 whichever comes first, even when later writes succeeded: no checkpoint goes missing unsaid.
 
 A checkpoint is two files and no pickle: ``state.safetensors`` (the model's state_dict as
-``model/<name>``, AdamW's per-parameter tensors as ``optim/<index>/<key>``, the RNG states
-as ``rng/...``) and ``state.json`` (the optimizer's param groups, the LR schedule's
-position, the policy versions, numpy's and Python's RNG positions, the driver's state: the
-step, the prompt ids trained so far (:func:`pack`) and the answers in flight).
+``model/<name>``; with ``model.lora`` the adapters alone, the frozen base coming back from the
+model folder: :func:`~asyncflow.engines.lora.trained_state`; AdamW's per-parameter tensors
+as ``optim/<index>/<key>``, the RNG states as ``rng/...``) and ``state.json`` (the
+optimizer's param groups, the LR schedule's position, the policy versions, numpy's and
+Python's RNG positions, the driver's state: the step, the prompt ids trained so far
+(:func:`pack`) and the answers in flight).
 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
 (:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
@@ -72,6 +74,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from asyncflow.config import ConfigError, RunConfig, load_config
+from asyncflow.engines.lora import load_trained_state, trained_state
 from asyncflow.workflow.shards import load_shards, local
 
 CKPT_DIR = "checkpoints"
@@ -106,7 +109,7 @@ def capture_parts(model: torch.nn.Module, engine: Any, generator: torch.Generato
     tensors: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"version": engine.version}
     if full:
-        live.update({f"model/{k}": local(v) for k, v in model.state_dict().items()})
+        live.update({f"model/{k}": local(v) for k, v in trained_state(model).items()})  # (LoRA: the adapters)
         opt = engine.opt.state_dict()
         scalars: dict[str, dict[str, Any]] = {}
         for idx, st in opt["state"].items():
@@ -166,7 +169,7 @@ def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | No
     if getattr(engine, "gathers", False):  # (FSDP, TP: this rank's shards)
         load_shards(model, engine.opt, weights, state)
     else:
-        model.load_state_dict(weights)
+        load_trained_state(model, weights)
     groups = [{**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["optim_groups"]]
     engine.opt.load_state_dict({"state": state, "param_groups": groups})
     if meta["sched"] is not None:

@@ -52,7 +52,8 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -60,12 +61,15 @@ import torch
 
 from asyncflow.config import RunConfig
 from asyncflow.engines.inference import load_named_weights
+from asyncflow.engines.lora import LoraSpec, write_adapter_folder
+from asyncflow.engines.lora_merge import AdapterMerger
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource, verify
 from asyncflow.workflow.best import BestKeeper
+from asyncflow.workflow.builders import lora_spec
 from asyncflow.workflow.failure import one_line, tag
 
 EVAL_BATCH = 512  # problems per greedy batch (as the trainer's own evaluation)
@@ -109,6 +113,9 @@ class Evaluator:
         self.requested = self.skipped = self.late = 0
         self._since: float | None = None  # when the one computing now started
         self._init_error: BaseException | None = None
+        self._load: Callable[[Mapping[str, np.ndarray]], None]  # published weights into self.model (_build)
+        self._lora: LoraSpec | None = None  # model.lora (_build): adapters are published, merged here
+        self._adapters: Mapping[str, np.ndarray] = {}  # the adapters of the last evaluation (model.lora)
         build = threading.Thread(target=self._build, args=(model_dir,), name="evaluator-build", daemon=True)
         build.start()
         build.join(BUILD_TIMEOUT_S)
@@ -119,6 +126,10 @@ class Evaluator:
         pin_thread(self.cores)
         try:
             self.model, self.tokenizer = load_model(model_dir)
+            self._lora, self._model_dir = lora_spec(self.cfg), model_dir
+            self._load = partial(load_named_weights, self.model) if self._lora is None else self._merge
+            if self._lora is not None:
+                self._merger = AdapterMerger(self.model, self._lora.scale)
             self.task = build_task(self.cfg)
             self.metric, self.score = heldout_metric(self.cfg, self.task, self._reward)
         except Exception as e:  # raised by health(), as a worker's
@@ -158,7 +169,7 @@ class Evaluator:
             pin_thread(self.cores)
             lowest_nice()  # from here on: second to the roles
             t0 = self._since = time.time()
-            load_named_weights(self.model, verify(buffers))
+            self._load(verify(buffers))
             problems = self.task.heldout[: self.cfg.task.eval_n]
             out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
                                           self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
@@ -174,9 +185,20 @@ class Evaluator:
             self._done.append(out)
             self._running = False
 
+    def _merge(self, adapters: Mapping[str, np.ndarray]) -> None:
+        self._merger.apply(adapters)
+        self._adapters = adapters  # (what _save writes as a PEFT adapter folder)
+
     def _save(self, path: str) -> None:
-        """The weights just evaluated, as a model folder (``train.keep_best``)."""
-        self.model.save_pretrained(path)
+        """The weights just evaluated, as a model folder (``train.keep_best``); with ``model.lora`` as
+        the trainer saves its own: a PEFT adapter folder (and the merged model in ``merged/``)."""
+        if self._lora is None:
+            self.model.save_pretrained(path)
+        else:
+            write_adapter_folder(path, self._adapters, self._lora, self._model_dir)
+            if self.cfg.model.lora.merged:
+                self.model.save_pretrained(os.path.join(path, "merged"))
+                self.tokenizer.save_pretrained(os.path.join(path, "merged"))
         self.tokenizer.save_pretrained(path)
 
     def poll(self) -> dict:

@@ -33,11 +33,12 @@ from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.allocator import keep_heap
 from asyncflow.engines.collective import Collective, ThreadRendezvous, TorchGroup, free_address, full_buckets, join
 from asyncflow.engines.device import resolve_device
+from asyncflow.engines.lora import attach, save_adapter, save_merged
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource
-from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext, link_local
+from asyncflow.workflow.builders import BUILD_ORDER, BUILDERS, RoleContext, link_local, lora_spec
 from asyncflow.workflow.checkpoint import Snapshot, checkpoint_due
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
@@ -93,8 +94,9 @@ class Worker:
         # PreTrainedModel.to loses the self binding in its type)
         self.model.to(resolve_device(cfg.resources.device))  # type: ignore[arg-type]
         self.task = build_task(cfg)
+        lora = lora_spec(cfg) if "actor" in roles else None  # (the policy's adapters live with its trainer)
         self.ctx = RoleContext(cfg, self.plane, weights, self.model, self.tokenizer, self.task, model_dir, roles,
-                               self.rank)
+                               self.rank, peft=attach(self.model, lora) if lora is not None else None)
         for name in BUILD_ORDER:
             if name in roles and not (name == "actor" and trainer_ranks(cfg) > 1):  # several ranks: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
@@ -269,8 +271,17 @@ class Worker:
         return self._context().reward_fn()
 
     def save(self, path: str) -> str:
+        """The model folder at ``path`` with the tokenizer; with ``model.lora`` a PEFT adapter folder
+        there (and with ``model.lora.merged`` the merged model in ``path/merged``)."""
         def save() -> str:
-            self._whole().save_pretrained(path)
+            peft = self._context().peft
+            if peft is None:
+                self._whole().save_pretrained(path)
+            else:
+                save_adapter(peft, path)
+                if self.cfg.model.lora.merged:
+                    save_merged(peft, os.path.join(path, "merged"))
+                    self.tokenizer.save_pretrained(os.path.join(path, "merged"))
             self.tokenizer.save_pretrained(path)
             return path
 
