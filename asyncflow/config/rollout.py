@@ -73,6 +73,15 @@ class RewardConfig(Section):
                                "as it finishes (remote/async calls in flight there; no reward process, no data-plane "
                                "round trip); 'separate' = a reward worker of its own that streams rows from the data "
                                "plane (for a heavy local reward that should not take rollout's CPU).")
+    mode: Literal["label", "majority"] = Field(
+        "label", description="'label': the task's reward (or fn) against each row's reference answer; 'majority': "
+                             "label-free TTRL, each answer group votes and an answer scores 1 when its extracted "
+                             "answer is the group's majority (a tie: no majority, every answer 0); references, "
+                             "when rows carry them, are only logged (pseudo_label_acc). docs/ttrl.md")
+    extractor: str | None = Field(None, description="mode=majority: the final answer of a response, "
+                                                    "'package.module:function' or 'file.py:function' (response) "
+                                                    "-> str or None (None: it does not vote); None = the stripped "
+                                                    "response. E.g. asyncflow.tasks.rewards:extract_gsm8k.")
 
     @model_validator(mode="after")
     def _fn_path(self) -> RewardConfig:
@@ -85,4 +94,13 @@ class RewardConfig(Section):
         if self.batched and self.latency_ms is not None:
             raise ValueError("batched = true with latency_ms: the emulated remote latency applies to "
                              "per-sample functions only; drop one of them")
+        if self.mode == "majority" and (self.fn is not None or self.batched or self.latency_ms is not None):
+            raise ValueError("mode = majority is the reward itself (a vote of each answer group): remove reward.fn, "
+                             "reward.batched and reward.latency_ms, or set reward.mode=label")
+        if self.extractor is not None and self.mode != "majority":
+            raise ValueError("extractor applies to mode = majority only: set reward.mode=majority or remove "
+                             "reward.extractor")
+        if self.extractor is not None and (self.extractor.count(":") != 1 or not all(self.extractor.split(":"))):
+            raise ValueError(f"extractor = '{self.extractor}' is not an import path: write 'package.module:function' "
+                             f"(e.g. asyncflow.tasks.rewards:extract_gsm8k)")
         return self

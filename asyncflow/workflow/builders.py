@@ -38,6 +38,7 @@ from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
 from asyncflow.tasks.base import Task
+from asyncflow.tasks.majority import MajorityVote, load_extractor
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.weights.subscriber import WeightSubscriber
 from asyncflow.workflow.feeder import PromptFeeder
@@ -75,6 +76,13 @@ class RoleContext:
             assert r.fn is not None  # checked above
             self._reward = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key, batched=r.batched)
         return self._reward
+
+    def train_reward(self) -> Callable:
+        """What scores answers for training: :meth:`reward_fn`, or with ``reward.mode=majority`` the
+        group vote (label-free TTRL; evaluation keeps :meth:`reward_fn`, the labelled metric)."""
+        if self.cfg.reward.mode == "majority":
+            return MajorityVote(load_extractor(self.cfg.reward.extractor))
+        return self.reward_fn()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -136,7 +144,7 @@ def _scoring(ctx: RoleContext) -> dict:
     DAPO dynamic sampling also the algorithm's reward shaping, the keep-or-drop rule and a
     prompt feeder (drops consume prompts faster than one partition a step)."""
     cfg = ctx.cfg
-    role = RewardRole(ctx.plane, ctx.reward_fn(), ctx.decode, concurrency=cfg.reward.concurrency,
+    role = RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, concurrency=cfg.reward.concurrency,
                       latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
     extras: dict = {"scorer": GroupScorer(role)}
     if cfg.algorithm.dynamic_sampling:
@@ -158,8 +166,8 @@ def build_rollout(ctx: RoleContext) -> Role:
 
 def build_reward(ctx: RoleContext) -> Role:
     cfg = ctx.cfg
-    return RewardRole(ctx.plane, ctx.reward_fn(), ctx.decode, micro=cfg.batch_size, concurrency=cfg.reward.concurrency,
-                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+    return RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, micro=cfg.batch_size, concurrency=cfg.reward.concurrency,
+                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed, group_size=cfg.rollout.group_size)
 
 
 def build_reference(ctx: RoleContext) -> Role:
