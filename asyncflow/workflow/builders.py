@@ -145,7 +145,7 @@ def _scoring(ctx: RoleContext) -> dict:
     prompt feeder (drops consume prompts faster than one partition a step)."""
     cfg = ctx.cfg
     role = RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, concurrency=cfg.reward.concurrency,
-                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed, group_size=cfg.rollout.group_size)
     extras: dict = {"scorer": GroupScorer(role)}
     if cfg.algorithm.dynamic_sampling:
         extras.update(shape=algorithm(cfg).shaped_rewards, drop_flat=True,
@@ -166,8 +166,9 @@ def build_rollout(ctx: RoleContext) -> Role:
 
 def build_reward(ctx: RoleContext) -> Role:
     cfg = ctx.cfg
-    return RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, micro=cfg.batch_size, concurrency=cfg.reward.concurrency,
-                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed, group_size=cfg.rollout.group_size)
+    return RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, micro=cfg.batch_size,
+                      concurrency=cfg.reward.concurrency, latency_ms=cfg.reward.latency_ms, seed=cfg.seed,
+                      group_size=cfg.rollout.group_size)
 
 
 def build_reference(ctx: RoleContext) -> Role:

@@ -3,8 +3,9 @@
 Every prompt has a stable id, ``q = s * prompts_per_step + i`` (prompt ``i`` of *source*
 partition ``s``); which prompts source partition ``s`` holds depends only on ``(seed, s)``,
 so a run is reproducible whatever the timing. They are drawn from the task's training problems,
-or, in test-time RL (``task.test_time``), from the evaluation problems themselves (:attr:`PromptFeeder.pool`). A fresh run puts source partition ``p`` as
-partition ``p`` (step ``p``'s prompts), each row carrying its ``prompt_id``.
+or, in test-time RL (``task.test_time``), from the evaluation problems themselves
+(:attr:`PromptFeeder.pool`). A fresh run puts source partition ``p`` as partition ``p``
+(step ``p``'s prompts), each row carrying its ``prompt_id``.
 
 A resumed run (:meth:`PromptFeeder.resume`) knows which prompt ids the checkpoint had
 trained: it feeds the others, in id order, ``prompts_per_step`` to a partition, from the
