@@ -8,6 +8,8 @@ For each task and seed, from the task's default warm-start (built once per seed 
 * ``ttrl``: test-time RL (``task.test_time=true``, ``reward.mode=majority``): the prompts are the
   evaluation problems themselves, rewarded by their answer groups' majority vote, no label used;
 * ``ttrl_ear``: ``ttrl`` with EAR (``algorithm.ear=true``);
+* ``ttrl_etmr``, ``ttrl_etmr_ear``: ``ttrl`` (and EAR) with ETMR's trees (``rollout.etmr=true``, the
+  default shape: 2 roots, 1 round of 1 fork point x 3 branches a tree = 8 answers);
 * ``ttrl_train``: label-free on the *training* problems (``reward.mode=majority`` alone): does
   what the vote teaches carry over to problems it never saw? (not in the default list)
 
@@ -16,7 +18,10 @@ held-out problems before and after (exact match on addition, accuracy on multist
 per task and variant, medians over the seeds (each seed's figures in the JSON): held-out
 before -> after and the change in points; the pseudo-label accuracy over training (mean of the
 first 10 steps -> of the last 10; TTRL variants only, where the rows' references are logged,
-never used); trained response tokens per step; RL wall seconds (noisy on a shared machine).
+never used); answer tokens per step (the trained answers' lengths: what independent sampling
+generates) and generated tokens per step (ETMR: what the trees sampled, a shared prefix once;
+otherwise the same as the answer tokens, except that dynamic sampling also generates the groups
+it drops, not counted); RL wall seconds (noisy on a shared machine).
 
     python benchmarks/ttrl.py                                   # addition and multistep, 3 seeds
     python benchmarks/ttrl.py --tasks addition --seeds 0 --steps 40
@@ -45,6 +50,8 @@ VARIANTS = {
     "grpo": [],
     "ttrl": ["reward.mode=majority", "task.test_time=true"],
     "ttrl_ear": ["reward.mode=majority", "task.test_time=true", "algorithm.ear=true"],
+    "ttrl_etmr": ["reward.mode=majority", "task.test_time=true", "rollout.etmr=true"],
+    "ttrl_etmr_ear": ["reward.mode=majority", "task.test_time=true", "rollout.etmr=true", "algorithm.ear=true"],
     "ttrl_train": ["reward.mode=majority"],
 }
 BASE = ["mode=sync", "launcher=local", "progress=false", "train.eval_every=0"]
@@ -69,6 +76,9 @@ def run_one(task: str, variant: str, seed: int, steps: int | None, run_dir: Path
     return {"task": task, "variant": variant, "seed": seed, "before": s["heldout_acc_before"],
             "after": s["heldout_acc_after"], "metric": s.get("heldout_metric"), "steps": len(lines),
             "tokens_per_step": s["tokens"] / max(len(lines), 1), "wall_s": s["wall_s"],
+            "generated_per_step": (statistics.fmean([m["generated_tokens"] for m in lines if "generated_tokens" in m])
+                                   if s.get("etmr") else s["tokens"] / max(len(lines), 1)),
+            "etmr": s.get("etmr"),
             "total_s": time.perf_counter() - t, "warmstart": s["init"],
             "pseudo_label_first": statistics.fmean(plabel[:10]) if plabel else None,
             "pseudo_label_last": statistics.fmean(plabel[-10:]) if plabel else None,
@@ -84,7 +94,7 @@ def _median(rows: list[dict], key: str) -> float | None:
 
 def table(results: list[dict]) -> str:
     head = (f"{'task':<10} {'variant':<11} {'seeds':>5}  {'held-out before -> after':>24} {'change':>8}  "
-            f"{'pseudo-label acc':>17}  {'tokens/step':>11} {'RL wall s':>9}")
+            f"{'pseudo-label acc':>17}  {'answer tok/step':>15} {'generated':>9} {'RL wall s':>9}")
     out = [head, "-" * len(head)]
     for task in dict.fromkeys(r["task"] for r in results):
         for variant in dict.fromkeys(r["variant"] for r in results if r["task"] == task):
@@ -94,7 +104,8 @@ def table(results: list[dict]) -> str:
             p0, p1 = _median(rows, "pseudo_label_first"), _median(rows, "pseudo_label_last")
             plab = f"{p0:.1%} -> {p1:.1%}" if p0 is not None and p1 is not None else "-"
             out.append(f"{task:<10} {variant:<11} {len(rows):>5}  {b:>11.1%} -> {a:>9.1%} {delta:>+7.1f}p  "
-                       f"{plab:>17}  {_median(rows, 'tokens_per_step'):>11.0f} {_median(rows, 'wall_s'):>9.0f}")
+                       f"{plab:>17}  {_median(rows, 'tokens_per_step'):>15.0f} "
+                       f"{_median(rows, 'generated_per_step'):>9.0f} {_median(rows, 'wall_s'):>9.0f}")
     return "\n".join(out)
 
 

@@ -22,7 +22,7 @@ from asyncflow.config import ConfigError, load_config
 from asyncflow.dataplane import DataPlane
 from asyncflow.engines.fake import FakeEngine
 from asyncflow.engines.types import SamplingParams
-from asyncflow.observe.votes import VoteMeter, vote_summary
+from asyncflow.observe.ttrl import VoteMeter, vote_summary
 from asyncflow.tasks.majority import MajorityVote, majority_vote, stripped
 from asyncflow.workflow.fields import SCHEMA, decode_text, encode_text
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole

@@ -36,13 +36,36 @@ class RolloutConfig(Section):
     longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")
     longtail_long: int = Field(48, gt=0, description="longtail: length of the long answers.")
     longtail_frac: float = Field(0.125, ge=0, le=1, description="longtail: fraction of long answers.")
+    etmr: bool = Field(False, description="ETMR (entropy-fork tree majority rollout): each prompt's group grows "
+                                          "as trees that share prefixes, forking at the most uncertain tokens; "
+                                          "etmr_roots x (1 + etmr_rounds x etmr_forks x etmr_branches) must equal "
+                                          "group_size (engine=builtin). docs/ttrl.md")
+    etmr_roots: int = Field(2, ge=1, description="ETMR: answers sampled whole, one tree each.")
+    etmr_forks: int = Field(1, ge=1, description="ETMR: fork points per tree per round (its highest-entropy tokens).")
+    etmr_branches: int = Field(3, ge=1, description="ETMR: new answers started at each fork point.")
+    etmr_rounds: int = Field(1, ge=0, description="ETMR: rounds of forks, each once a tree's answers all finished.")
+    etmr_budget: float | None = Field(None, gt=0, le=1, description="ETMR: generated tokens at most this fraction "
+                                                                    "of independent sampling's (steers the fork "
+                                                                    "points; None = no cap).")
 
+
+    @property
+    def etmr_leaves(self) -> int:
+        """Answers an ETMR group ends with."""
+        return self.etmr_roots * (1 + self.etmr_rounds * self.etmr_forks * self.etmr_branches)
 
     @model_validator(mode="after")
     def _engine_installed(self) -> RolloutConfig:
         if self.engine != "builtin" and not engine_installed(self.engine):
             raise ValueError(f"rollout.engine={self.engine} needs the {self.engine} package, which is not installed: "
                              f"pip install 'asyncflow[{self.engine}]' on a CUDA machine, or set rollout.engine=builtin")
+        if self.etmr and self.etmr_leaves != self.group_size:
+            raise ValueError(f"etmr trees end with etmr_roots x (1 + etmr_rounds x etmr_forks x etmr_branches) = "
+                             f"{self.etmr_leaves} answers, but group_size = {self.group_size}: make them equal "
+                             f"(e.g. roots 2, rounds 1, forks 1, branches 3 for 8)")
+        if self.etmr and self.engine != "builtin":
+            raise ValueError(f"etmr forks answers mid-way, which rollout.engine={self.engine} cannot continue: "
+                             f"set rollout.engine=builtin or rollout.etmr=false")
         return self
 
 

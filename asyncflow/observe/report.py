@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from asyncflow.observe.votes import VoteMeter, vote_line, vote_summary
+from asyncflow.observe.ttrl import VoteMeter, vote_line, vote_summary
 
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
@@ -175,7 +175,7 @@ class RunMeter:
     scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
     reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise. With
     ``votes`` (``reward.mode=majority``) every step reports the majority-vote figures of
-    :mod:`asyncflow.observe.votes` (``majority_ratio``, ``pseudo_label_acc``...). A
+    :mod:`asyncflow.observe.ttrl` (``majority_ratio``, ``pseudo_label_acc``...). A
     resumed run's counters continue the checkpoint's: ``since`` (rollout's counters there, as
     :func:`~asyncflow.workflow.inflight.capture` saved them) is where its first step counts from.
     """

@@ -29,6 +29,7 @@ from functools import partial
 from typing import Any
 
 from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.algorithms.etmr import TreeShape
 from asyncflow.config import RunConfig
 from asyncflow.dataplane import ShardSampler
 from asyncflow.engines.collective import Collective
@@ -49,6 +50,7 @@ from asyncflow.workflow.roles.critic import CriticRole
 from asyncflow.workflow.roles.reference import ReferenceRole
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
 from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.tree_batch import TreeEngine
 
 
 @dataclass
@@ -156,6 +158,9 @@ def _scoring(ctx: RoleContext) -> dict:
 def build_rollout(ctx: RoleContext) -> Role:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine = _inference_engine(ctx)
+    if r.etmr:  # each prompt group decodes as entropy-fork trees (rollout sees an engine like any other)
+        engine = TreeEngine(engine, TreeShape(r.etmr_roots, r.etmr_forks, r.etmr_branches, r.etmr_rounds,
+                                              r.etmr_budget), r.group_size)
     subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if cfg.mode != "sync" else None
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
     shard = ctx.rank if sync_ranks(cfg) > 1 else None

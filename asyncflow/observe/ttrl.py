@@ -1,4 +1,5 @@
-"""Majority-vote figures of a label-free (TTRL) run: per step and for the whole run.
+"""Figures of a label-free (TTRL) run, per step and for the whole run: the majority vote, and
+the tokens ETMR's trees generate.
 
 The group reward (:class:`~asyncflow.tasks.majority.MajorityVote`, ``reward.mode=majority``)
 keeps cumulative ``vote_*`` counters in the stats of the role that scores (rollout, or the
@@ -17,23 +18,38 @@ while it trained, which run ahead by at most the staleness bound):
 
 The figures are absent from a step in which no group was voted (and the accuracies where no
 voted group carried a reference), never a made-up zero.
+
+ETMR (``rollout.etmr``): rollout's :class:`~asyncflow.workflow.tree_batch.TreeEngine` counts, for
+the groups it finished, the tokens the trees sampled (``etmr_generated``: a shared prefix once)
+and what the same answers cost sampled independently (``etmr_independent``): per step
+``generated_tokens``, ``independent_tokens`` and their ratio ``generated_frac``.
 """
 
 from __future__ import annotations
 
+TREE_COUNTERS = ("etmr_groups", "etmr_generated", "etmr_independent", "etmr_fallbacks", "etmr_over_budget")
 COUNTERS = ("vote_groups", "vote_answers", "vote_ties", "vote_no_label", "vote_unextractable",
             "vote_extractor_errors", "vote_labelled", "vote_label_hits", "vote_labelled_answers",
             "vote_reward_hits", "vote_ratio_sum")
 
 
 def vote_counters(stats: dict) -> dict[str, float]:
-    """The ``vote_*`` counters summed over every role's stats that has them (empty: no vote yet)."""
+    """The ``vote_*`` and ``etmr_*`` counters summed over every role's stats that has them (empty: none)."""
     out: dict[str, float] = {}
     for role in stats.values():
-        if isinstance(role, dict) and "vote_groups" in role:
-            for k in COUNTERS:
-                out[k] = out.get(k, 0) + role.get(k, 0)
+        for names, first in ((COUNTERS, "vote_groups"), (TREE_COUNTERS, "etmr_groups")):
+            if isinstance(role, dict) and first in role:
+                for k in names:
+                    out[k] = out.get(k, 0) + role.get(k, 0)
     return out
+
+
+def tree_figures(d: dict[str, float]) -> dict[str, float]:
+    """ETMR's tokens of (a difference of) counters: see the module doc."""
+    if not d.get("etmr_groups"):
+        return {}
+    return {"generated_tokens": int(d["etmr_generated"]), "independent_tokens": int(d["etmr_independent"]),
+            "generated_frac": d["etmr_generated"] / max(d["etmr_independent"], 1)}
 
 
 def vote_figures(d: dict[str, float]) -> dict[str, float]:
@@ -49,7 +65,7 @@ def vote_figures(d: dict[str, float]) -> dict[str, float]:
 
 
 class VoteMeter:
-    """Per-step figures from successive readings of the workers' stats."""
+    """Per-step figures (votes, ETMR tokens) from successive readings of the workers' stats."""
 
     def __init__(self) -> None:
         self.last: dict[str, float] = {}
@@ -58,22 +74,30 @@ class VoteMeter:
         now = vote_counters(stats)
         delta = {k: v - self.last.get(k, 0) for k, v in now.items()}
         self.last = now
-        return vote_figures(delta)
+        return {**vote_figures(delta), **tree_figures(delta)}
 
 
 def vote_summary(stats: dict) -> dict:
-    """The whole run's figures (``majority_vote`` in the summary), or nothing without a vote."""
+    """The whole run's figures (``majority_vote``, ``etmr`` in the summary), or nothing without either."""
     c = vote_counters(stats)
-    if not c:
-        return {}
-    return {"majority_vote": {**vote_figures(c), "extractor_errors": int(c.get("vote_extractor_errors", 0))}}
+    out: dict = {}
+    if c.get("vote_groups"):
+        out["majority_vote"] = {**vote_figures(c), "extractor_errors": int(c.get("vote_extractor_errors", 0))}
+    if c.get("etmr_groups"):
+        out["etmr"] = {**tree_figures(c), "groups": int(c["etmr_groups"]), "fallbacks": int(c["etmr_fallbacks"]),
+                       "over_budget": int(c["etmr_over_budget"])}
+    return out
 
 
 def vote_line(s: dict) -> str:
-    """The summary's line on the votes ('' without)."""
+    """The summary's lines on the votes and the trees ('' without)."""
+    t, line = s.get("etmr"), ""
+    if t:
+        line = (f"ETMR trees         {t['generated_tokens']} tokens generated for answers of {t['independent_tokens']} "
+                f"({t['generated_frac']:.1%}; {t['groups']} groups, {t['fallbacks']} fallbacks)\n")
     v = s.get("majority_vote")
     if not v or "majority_ratio" not in v:
-        return ""
+        return line
     acc = f", pseudo-label accuracy {v['pseudo_label_acc']:.1%}" if "pseudo_label_acc" in v else ""
-    return (f"majority vote      ratio {v['majority_ratio']:.1%}{acc} over {v['vote_groups']} groups "
-            f"({v['vote_ties']} ties, {v['vote_unextractable']} unextractable answers)\n")
+    return line + (f"majority vote      ratio {v['majority_ratio']:.1%}{acc} over {v['vote_groups']} groups "
+                   f"({v['vote_ties']} ties, {v['vote_unextractable']} unextractable answers)\n")
