@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from asyncflow.config import ConfigError, load_config
+from asyncflow.algorithms.etmr import TreeShape
 from asyncflow.dataplane import DataPlane
 from asyncflow.engines.fake import FakeEngine
 from asyncflow.engines.types import SamplingParams
@@ -27,6 +28,7 @@ from asyncflow.tasks.majority import MajorityVote, majority_vote, stripped
 from asyncflow.workflow.fields import SCHEMA, decode_text, encode_text
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
 from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.tree_batch import TreeEngine
 
 DIGITS = "0123456789"
 
@@ -149,20 +151,25 @@ def _prompts(plane, n: int, partition: int) -> None:
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(group=st.integers(2, 4), prompts=st.integers(1, 3), staleness=st.sampled_from([0, 1]),
-       lengths=st.lists(st.integers(1, 5), min_size=12, max_size=12), seed=st.integers(0, 99))
-def test_rollout_scores_a_group_only_once_all_its_answers_finished(group, prompts, staleness, lengths, seed):
-    """reward.placement=rollout (sync, stream and async alike): answers of one group finish at
-    different decode steps (drawn lengths); the vote is called once per group, with all of them."""
+       etmr=st.booleans(), seed=st.integers(0, 99))
+def test_rollout_scores_a_group_only_once_all_its_answers_finished(group, prompts, staleness, etmr, seed):
+    """reward.placement=rollout (sync, stream and async alike; plain groups, or ETMR's trees whose
+    branches start after their roots finish): answers of one group finish at different decode
+    steps; the vote is called once per group, with all of them."""
     rng = random.Random(seed)
 
-    def answer(req, sp):  # a drawn length and digits per request: groups vote on varied answers
-        n = rng.choice(lengths)
-        return [rng.choice([5, 6]) for _ in range(n - 1)] + [2]
+    def answer(req, sp):  # 6 drawn digits with an EOS at a drawn place: answers end at different steps
+        script = [rng.choice([5, 6]) for _ in range(6)]
+        script[rng.randrange(6)] = 2
+        return script
 
     plane, spy = DataPlane(SCHEMA), SpyVote(group)
     scorer = GroupScorer(RewardRole(plane, spy, decode, group_size=group))
-    role = RolloutRole(FakeEngine(answer=answer, max_batch=group * 2), plane, SamplingParams(max_new_tokens=6),
-                       group, prompts, staleness, scorer=scorer, by_prompt_id=True)
+    engine = FakeEngine(answer=answer, max_batch=group * 2)
+    if etmr:  # one root, one round, one fork point with the rest of the group as branches
+        engine = TreeEngine(engine, TreeShape(roots=1, forks=1, branches=group - 1, rounds=1), group)
+    role = RolloutRole(engine, plane, SamplingParams(max_new_tokens=6), group, prompts, staleness,
+                       scorer=scorer, by_prompt_id=True)
     for p in range(staleness + 1):
         _prompts(plane, prompts, p)
     for _ in range(400):
