@@ -27,6 +27,7 @@ it drops, not counted); RL wall seconds (noisy on a shared machine).
     python benchmarks/ttrl.py --tasks addition --seeds 0 --steps 40
     python benchmarks/ttrl.py --smoke                           # 2 steps, no warm-start: the plumbing
     python benchmarks/ttrl.py --variants grpo ttrl mode=async launcher=ray   # extra overrides last
+    python benchmarks/ttrl.py --report runs/a/results.json runs/b/results.json   # one table of several
 
 Runs are ``mode=sync launcher=local`` by default (reproducible given the seed: held-out figures
 do not depend on machine load); the config of each task is the shipped one
@@ -56,7 +57,8 @@ VARIANTS = {
 }
 BASE = ["mode=sync", "launcher=local", "progress=false", "train.eval_every=0"]
 SMOKE = ["warmstart.enabled=false", "train.prompts_per_step=4", "train.micro_prompts=2", "rollout.group_size=4",
-         "task.eval_n=16", "rollout.max_batch=16", "algorithm.dynamic_sampling=false"]
+         "task.eval_n=16", "rollout.max_batch=16", "algorithm.dynamic_sampling=false",
+         "rollout.etmr_branches=1"]  # (ETMR trees of 2 roots x (1 + 1 branch) = the 4 answers)
 
 
 def run_one(task: str, variant: str, seed: int, steps: int | None, run_dir: Path, extra: list[str]) -> dict:
@@ -117,8 +119,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the task config's)")
     ap.add_argument("--run-dir", default="runs/bench-ttrl")
     ap.add_argument("--smoke", action="store_true", help="2 steps, no warm-start, tiny batches: the plumbing only")
+    ap.add_argument("--report", nargs="+", metavar="RESULTS", help="print the table of these results.json files "
+                                                                    "(runs split over processes) and exit")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     args = ap.parse_args(argv)
+    if args.report:
+        results = [r for f in args.report for r in json.loads(Path(f).read_text())]
+        print(table(sorted(results, key=lambda r: (r["task"], list(VARIANTS).index(r["variant"]), r["seed"]))))
+        return results
     steps, extra = (2, SMOKE + args.overrides) if args.smoke else (args.steps, args.overrides)
     run_dir = Path(args.run_dir).resolve()
     results = []
