@@ -29,8 +29,8 @@ it drops, not counted); RL wall seconds (noisy on a shared machine).
     python benchmarks/ttrl.py --variants grpo ttrl mode=async launcher=ray   # extra overrides last
     python benchmarks/ttrl.py --report runs/a/results.json runs/b/results.json   # one table of several
 
-Runs are ``mode=sync launcher=local`` by default (reproducible given the seed: held-out figures
-do not depend on machine load); the config of each task is the shipped one
+Runs are ``mode=sync launcher=local`` with one torch thread by default (reproducible given the
+seed: held-out figures do not depend on machine load); the config of each task is the shipped one
 (``asyncflow/configs/grpo_addition.yaml``, ``multistep_grpo.yaml``).
 """
 
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     ap.add_argument("--steps", type=int, default=None, help="RL steps (default: the task config's)")
     ap.add_argument("--run-dir", default="runs/bench-ttrl")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of the run (warm-start, sync worker): one "
+                                                           "keeps a shared machine's cores from spinning")
     ap.add_argument("--smoke", action="store_true", help="2 steps, no warm-start, tiny batches: the plumbing only")
     ap.add_argument("--report", nargs="+", metavar="RESULTS", help="print the table of these results.json files "
                                                                     "(runs split over processes) and exit")
@@ -127,7 +129,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         results = [r for f in args.report for r in json.loads(Path(f).read_text())]
         print(table(sorted(results, key=lambda r: (r["task"], list(VARIANTS).index(r["variant"]), r["seed"]))))
         return results
+    import torch
+
+    torch.set_num_threads(args.threads)  # (the warm-start runs here; the sync worker takes resources.sync_threads)
     steps, extra = (2, SMOKE + args.overrides) if args.smoke else (args.steps, args.overrides)
+    extra = [f"resources.sync_threads={args.threads}", *extra]
     run_dir = Path(args.run_dir).resolve()
     results = []
     for task in args.tasks:
