@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from asyncflow.config import ConfigError, load_config
 from asyncflow.algorithms.etmr import TreeShape
+from asyncflow.config import ConfigError, load_config
 from asyncflow.dataplane import DataPlane
 from asyncflow.engines.fake import FakeEngine
 from asyncflow.engines.types import SamplingParams
