@@ -2,11 +2,14 @@
 :class:`~asyncflow.engines.types.EngineBatch`), run against every engine.
 
 ``ENGINES`` lists the implementations (adding one is one line): the built-in engine on the
-tiny model, the deterministic ``FakeEngine``, the adapters' shared ``StepEngine`` over a
-scripted backend (the pure-Python half of the vLLM and SGLang adapters, with the engine
-faked at its edge), and the real vLLM and SGLang engines, which need their package and a
-CUDA GPU and skip cleanly otherwise. Each case gives an engine and a weight set its
-``load_weights`` accepts.
+tiny model, transformers' continuous batching (``hf_paged``) on it, the deterministic
+``FakeEngine``, the adapters' shared ``StepEngine`` over a scripted backend, the vLLM adapter over ``tests/fake_vllm.py`` (vLLM 0.33.0's engine core
+in another process, its serialisation, prefix cache and pause; the tiny model decoding),
+and the real vLLM and SGLang engines, which need their package and a CUDA GPU and skip
+cleanly otherwise. (The SGLang adapter's fake returns an answer only when it finishes or is
+aborted, so "one step gives every request a token" cannot hold for it; its behaviour is
+tested in ``tests/test_engine_adapters.py``.) Each case gives an engine and a weight set
+its ``load_weights`` accepts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.engines.adapters import StepEngine, Update
+from asyncflow.engines.adapters import Loaded, StepEngine, Update
 from asyncflow.engines.types import Completion, Engine, EngineBatch, Request, SamplingParams
 
 torch.set_num_threads(1)
@@ -69,59 +72,84 @@ class ScriptedBackend:
 
     def load(self, weights):
         self.loads += 1
-        return "scripted"
+        return Loaded("scripted")
 
 
-def _builtin(tmp_path):
+def _builtin(tmp_path, monkeypatch):
     from asyncflow.engines.inference import InferenceEngine
 
     return InferenceEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
 
 
-def _fake(tmp_path):
+def _hf_paged(tmp_path, monkeypatch):
+    from asyncflow.engines.hf_paged import HFPagedEngine
+
+    return HFPagedEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
+
+
+def _fake(tmp_path, monkeypatch):
     from asyncflow.engines.fake import FakeEngine
 
     return FakeEngine(eos_id=EOS, max_batch=MAX_BATCH), {"w": np.zeros(2, np.float32)}
 
 
-def _adapter(tmp_path):
+def _adapter(tmp_path, monkeypatch):
     return StepEngine(ScriptedBackend(), EOS, MAX_BATCH), {"model.w": np.zeros(2, np.float32)}
 
 
+def _saved_tiny(tmp_path):
+    from asyncflow.engines.tiny import build_char_tokenizer
+
+    _tiny(0).save_pretrained(tmp_path / "m")
+    build_char_tokenizer().save_pretrained(tmp_path / "m")
+    return str(tmp_path / "m")
+
+
+def _vllm_fake(tmp_path, monkeypatch):
+    import sys
+
+    import fake_vllm
+
+    from asyncflow.engines.vllm_engine import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())
+    engine = VLLMEngine(_saved_tiny(tmp_path), EOS, max_batch=MAX_BATCH, dtype="float32",
+                        weights_dir=str(tmp_path / "w"), fake_knobs={"first_batch": 3})
+    return engine, _named(_tiny(1))
+
+
 def _real(lib: str, module: str, cls: str):
-    def make(tmp_path):
+    def make(tmp_path, monkeypatch):
         pytest.importorskip(lib)
         if not torch.cuda.is_available():
             pytest.skip(f"{lib} needs a CUDA GPU")
         import importlib
 
-        from asyncflow.engines.tiny import build_char_tokenizer
-
-        model = _tiny(0)
-        model.save_pretrained(tmp_path / "m")
-        build_char_tokenizer().save_pretrained(tmp_path / "m")
         engine_cls = getattr(importlib.import_module(f"asyncflow.engines.{module}"), cls)
-        return engine_cls(str(tmp_path / "m"), EOS, max_batch=MAX_BATCH, dtype="float32"), _named(_tiny(1))
+        return engine_cls(_saved_tiny(tmp_path), EOS, max_batch=MAX_BATCH, dtype="float32"), _named(_tiny(1))
 
     return make
 
 
 ENGINES = {
     "builtin": _builtin,
+    "hf_paged": _hf_paged,
     "fake": _fake,
     "adapter": _adapter,
+    "vllm-fake": _vllm_fake,
     "vllm": _real("vllm", "vllm_engine", "VLLMEngine"),
     "sglang": _real("sglang", "sglang_engine", "SGLangEngine"),
 }
 
 
 @pytest.fixture(params=list(ENGINES))
-def case(request, tmp_path):
-    engine, weights = ENGINES[request.param](tmp_path)
+def case(request, tmp_path, monkeypatch):
+    engine, weights = ENGINES[request.param](tmp_path, monkeypatch)
     yield engine, weights
-    close = getattr(engine, "shutdown", None)
-    if callable(close):
-        close()
+    for name in ("shutdown", "close"):
+        close = getattr(engine, name, None)
+        if callable(close):
+            close()
 
 
 def requests(n: int, **kw) -> list[Request]:

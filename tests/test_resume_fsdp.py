@@ -108,7 +108,7 @@ def test_fsdp_ranks_stopped_at_a_checkpoint_and_resumed_end_with_the_weights_of_
         assert set(got.files) == set(end.files)
         for name, w in end.items():
             assert not np.allclose(w, at[name], atol=1e-4) or "norm" in name, name  # (it trained after AT)
-            np.testing.assert_allclose(got[name], w, rtol=0, atol=1e-6, err_msg=f"rank {rank} {name}")
+            np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
 
 
 def test_a_shard_of_another_shape_is_refused_in_one_line():
@@ -116,7 +116,7 @@ def test_a_shard_of_another_shape_is_refused_in_one_line():
     opt = torch.optim.AdamW(model.parameters())
     half = {"weight": torch.zeros(3, 4), "bias": torch.zeros(3)}  # (saved by one of 2 ranks)
     with pytest.raises(ValueError, match=r"^checkpoint: model/weight is a shard of shape \(3, 4\) but this rank "
-                                         r"holds \(6, 4\); resume with the train.dp and train.strategy it was saved"):
+                                         r"holds \(6, 4\); resume with the train.dp, train.tp and train.strategy it was saved"):
         load_shards(model, opt, half, {})
     with pytest.raises(ValueError, match="its weights differ from the model's"):
         load_shards(model, opt, {"weight": torch.zeros(6, 4)}, {})

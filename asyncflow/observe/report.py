@@ -53,6 +53,7 @@ class Progress:
         self.steps, self.enabled, self.bar, self._ws = steps, enabled, None, None
         self.metric = metric
         self._acc: float | None = None
+        self._ws_acc: tuple[int, float] | None = None  # (SFT step, held-out metric) of the last evaluation
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.every_s, self._last = every_s, -every_s
 
@@ -63,19 +64,35 @@ class Progress:
             print(text, file=sys.stderr, flush=True)
 
     def warmstart(self, step: int, acc: float | None, loss: float) -> None:
+        """SFT step ``step`` (the model's count: it goes back at a landing rewind, see :meth:`note`)."""
         if not self.enabled:
             return
+        if acc is not None:
+            self._ws_acc = (step, acc)
         if not self.tty:
-            held = f", held-out {acc:.1%}" if acc is not None else ""
-            self._line(f"warm-start (SFT) step {step}: loss {loss:.3f}{held}")
+            held = ""
+            if self._ws_acc is not None:
+                at, last = self._ws_acc
+                held = f", held-out {self.metric} {fmt_metric(self.metric, last)}" + (f" (at step {at})" if at != step
+                                                                                        else "")
+            self._line(f"warm-start (SFT) step {step}: loss {loss:.3f}{held}", force=acc is not None)
             return
         if self._ws is None:
             self._ws = tqdm(desc="warm-start (SFT)", unit="step", leave=False, file=sys.stderr)
         self._ws.update(step - self._ws.n)
         post = {"loss": f"{loss:.3f}"}
-        if acc is not None:
-            post["heldout"] = f"{acc:.1%}"
+        if self._ws_acc is not None:
+            post["heldout"] = fmt_metric(self.metric, self._ws_acc[1])
         self._ws.set_postfix(post)
+
+    def note(self, text: str) -> None:
+        """One line that explains a jump (a warm-start rewind), above the bars on a terminal."""
+        if not self.enabled:
+            return
+        if self.tty and (self._ws is not None or self.bar is not None):
+            tqdm.write(text, file=sys.stderr)
+        else:
+            self._line(text, force=True)
 
     def start(self, acc0: float | None) -> None:
         if self._ws is not None:
@@ -335,7 +352,10 @@ def format_summary(s: dict) -> str:
     init = ""
     if ws.get("source") == "warmstart":
         how = "cached" if ws["cached"] else f"{ws['seconds']:.0f} s"
-        init = f"warm-start         SFT to {ws['accuracy']:.1%} in {ws['steps']} steps ({how})\n"
+        name = s.get("heldout_metric") or "accuracy"  # the same metric, in the same unit, as the held-out line
+        again = f", {ws['replayed']} more replayed to land near the target" if ws.get("replayed") else ""
+        init = (f"warm-start         SFT to held-out {name} {fmt_metric(name, ws['accuracy'])} in {ws['steps']} steps"
+                f"{again} ({how})\n")
     acc += vote_line(s)
     if "dynamic_sampling" in s:
         d = s["dynamic_sampling"]
@@ -350,6 +370,11 @@ def format_summary(s: dict) -> str:
         acc += (f"checkpoints        {len(s.get('checkpoint_pause_s') or [])} resumable written (checkpoints/), "
                 f"median pause {p[len(p) // 2] * 1e3:.0f} ms"
                 + (f"; resumed after step {s['resumed_from']}" if s.get("resumed_from") else "") + "\n")
+    if (k := s.get("checkpoint_kept")) and k["kept"] == "best":  # train.keep_best
+        name = s.get("heldout_metric") or "accuracy"
+        acc += (f"checkpoint/        the best evaluated weights: after step {k['version']}, held-out "
+                f"{fmt_metric(name, k['heldout_acc'])} (the last, {fmt_metric(name, k['last_heldout_acc'])}, "
+                f"is in checkpoint-last/)\n")
     on = f" on {s['device']}" if s.get("device", "cpu") != "cpu" else ""
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}){on} ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "

@@ -209,7 +209,7 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     def run_cfg(**kw: Any) -> RunConfig:
         data = cfg.model_dump()
         data.update(plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"), **kw)
-        data["train"].update(steps=steps, eval_every=0)
+        data["train"].update(steps=steps, eval_every=0, tp=1)  # (one process's costs: the simulator adds tp's)
         data["resources"].update(sync_threads=1, threads_per_role=1)
         return RunConfig.model_validate(data)
 

@@ -129,6 +129,7 @@ def sft(
     spec: EvalSpec = EvalSpec(),
     land_every: int | None = LAND_EVERY,
     land_tol: float = LAND_TOL,
+    note: Callable[[str], None] | None = None,
 ) -> SFTResult:
     """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
@@ -140,14 +141,16 @@ def sft(
     the target) and after the last step. Stops at the target, else after ``max_steps``.
     With ``land_every``, an evaluation more than ``land_tol`` past the target rewinds to the
     one before and replays, checking every ``land_every`` steps (``warmstart_landing``).
-    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` counts
-    every step run, replayed ones too. The model is left in train mode.
+    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` is told
+    the model's step (it goes back at a rewind, which ``note`` announces in one line). The
+    model is left in train mode.
     """
     started = time.perf_counter()
     eval_set = task.heldout[:eval_n]
     measure = _measure(model, tokenizer, task, eval_set, spec)
     batches = epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
     trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress)
+    trainer.note = note
     snap = Snapshot.take(model, trainer.optimizer, 0) if land_every else None
     acc, step, overshot = 0.0, 0, None
     while step < max_steps:
@@ -156,7 +159,7 @@ def sft(
         step_acc = None
         if eval_due(step, acc, target_acc, eval_every, near_every) or step == max_steps:
             acc = step_acc = measure(None)
-        trainer.report(step_acc, loss)
+        trainer.report(step, step_acc, loss)
         if step_acc is None:
             continue
         if step_acc >= target_acc:
@@ -252,6 +255,7 @@ def load_or_warm_start(
     near_every: int | None = NEAR_EVERY,
     land_every: int | None = LAND_EVERY,
     progress: ProgressFn | None = None,
+    note: Callable[[str], None] | None = None,
     device: str = "cpu",
     model_dir: str | None = None,
     spec: EvalSpec = EvalSpec(),
@@ -281,7 +285,7 @@ def load_or_warm_start(
     result = sft(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,
-        warmup_steps=warmup_steps, near_every=near_every, spec=spec, land_every=land_every,
+        warmup_steps=warmup_steps, near_every=near_every, spec=spec, land_every=land_every, note=note,
     )
     info = {**asdict(result), "key": folder.name, "recipe": recipe}
     model.cpu()

@@ -32,18 +32,21 @@ from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.etmr import TreeShape
 from asyncflow.config import RunConfig
 from asyncflow.dataplane import ShardSampler
-from asyncflow.engines.collective import Collective
+from asyncflow.engines.collective import Collective, TorchGroup
 from asyncflow.engines.critic import CriticEngine
+from asyncflow.engines.hf_paged import HFPagedEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
 from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
 from asyncflow.tasks.base import Task
 from asyncflow.tasks.majority import MajorityVote, load_extractor
+from asyncflow.tasks.plugins import load_callable
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+from asyncflow.weights.store import publish_parts
 from asyncflow.weights.subscriber import WeightSubscriber
 from asyncflow.workflow.feeder import PromptFeeder
-from asyncflow.workflow.plan import rewards_in_rollout, sync_ranks, sync_share
+from asyncflow.workflow.plan import rewards_in_rollout, sync_ranks, sync_share, trainer_ranks
 from asyncflow.workflow.roles.actor import ActorRole
 from asyncflow.workflow.roles.base import Role
 from asyncflow.workflow.roles.critic import CriticRole
@@ -94,7 +97,7 @@ def passes(cfg: RunConfig) -> dict:
     """How every training engine (actor, reference, critic) runs its forward/backward passes."""
     t = cfg.train
     return {"max_tokens_per_micro": t.max_tokens_per_micro, "split_padding": t.split_padding,
-            "dtype": cfg.model.dtype}
+            "dtype": cfg.model.dtype, "logprob_chunk_mib": t.logprob_chunk_mib}
 
 
 def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
@@ -108,6 +111,20 @@ def algorithm(cfg: RunConfig) -> Algorithm:
     return Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
 
 
+def _tensor_parallel(ctx: RoleContext) -> Any:
+    """``train.tp > 1``: the trainer's group on a ``(dp, tp)`` mesh, and the engine's plan (a user's by import path)."""
+    # lazy: only with train.tp > 1 (torch.distributed.tensor takes seconds to import)
+    from asyncflow.engines.tensor_parallel import MeshGroup, TensorParallel
+
+    t = ctx.cfg.train
+    if not isinstance(ctx.group, TorchGroup):
+        raise ValueError(f"train.tp={t.tp} needs the trainer's ranks as processes (torch.distributed): "
+                         "set launcher=ray")
+    ctx.group = MeshGroup(ctx.group, t.dp, t.tp, ctx.cfg.resources.device.split(":")[0])
+    plan = load_callable(t.tp_plan, "train.tp_plan") if t.tp_plan else None
+    return TensorParallel(ctx.group.tp_mesh, plan)
+
+
 def build_actor(ctx: RoleContext) -> Role:
     cfg, r, t = ctx.cfg, ctx.cfg.rollout, ctx.cfg.train
     fsdp = t.dp > 1 and t.strategy == "fsdp"
@@ -115,12 +132,14 @@ def build_actor(ctx: RoleContext) -> Role:
     # share in one go and the engine cuts it into length-sorted passes of micro_prompts groups' rows
     whole = cfg.mode == "sync" and not fsdp
     # a lone trainer outside sync: greedy fetches (every ready group) trained in the same sorted passes
-    greedy = not whole and t.dp == 1
+    greedy = not whole and trainer_ranks(cfg) == 1
+    tp = _tensor_parallel(ctx) if t.tp > 1 else None
     engine = TrainEngine(ctx.model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                          grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
-                         collective=ctx.group, fsdp=fsdp,
+                         collective=ctx.group, fsdp=fsdp, tensor_parallel=tp,
                          rows_per_pass=t.micro_prompts * r.group_size if whole or greedy else None, **passes(cfg))
-    publish = ctx.weights.publish if (ctx.weights is not None and cfg.mode != "sync" and ctx.rank == 0) else None
+    publish = partial(publish_parts, ctx.weights) if (ctx.weights is not None and cfg.mode != "sync"
+                                                      and ctx.rank == 0) else None
     fetch_prompts = -(-t.prompts_per_step // t.dp) if whole else t.micro_prompts
     # data-parallel sync: each rank trains the rows of its own shard (those it generated and scored)
     own = sync_share(cfg, ctx.rank) * r.group_size if whole and sync_ranks(cfg) > 1 else None
@@ -129,12 +148,16 @@ def build_actor(ctx: RoleContext) -> Role:
 
 
 def _inference_engine(ctx: RoleContext) -> Any:
-    """The built-in engine on ``ctx.model``, or (``rollout.engine=vllm|sglang``) the adapter
-    loading the same model folder on the GPU."""
+    """The built-in engine on ``ctx.model``, transformers' continuous batching on it
+    (``rollout.engine=hf_paged``: stream/async, where the rollout worker owns its model), or
+    (``rollout.engine=vllm|sglang``) the adapter loading the same model folder on the GPU."""
     cfg, r, tok = ctx.cfg, ctx.cfg.rollout, ctx.tokenizer
     if r.engine == "builtin":
         return InferenceEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
                                dtype=cfg.model.dtype)
+    if r.engine == "hf_paged":
+        return HFPagedEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                             dtype=cfg.model.dtype)
     dtype = "float32" if cfg.model.dtype == "float32" else "bfloat16"
     adapter = VLLMEngine if r.engine == "vllm" else SGLangEngine
     return adapter(ctx.model_dir, tok.eos_token_id, r.max_batch, dtype, cfg.seed)
