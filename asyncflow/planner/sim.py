@@ -6,7 +6,7 @@ The simulated job mirrors the real roles (``asyncflow/workflow``):
   step's worth at a time and admitted a whole group at a time into free slots, while
   fewer than ``(version + staleness + 1) * prompts_per_step`` groups have started
   (admission control); every decode round costs ``cost.decode_s(live rows, mean context)``.
-  With ``Workload.prefill_token`` (every profiled workload: the real ``GenerationBatch``,
+  With ``Workload.prefill_token`` (every profiled workload: the built-in engine's real batch,
   like vLLM, samples an answer's first token in its prefill) an answer of ``L`` tokens
   takes ``L - 1`` decode rounds after its prefill; without it (hand-set tests, the analytic
   what-if) ``L``. At the built-in example's 3-4 token answers the difference is a third of

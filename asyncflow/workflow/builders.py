@@ -8,7 +8,8 @@ worker plan (:mod:`asyncflow.workflow.plan`).
 
 Sharing rules (why the order matters): the actor is built first and trains ``ctx.model``
 itself; the rollout engine of a colocated (``sync``) worker decodes with that same model (no
-weight copy); reference and critic take copies (a critic hosted alone takes the model).
+weight copy); reference and critic take copies (a critic hosted alone takes the model). A
+rollout worker that owns its model on a GPU with ``model.dtype=bfloat16`` holds it in bf16.
 Only the actor of rank 0 publishes weights, and only outside ``sync``. In ``sync`` (without
 FSDP) the actor fetches a step's rows in one request (the rows are all ready by then) and its
 engine trains them in length-sorted passes of ``train.micro_prompts`` groups' rows
@@ -28,12 +29,15 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import torch
+
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.etmr import TreeShape
 from asyncflow.config import RunConfig
 from asyncflow.dataplane import ShardSampler
 from asyncflow.engines.collective import Collective, TorchGroup
 from asyncflow.engines.critic import CriticEngine
+from asyncflow.engines.device import model_device
 from asyncflow.engines.hf_paged import HFPagedEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
 from asyncflow.engines.sglang_engine import SGLangEngine
@@ -153,8 +157,13 @@ def _inference_engine(ctx: RoleContext) -> Any:
     (``rollout.engine=vllm|sglang``) the adapter loading the same model folder on the GPU."""
     cfg, r, tok = ctx.cfg, ctx.cfg.rollout, ctx.tokenizer
     if r.engine == "builtin":
+        if cfg.model.dtype == "bfloat16" and set(ctx.hosted) <= {"rollout", "reward"} \
+                and model_device(ctx.model).type == "cuda":
+            # rollout owns this copy: hold it in bf16 (half the bytes a decode step reads, no
+            # autocast casts; the weight swap converts in place); shared with a trainer it stays float32
+            ctx.model.to(torch.bfloat16)
         return InferenceEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
-                               dtype=cfg.model.dtype)
+                               dtype=cfg.model.dtype, cuda_graphs=r.cuda_graphs)
     if r.engine == "hf_paged":
         return HFPagedEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
                              dtype=cfg.model.dtype)
