@@ -8,14 +8,17 @@ chain finishes, the plan names the branches to start (at its tree's most uncerta
 by the sampled tokens' ``-log p``), and each branch is started from its parent's answer up to the
 fork point with that prefix's recorded log-probs and versions (:class:`~asyncflow.engines.types.Partial`
 through ``batch.resume``: the cache of prompt + prefix is rebuilt by one prefill, and the fork token
-is sampled afresh). Every chain comes back as the completion of one of the group's requests, its
-full answer (prefix + its own tokens) with per-token log-probs and versions, as an independent
-answer would.
+is sampled afresh); the other branches of the same fork point copy that row's cache with the
+engine's slot fork (``batch.fork``, the built-in engine) rather than prefilling it again. Every
+chain comes back as the completion of one of the group's requests, its full answer (prefix + its
+own tokens) with per-token log-probs and versions, as an independent answer would.
 
-Why not copy the parent's KV cache: the built-in engine's cache is being rewritten (a slot cache
-with a fork primitive, ``docs/ttrl.md``); until then a fork costs a prefill of the prefix instead of
-a copy. The *generated* tokens (sampled by decoding) are what ETMR saves, and they are exact here.
-Once ``batch.fork`` exists, :meth:`TreeBatch._start_branch` is the one place to use it.
+Why a prefill and not a copy of the parent's cache: EPTree forks a chain once it has *finished*,
+at a past position, and the engine frees a finished row's slot (its ``fork`` copies a *live*
+row as it stands). So one prefill of prompt + prefix per fork point, then slot copies for its
+siblings; a ``fork(row, keep)`` of a kept finished row's first ``keep`` positions would save that
+prefill too (``docs/ttrl.md``). The *generated* tokens (sampled by decoding) are what ETMR saves,
+and they are exact here.
 
 Invariants (``tests/test_tree_batch.py``): every request added comes back exactly once, unless
 dropped; ``len(batch)`` counts live chains plus the group's chains not started yet (they are
@@ -32,6 +35,7 @@ rows (nothing more to fork).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -106,8 +110,7 @@ class TreeBatch:
         return [self._request(g, b.chain) for b in roots]
 
     def _request(self, g: int, chain: int) -> Request:
-        r = self.groups[g].reqs[chain]
-        return Request(ChainKey(g, chain), list(r.prompt_ids), r.max_new_tokens, r.min_new_tokens)
+        return dataclasses.replace(self.groups[g].reqs[chain], key=ChainKey(g, chain))
 
     def step(self) -> list[Completion]:
         return self._collect(self.inner.step())
@@ -126,9 +129,7 @@ class TreeBatch:
             own = self._own(group, c)
             branches = group.plan.finish(c.key.chain, c.response_ids[-own:] if own else [],
                                          [-x for x in c.logprobs[-own:]] if own else [])
-            req = group.reqs[c.key.chain]
-            out.append(Completion(req.key, c.prompt_ids, c.response_ids, c.logprobs, c.version,
-                                  c.finished_on_eos, c.token_versions))
+            out.append(dataclasses.replace(c, key=group.reqs[c.key.chain].key))
             todo += self._start(c.key.group, branches)
             if group.plan.done:
                 self._close(c.key.group)
@@ -139,13 +140,23 @@ class TreeBatch:
         return len(c.response_ids) - len(group.plan.chains[c.key.chain].prefix)
 
     def _start(self, g: int, branches: list[Branch]) -> list[Completion]:
-        group = self.groups[g]
-        group.started += len(branches)
+        """Start a round's chains: from the prompt, or branches; the branches of one fork point
+        share one rebuilt cache when the engine can fork a live row (``batch.fork``: the built-in
+        engine copies the row's slot), else each is rebuilt."""
+        self.groups[g].started += len(branches)
         fresh = [self._request(g, b.chain) for b in branches if b.parent is None]
         done = self.inner.add(fresh) if fresh else []
-        parts = [self._start_branch(g, b) for b in branches if b.parent is not None]
-        if parts:
-            done += self.inner.resume(parts)
+        points: dict[tuple, list[Branch]] = {}
+        for b in branches:
+            if b.parent is not None:
+                points.setdefault((b.parent, b.at), []).append(b)
+        fork = getattr(self.inner, "fork", None)
+        lead = [bs[0] for bs in points.values()] if fork else [b for bs in points.values() for b in bs]
+        if lead:
+            done += self.inner.resume([self._start_branch(g, b) for b in lead])
+        for bs in points.values() if fork else ():
+            if len(bs) > 1:  # (live since the resume: its siblings copy its cache and tokens so far)
+                fork(ChainKey(g, bs[0].chain), [ChainKey(g, b.chain) for b in bs[1:]])
         return done
 
     def _start_branch(self, g: int, b: Branch) -> Partial:
