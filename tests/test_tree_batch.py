@@ -124,8 +124,14 @@ def test_each_answers_recorded_logprobs_equal_a_full_forward_on_the_tiny_model()
     shape = TreeShape(roots=1, forks=2, branches=2, rounds=1)
     engine = TreeEngine(InferenceEngine(model, eos_id=2, pad_id=0, max_batch=8, seed=0), shape, 5)
     batch = engine.new_batch(SamplingParams(temperature=1.0, max_new_tokens=6))
-    done = batch.add(group(0, 5)) + drain(batch)
+    resumed, resume = [], batch.inner.resume
+    batch.inner.resume = lambda parts: (resumed.append(len(parts)), resume(parts))[1]
+    reqs = group(0, 5)
+    for r in reqs:
+        r.min_new_tokens = 4  # (a root of >= 4 tokens has the 2 distinct fork points asked for)
+    done = batch.add(reqs) + drain(batch)
     assert len(done) == 5
+    assert sum(resumed) == 2  # one rebuilt cache per fork point; its sibling copies it (the slot fork)
     s = engine.stats()
     assert s["etmr_independent"] == sum(len(c.response_ids) for c in done) and s["etmr_generated"] < s[
         "etmr_independent"]
