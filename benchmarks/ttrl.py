@@ -25,9 +25,15 @@ it drops, not counted); RL wall seconds (noisy on a shared machine).
 
     python benchmarks/ttrl.py                                   # addition and multistep, 3 seeds
     python benchmarks/ttrl.py --tasks addition --seeds 0 --steps 40
+    python benchmarks/ttrl.py --tasks addition --warm-seed 0 --steps 60 --variants ttrl ttrl_etmr   # docs/ttrl.md
     python benchmarks/ttrl.py --smoke                           # 2 steps, no warm-start: the plumbing
     python benchmarks/ttrl.py --variants grpo ttrl mode=async launcher=ray   # extra overrides last
     python benchmarks/ttrl.py --report runs/a/results.json runs/b/results.json   # one table of several
+
+``--warm-seed S`` starts every seed's runs from seed S's warm-start (``model.path``, no warm-start
+of their own): a warm-start costs up to ~1.5 h on a shared 2-core machine. The task's
+train/held-out split is drawn by the run's own seed, so for the other seeds the held-out set
+overlaps the warm-start's training problems (their "before" is higher); seed S's is clean.
 
 Runs are ``mode=sync launcher=local`` with one torch thread by default (reproducible given the
 seed: held-out figures do not depend on machine load); the config of each task is the shipped one
@@ -59,6 +65,17 @@ BASE = ["mode=sync", "launcher=local", "progress=false", "train.eval_every=0"]
 SMOKE = ["warmstart.enabled=false", "train.prompts_per_step=4", "train.micro_prompts=2", "rollout.group_size=4",
          "task.eval_n=16", "rollout.max_batch=16", "algorithm.dynamic_sampling=false",
          "rollout.etmr_branches=1"]  # (ETMR trees of 2 roots x (1 + 1 branch) = the 4 answers)
+
+
+def warm_model(task: str, seed: int, run_dir: Path, extra: list[str]) -> list[str]:
+    """Overrides that start a run from the warm-start of ``seed`` (built once, cached): the
+    folder as ``model.path``, no warm-start of its own."""
+    from asyncflow.config import load_config
+    from asyncflow.tasks.models import prepare_model
+
+    over = BASE + [f"seed={seed}", f"warmstart.cache_dir={run_dir / 'warmstart'}"] + extra
+    path, _ = prepare_model(load_config(CONFIGS / TASKS[task], over), run_dir)
+    return [f"model.path={path}", "warmstart.enabled=false"]
 
 
 def run_one(task: str, variant: str, seed: int, steps: int | None, run_dir: Path, extra: list[str]) -> dict:
@@ -120,6 +137,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--run-dir", default="runs/bench-ttrl")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the run (warm-start, sync worker): one "
                                                            "keeps a shared machine's cores from spinning")
+    ap.add_argument("--warm-seed", type=int, default=None, help="start every seed's runs from this seed's "
+                    "warm-start (default: each seed its own; one costs up to ~1.5 h on a shared 2-core machine)")
     ap.add_argument("--smoke", action="store_true", help="2 steps, no warm-start, tiny batches: the plumbing only")
     ap.add_argument("--report", nargs="+", metavar="RESULTS", help="print the table of these results.json files "
                                                                     "(runs split over processes) and exit")
@@ -138,8 +157,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     results = []
     for task in args.tasks:
         for seed in args.seeds:  # (one seed's variants together: they share its warm-start)
+            warm = [] if args.warm_seed is None else warm_model(task, args.warm_seed, run_dir, extra)
             for variant in args.variants:
-                results.append(run_one(task, variant, seed, steps, run_dir, extra))
+                results.append(run_one(task, variant, seed, steps, run_dir, extra + warm))
                 r = results[-1]
                 print(f"{task} {variant} seed {seed}: {r['before']:.1%} -> {r['after']:.1%} "
                       f"({r['wall_s']:.0f} s)", flush=True)

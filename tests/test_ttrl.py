@@ -266,7 +266,8 @@ def test_label_free_run_logs_the_vote_each_step(tmp_path):
                              "train.steps=2", "train.prompts_per_step=4", "train.micro_prompts=2",
                              "rollout.group_size=4", "rollout.max_batch=16", "reward.mode=majority",
                              "reward.placement=separate", "task.test_time=true", "task.eval_n=16",
-                             "algorithm.ear=true", f"run_dir={tmp_path}"])
+                             "algorithm.ear=true", f"run_dir={tmp_path}",
+                             "resources.sync_threads=1"])  # (one thread: a busy CI machine's cores don't spin)
     summary = train(cfg, launcher=LocalLauncher(), run_dir=tmp_path, evaluate=False)
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(lines) == 2

@@ -150,13 +150,14 @@ class TreeBatch:
         for b in branches:
             if b.parent is not None:
                 points.setdefault((b.parent, b.at), []).append(b)
-        fork = getattr(self.inner, "fork", None)
-        lead = [bs[0] for bs in points.values()] if fork else [b for bs in points.values() for b in bs]
+        fork: Callable[..., Any] | None = getattr(self.inner, "fork", None)
+        lead = [bs[0] for bs in points.values()] if fork is not None else [b for bs in points.values() for b in bs]
         if lead:
             done += self.inner.resume([self._start_branch(g, b) for b in lead])
-        for bs in points.values() if fork else ():
-            if len(bs) > 1:  # (live since the resume: its siblings copy its cache and tokens so far)
-                fork(ChainKey(g, bs[0].chain), [ChainKey(g, b.chain) for b in bs[1:]])
+        if fork is not None:
+            for bs in points.values():
+                if len(bs) > 1:  # (live since the resume: its siblings copy its cache and tokens so far)
+                    fork(ChainKey(g, bs[0].chain), [ChainKey(g, b.chain) for b in bs[1:]])
         return done
 
     def _start_branch(self, g: int, b: Branch) -> Partial:
