@@ -22,7 +22,7 @@ def benchmarks(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     yield
     for name in ("minimal_grpo", "vs_trl", "gpu_scale", "gpu_phases", "gpu_floors", "gpu_lora", "engine",
-                 "logprob_memory"):
+                 "logprob_memory", "ttrl"):
         sys.modules.pop(name, None)
 
 
@@ -126,3 +126,15 @@ def test_sampling_benchmark_times_both_samplers_at_every_vocabulary():
                          capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     rows = [ln.split() for ln in out[2:]]
     assert [r[0] for r in rows] == ["308", "32000", "151936"] and all(r[-1].endswith("x") for r in rows), out
+
+
+def test_ttrl_smoke_runs_label_free_with_trees_and_ear_and_reports_a_table(benchmarks, tmp_path, capsys):
+    import ttrl
+
+    res = ttrl.main(["--smoke", "--tasks", "addition", "--seeds", "0", "--variants", "ttrl_etmr_ear",
+                     "--run-dir", str(tmp_path)])
+    (r,) = res
+    assert r["steps"] == 2 and r["pseudo_label_first"] is not None and r["etmr"]["groups"] == 8
+    assert 0 < r["generated_per_step"] <= r["tokens_per_step"]  # a shared prefix is generated once
+    ttrl.main(["--report", str(tmp_path / "results.json")])
+    assert "addition   ttrl_etmr_ear" in capsys.readouterr().out

@@ -14,6 +14,10 @@ Sequence-level (group) estimators see the answer's score ``s_i = r_i - sum_t pen
 * ``rloo``: ``s_i - mean_{j != i} s_j = N / (N - 1) * (s_i - mean_g s)``; a group of one
   answer has no baseline and gets 0.
 
+Any of the three may be reshaped by EAR (ETTRL's entropy-based advantage reshaping,
+:mod:`asyncflow.algorithms.ear`): each answer's value moves by its entropy relative to its
+group's, within ``|A| / kappa``.
+
 Token-level estimators build per-token rewards (``r_i`` on the last token, ``-pen_{i,t}`` on
 every token), take the undiscounted return-to-go ``G_{i,t} = sum_{t' >= t} rew_{i,t'}``
 and then whiten over **every valid token of the step** (``mean``/``std`` token-weighted):
@@ -36,6 +40,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from asyncflow.algorithms.ear import EAR, answer_entropy
 
 # One value per answer: a list, or a 1-D array.
 Floats = Sequence[float] | np.ndarray
@@ -164,9 +170,14 @@ def ppo_targets(rewards: Floats, values: Sequence[np.ndarray], penalties: Sequen
 
 
 def compute_advantages(name: str, rewards: Floats, groups: Sequence[int] | np.ndarray, lengths: Sequence[int],
-                       penalties: Sequence[np.ndarray] | None = None, eps: float = 1e-6) -> list[np.ndarray]:
-    """Per-token advantage rows of estimator ``name`` (one of :data:`ESTIMATORS`)."""
+                       penalties: Sequence[np.ndarray] | None = None, eps: float = 1e-6,
+                       ear: EAR | None = None, logprobs: Sequence[np.ndarray] | None = None) -> list[np.ndarray]:
+    """Per-token advantage rows of estimator ``name`` (one of :data:`ESTIMATORS`). ``ear`` (group
+    estimators only): reshape each answer's advantage by its entropy, estimated from its
+    ``logprobs`` (:mod:`asyncflow.algorithms.ear`)."""
     groups = np.asarray(groups)
+    if ear is not None and name not in GROUP_LEVEL:
+        raise ValueError(f"EAR reshapes the advantages of a group estimator ({', '.join(GROUP_LEVEL)}), not {name!r}")
     if name in GROUP_LEVEL:
         scores = _f64(rewards).copy()
         if penalties is not None:
@@ -177,6 +188,10 @@ def compute_advantages(name: str, rewards: Floats, groups: Sequence[int] | np.nd
             seq = dr_grpo_advantages(scores, groups)
         else:
             seq = rloo_advantages(scores, groups)
+        if ear is not None:
+            if logprobs is None:
+                raise ValueError("EAR needs the answers' logprobs (their entropy)")
+            seq = ear.reshape(seq, answer_entropy(logprobs), groups)
         return [np.full(n, a, dtype=np.float32) for a, n in zip(seq, lengths)]
     if name == "reinforce_pp":
         return reinforce_pp_advantages(rewards, lengths, penalties, eps=eps)

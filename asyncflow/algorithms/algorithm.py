@@ -21,6 +21,7 @@ import numpy as np
 
 from asyncflow.algorithms.advantages import BATCH_LEVEL, CRITIC_LEVEL, ESTIMATORS, compute_advantages, ppo_targets
 from asyncflow.algorithms.corrections import Correction
+from asyncflow.algorithms.ear import EAR
 from asyncflow.algorithms.kl import kl_estimate
 from asyncflow.algorithms.losses import LossAgg, PolicyLoss
 from asyncflow.algorithms.shaping import overlong_penalty
@@ -50,6 +51,7 @@ class Algorithm:
     max_new_tokens: int = 0  # the rollout's length limit (for the overlong penalty)
     overlong_buffer: int = 0  # 0 = no overlong penalty
     overlong_penalty: float = 1.0
+    ear: EAR | None = None  # entropy-based advantage reshaping (group estimators), None = off
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:
@@ -69,7 +71,8 @@ class Algorithm:
                    correction=Correction(a.correction, a.correction_level, cap, a.mask_low, a.mask_high),
                    gamma=a.gamma, lam=a.lam, value_clip=a.value_clip, vf_coef=a.vf_coef,
                    entropy_coef=a.entropy_coef, max_new_tokens=max_new_tokens,
-                   overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty)
+                   overlong_buffer=a.overlong_buffer, overlong_penalty=a.overlong_penalty,
+                   ear=EAR(a.ear_alpha, a.ear_kappa) if a.ear else None)
 
     @property
     def needs_reference(self) -> bool:
@@ -113,7 +116,8 @@ class Algorithm:
             return [np.array(a, dtype=np.float32) for a in data["advantages"]]
         lengths = [len(r) for r in data["response_ids"]]
         rewards = self.shaped_rewards(data["reward"], lengths) if self.overlong_buffer > 0 else data["reward"]
-        return compute_advantages(self.estimator, rewards, data["group"], lengths, self.penalties(data))
+        return compute_advantages(self.estimator, rewards, data["group"], lengths, self.penalties(data),
+                                  ear=self.ear, logprobs=data.get("logprobs") if self.ear is not None else None)
 
     def critic_targets(self, data: dict, values: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
         """PPO: ``(advantages, returns)`` rows by GAE from the critic's per-token ``values``

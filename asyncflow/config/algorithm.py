@@ -62,6 +62,14 @@ class AlgorithmConfig(Section):
     overlong_penalty: float = Field(1.0, ge=0, description="Reward lost by an answer of max_new_tokens "
                                                            "tokens (the overlong penalty's full size).")
 
+    ear: bool = Field(False, description="EAR (ETTRL's entropy-based advantage reshaping): move each answer's "
+                                         "group advantage by its entropy relative to its group's, "
+                                         "A + clip(ear_alpha x (H - mean_group H), +-|A| / ear_kappa), H = the "
+                                         "answer's mean -log-prob; grpo, dr_grpo, rloo only. docs/ttrl.md")
+    ear_alpha: float = Field(1.0, gt=0, description="EAR: advantage per nat of relative answer entropy.")
+    ear_kappa: float = Field(2.0, gt=1, description="EAR: the reshaping is at most |A| / ear_kappa (> 1: an "
+                                                    "advantage keeps its sign).")
+
     @model_validator(mode="after")
     def _algorithm(self) -> AlgorithmConfig:
         if self.kl_in_reward and self.kl_coef <= 0:
@@ -72,6 +80,9 @@ class AlgorithmConfig(Section):
         if self.correction_level == "geo" and self.correction not in ("tis", "mask"):
             raise ValueError(f"correction_level = geo applies to correction tis or mask, not "
                              f"'{self.correction}' (set algorithm.correction_level=token)")
+        if self.ear and self.name not in ("grpo", "dr_grpo", "rloo"):
+            raise ValueError(f"ear = true reshapes a group estimator's advantages (grpo, dr_grpo, rloo), not "
+                             f"name={self.name}: set algorithm.name=grpo or algorithm.ear=false")
         if self.name != "grpo" and not self.std_normalize:
             raise ValueError(f"std_normalize = false only applies to name=grpo (it makes Dr.GRPO); with "
                              f"name={self.name} remove algorithm.std_normalize")

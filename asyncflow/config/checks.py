@@ -31,6 +31,7 @@ def check_dp(cfg: RunConfig) -> None:
         raise ValueError(f"train.dp ({t.dp}) is more than the rows of a micro-batch (train.micro_prompts x "
                          f"rollout.group_size = {rows}): some ranks would never train; lower train.dp")
 
+
 def _check_sync_dp(cfg: RunConfig) -> None:
     t = cfg.train
     if t.strategy == "fsdp":
@@ -42,6 +43,16 @@ def _check_sync_dp(cfg: RunConfig) -> None:
     if t.dp > t.prompts_per_step:
         raise ValueError(f"mode=sync with train.dp={t.dp}: each rank generates whole prompt groups, so "
                          f"train.prompts_per_step ({t.prompts_per_step}) must be >= train.dp")
+
+
+def check_test_time(cfg: RunConfig) -> None:
+    """Test-time RL (``task.test_time``): trains on the evaluation problems, so never on their labels."""
+    if cfg.reward.mode != "majority":
+        raise ValueError("task.test_time=true trains on the evaluation problems, so their labels must not be the "
+                         "reward: set reward.mode=majority (label-free TTRL), or task.test_time=false")
+    if cfg.train.prompts_per_step > cfg.task.eval_n:
+        raise ValueError(f"task.test_time=true draws each step's prompts from the task.eval_n ({cfg.task.eval_n}) "
+                         f"evaluation problems: train.prompts_per_step ({cfg.train.prompts_per_step}) must be <= it")
 
 
 def check_tp(cfg: RunConfig) -> None:

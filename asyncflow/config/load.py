@@ -88,7 +88,8 @@ def _in(data: dict, dotted: str) -> bool:
 # (section, key, what): paths a YAML file may give relative to its own folder; "spec" = the
 # file part of 'path/to/file.py:name' (a 'package.module:name' is left alone)
 _PATHS = (("task", "path", "path"), ("task", "heldout_path", "path"), ("model", "path", "path"),
-          ("reward", "fn", "spec"), ("task", "name", "spec"), ("eval", "metric", "spec"))
+          ("reward", "fn", "spec"), ("reward", "extractor", "spec"), ("task", "name", "spec"),
+          ("eval", "metric", "spec"))
 
 
 def _relative_to(data: dict, base: Path) -> dict:

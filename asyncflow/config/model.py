@@ -68,6 +68,10 @@ class TaskConfig(Section):
                                                           "(None = 3 for countdown, 4 for multistep).")
     holdout_frac: float = Field(0.2, gt=0, lt=1, description="Fraction of problems held out for evaluation.")
     eval_n: int = Field(500, gt=0, description="Held-out problems scored at each evaluation.")
+    test_time: bool = Field(False, description="Test-time RL (TTRL): the RL prompts are the evaluation problems "
+                                               "themselves (the first eval_n held-out ones), trained without their "
+                                               "labels (needs reward.mode=majority) and evaluated on; the warm-start "
+                                               "still learns from task's train problems. docs/ttrl.md")
 
     @field_validator("name")
     @classmethod

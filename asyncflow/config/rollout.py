@@ -41,13 +41,36 @@ class RolloutConfig(Section):
     longtail_short: int = Field(8, gt=0, description="longtail: length of most answers.")
     longtail_long: int = Field(48, gt=0, description="longtail: length of the long answers.")
     longtail_frac: float = Field(0.125, ge=0, le=1, description="longtail: fraction of long answers.")
+    etmr: bool = Field(False, description="ETMR (entropy-fork tree majority rollout): each prompt's group grows "
+                                          "as trees that share prefixes, forking at the most uncertain tokens; "
+                                          "etmr_roots x (1 + etmr_rounds x etmr_forks x etmr_branches) must equal "
+                                          "group_size (engine=builtin). docs/ttrl.md")
+    etmr_roots: int = Field(2, ge=1, description="ETMR: answers sampled whole, one tree each.")
+    etmr_forks: int = Field(1, ge=1, description="ETMR: fork points per tree per round (its highest-entropy tokens).")
+    etmr_branches: int = Field(3, ge=1, description="ETMR: new answers started at each fork point.")
+    etmr_rounds: int = Field(1, ge=0, description="ETMR: rounds of forks, each once a tree's answers all finished.")
+    etmr_budget: float | None = Field(None, gt=0, le=1, description="ETMR: generated tokens at most this fraction "
+                                                                    "of independent sampling's (steers the fork "
+                                                                    "points; None = no cap).")
 
+
+    @property
+    def etmr_leaves(self) -> int:
+        """Answers an ETMR group ends with."""
+        return self.etmr_roots * (1 + self.etmr_rounds * self.etmr_forks * self.etmr_branches)
 
     @model_validator(mode="after")
     def _engine_installed(self) -> RolloutConfig:
         if self.engine != "builtin" and not engine_installed(self.engine):
             raise ValueError(f"rollout.engine={self.engine} needs the {self.engine} package, which is not installed: "
                              f"pip install 'asyncflow[{self.engine}]' on a CUDA machine, or set rollout.engine=builtin")
+        if self.etmr and self.etmr_leaves != self.group_size:
+            raise ValueError(f"etmr trees end with etmr_roots x (1 + etmr_rounds x etmr_forks x etmr_branches) = "
+                             f"{self.etmr_leaves} answers, but group_size = {self.group_size}: make them equal "
+                             f"(e.g. roots 2, rounds 1, forks 1, branches 3 for 8)")
+        if self.etmr and self.engine != "builtin":
+            raise ValueError(f"etmr forks answers mid-way, which rollout.engine={self.engine} cannot continue: "
+                             f"set rollout.engine=builtin or rollout.etmr=false")
         return self
 
 
@@ -79,6 +102,15 @@ class RewardConfig(Section):
                                "as it finishes (remote/async calls in flight there; no reward process, no data-plane "
                                "round trip); 'separate' = a reward worker of its own that streams rows from the data "
                                "plane (for a heavy local reward that should not take rollout's CPU).")
+    mode: Literal["label", "majority"] = Field(
+        "label", description="'label': the task's reward (or fn) against each row's reference answer; 'majority': "
+                             "label-free TTRL, each answer group votes and an answer scores 1 when its extracted "
+                             "answer is the group's majority (a tie: no majority, every answer 0); references, "
+                             "when rows carry them, are only logged (pseudo_label_acc). docs/ttrl.md")
+    extractor: str | None = Field(None, description="mode=majority: the final answer of a response, "
+                                                    "'package.module:function' or 'file.py:function' (response) "
+                                                    "-> str or None (None: it does not vote); None = the stripped "
+                                                    "response. E.g. asyncflow.tasks.rewards:extract_gsm8k.")
 
     @model_validator(mode="after")
     def _fn_path(self) -> RewardConfig:
@@ -91,4 +123,13 @@ class RewardConfig(Section):
         if self.batched and self.latency_ms is not None:
             raise ValueError("batched = true with latency_ms: the emulated remote latency applies to "
                              "per-sample functions only; drop one of them")
+        if self.mode == "majority" and (self.fn is not None or self.batched or self.latency_ms is not None):
+            raise ValueError("mode = majority is the reward itself (a vote of each answer group): remove reward.fn, "
+                             "reward.batched and reward.latency_ms, or set reward.mode=label")
+        if self.extractor is not None and self.mode != "majority":
+            raise ValueError("extractor applies to mode = majority only: set reward.mode=majority or remove "
+                             "reward.extractor")
+        if self.extractor is not None and (self.extractor.count(":") != 1 or not all(self.extractor.split(":"))):
+            raise ValueError(f"extractor = '{self.extractor}' is not an import path: write 'package.module:function' "
+                             f"(e.g. asyncflow.tasks.rewards:extract_gsm8k)")
         return self

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.algorithm import AlgorithmConfig
 from asyncflow.config.base import ConfigError, Section
-from asyncflow.config.checks import check_dp, check_tp
+from asyncflow.config.checks import check_dp, check_test_time, check_tp
 from asyncflow.config.lora import LoraConfig, check_lora
 from asyncflow.config.model import BUILTIN_TASKS, ModelConfig, TaskConfig
 from asyncflow.config.outputs import EvalConfig, LogConfig
@@ -81,6 +81,8 @@ class RunConfig(Section):
         if self.algorithm.dynamic_sampling and self.reward.placement != "rollout":
             raise ValueError("algorithm.dynamic_sampling scores rewards inside rollout (a group "
                              "is kept or dropped when it finishes): set reward.placement=rollout")
+        if self.task.test_time:
+            check_test_time(self)
         if self.train.dp > 1:
             check_dp(self)
         if self.train.tp > 1:

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from asyncflow.observe.ttrl import VoteMeter, vote_line, vote_summary
+
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
 
@@ -188,16 +190,19 @@ class RunMeter:
     ``drops`` (dynamic sampling) every step also reads rollout's group counters and reports
     ``groups_dropped`` / ``drop_rate``: groups dropped (all rewards equal) over groups
     scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
-    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise. A
+    reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise. With
+    ``votes`` (``reward.mode=majority``) every step reports the majority-vote figures of
+    :mod:`asyncflow.observe.ttrl` (``majority_ratio``, ``pseudo_label_acc``...). A
     resumed run's counters continue the checkpoint's: ``since`` (rollout's counters there, as
     :func:`~asyncflow.workflow.inflight.capture` saved them) is where its first step counts from.
     """
 
     def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False,
-                 since: dict[str, int] | None = None):
+                 since: dict[str, int] | None = None, votes: bool = False):
         c = since or {}
         self.stats, self.drops, self._groups = stats, drops, (c.get("scored", 0), c.get("dropped", 0))
         self.stragglers, self._stragglers = stragglers, (c.get("carried", 0), c.get("stalls", 0))
+        self.votes = VoteMeter() if votes else None  # reward.mode=majority: each step's vote figures
         # the clock and the machine's CPU are read together, before the workers' stats (a round trip
         # to every worker): CPU spent in between would fall outside the wall-clock window
         self.t0, self.cpu0 = time.perf_counter(), machine_cpu_s()
@@ -214,7 +219,10 @@ class RunMeter:
         if self.steady0 is None:
             t, cpu = time.perf_counter(), machine_cpu_s()
             self.steady0 = (t, self.stats(), self.samples, self.tokens, cpu)
-        r = self.stats().get("rollout", {}) if self.drops or self.stragglers else {}
+        every = self.stats() if self.drops or self.stragglers or self.votes else {}
+        r = every.get("rollout", {})
+        if self.votes is not None:
+            m = {**m, **self.votes.step(every)}
         if self.stragglers:
             carried, restarted = r.get("groups_carried", 0), r.get("groups_restarted", 0)
             m = {**m, "groups_carried": carried - self._stragglers[0],
@@ -272,7 +280,7 @@ def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None
         "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "rollout_decode_steps": rollout.get("decode_steps", 0),
-        **reward_counts(totals["stats"]),
+        **reward_counts(totals["stats"]), **vote_summary(totals["stats"]),
         "run_dir": str(run_dir), "checkpoint": ckpt, "pinned": totals.get("pinned", {}), **dyn,
         # task.on_bad_row=skip: bad dataset rows skipped, and the first of them (file:line: what is wrong)
         "skipped_rows": totals.get("skipped_rows", 0), "skipped_first": totals.get("skipped_first"),
@@ -348,6 +356,7 @@ def format_summary(s: dict) -> str:
         again = f", {ws['replayed']} more replayed to land near the target" if ws.get("replayed") else ""
         init = (f"warm-start         SFT to held-out {name} {fmt_metric(name, ws['accuracy'])} in {ws['steps']} steps"
                 f"{again} ({how})\n")
+    acc += vote_line(s)
     if "dynamic_sampling" in s:
         d = s["dynamic_sampling"]
         acc += (f"dynamic sampling   dropped {d['groups_dropped']} of {d['groups_scored']} groups "

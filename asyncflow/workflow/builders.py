@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from asyncflow.algorithms.algorithm import Algorithm
+from asyncflow.algorithms.etmr import TreeShape
 from asyncflow.config import RunConfig
 from asyncflow.dataplane import ShardSampler
 from asyncflow.engines.collective import Collective, TorchGroup
@@ -49,6 +50,7 @@ from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
 from asyncflow.tasks.base import Task
+from asyncflow.tasks.majority import MajorityVote, load_extractor
 from asyncflow.tasks.plugins import load_callable
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.weights.store import publish_parts
@@ -61,6 +63,7 @@ from asyncflow.workflow.roles.critic import CriticRole
 from asyncflow.workflow.roles.reference import ReferenceRole
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
 from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.tree_batch import TreeEngine
 
 
 @dataclass
@@ -89,6 +92,13 @@ class RoleContext:
             assert r.fn is not None  # checked above
             self._reward = RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key, batched=r.batched)
         return self._reward
+
+    def train_reward(self) -> Callable:
+        """What scores answers for training: :meth:`reward_fn`, or with ``reward.mode=majority`` the
+        group vote (label-free TTRL; evaluation keeps :meth:`reward_fn`, the labelled metric)."""
+        if self.cfg.reward.mode == "majority":
+            return MajorityVote(load_extractor(self.cfg.reward.extractor))
+        return self.reward_fn()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -186,8 +196,8 @@ def _scoring(ctx: RoleContext) -> dict:
     DAPO dynamic sampling also the algorithm's reward shaping, the keep-or-drop rule and a
     prompt feeder (drops consume prompts faster than one partition a step)."""
     cfg = ctx.cfg
-    role = RewardRole(ctx.plane, ctx.reward_fn(), ctx.decode, concurrency=cfg.reward.concurrency,
-                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+    role = RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, concurrency=cfg.reward.concurrency,
+                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed, group_size=cfg.rollout.group_size)
     extras: dict = {"scorer": GroupScorer(role)}
     if cfg.algorithm.dynamic_sampling:
         extras.update(shape=algorithm(cfg).shaped_rewards, drop_flat=True,
@@ -197,11 +207,14 @@ def _scoring(ctx: RoleContext) -> dict:
 
 def build_rollout(ctx: RoleContext) -> Role:
     cfg, r = ctx.cfg, ctx.cfg.rollout
-    engine = _inference_engine(ctx)
+    engine = base = _inference_engine(ctx)
+    if r.etmr:  # each prompt group decodes as entropy-fork trees (rollout sees an engine like any other)
+        engine = TreeEngine(engine, TreeShape(r.etmr_roots, r.etmr_forks, r.etmr_branches, r.etmr_rounds,
+                                              r.etmr_budget), r.group_size)
     subscriber = None
     if cfg.mode != "sync":
-        lora = lora_spec(cfg)  # (the trainer publishes adapters: merged into this worker's base, off the swap)
-        loader = AdapterLoader(engine, lora.scale) if lora is not None else None
+        lora = lora_spec(cfg)  # (the trainer publishes adapters: merged into the base engine's model, off the swap)
+        loader = AdapterLoader(base, lora.scale) if lora is not None else None
         subscriber = WeightSubscriber(ctx.weights, engine.load_weights, start_version=0) if loader is None else \
             WeightSubscriber(ctx.weights, loader.load, start_version=0, prepare=loader.prepare)
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
@@ -213,8 +226,9 @@ def build_rollout(ctx: RoleContext) -> Role:
 
 def build_reward(ctx: RoleContext) -> Role:
     cfg = ctx.cfg
-    return RewardRole(ctx.plane, ctx.reward_fn(), ctx.decode, micro=cfg.batch_size, concurrency=cfg.reward.concurrency,
-                      latency_ms=cfg.reward.latency_ms, seed=cfg.seed)
+    return RewardRole(ctx.plane, ctx.train_reward(), ctx.decode, micro=cfg.batch_size,
+                      concurrency=cfg.reward.concurrency, latency_ms=cfg.reward.latency_ms, seed=cfg.seed,
+                      group_size=cfg.rollout.group_size)
 
 
 def build_reference(ctx: RoleContext) -> Role:

@@ -157,7 +157,8 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         progress.start(acc0)
         job.start()
         meter = RunMeter(job.stats, drops=cfg.algorithm.dynamic_sampling, stragglers=cfg.rollout.overprovision > 0,
-                         since=snap[1].get("rollout", {}).get("counters") if snap is not None else None)
+                         since=snap[1].get("rollout", {}).get("counters") if snap is not None else None,
+                         votes=cfg.reward.mode == "majority" or cfg.rollout.etmr)
         meter.steps = start
         _rl_steps(cfg, job, feeder, meter, lambda m: _log_step(m, metric, progress, trackers), evaluate, ckpt, start,
                   evals)

@@ -2,8 +2,10 @@
 
 Every prompt has a stable id, ``q = s * prompts_per_step + i`` (prompt ``i`` of *source*
 partition ``s``); which prompts source partition ``s`` holds depends only on ``(seed, s)``,
-so a run is reproducible whatever the timing. A fresh run puts source partition ``p`` as
-partition ``p`` (step ``p``'s prompts), each row carrying its ``prompt_id``.
+so a run is reproducible whatever the timing. They are drawn from the task's training problems,
+or, in test-time RL (``task.test_time``), from the evaluation problems themselves
+(:attr:`PromptFeeder.pool`). A fresh run puts source partition ``p`` as partition ``p``
+(step ``p``'s prompts), each row carrying its ``prompt_id``.
 
 A resumed run (:meth:`PromptFeeder.resume`) knows which prompt ids the checkpoint had
 trained: it feeds the others, in id order, ``prompts_per_step`` to a partition, from the
@@ -34,7 +36,7 @@ from it with :meth:`resume`, the cursor's partition short by the prompts taken.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -103,13 +105,21 @@ class PromptFeeder:
             if q not in pending:
                 self.settled.setdefault(q, -1)
 
+    @property
+    def pool(self) -> Sequence[Any]:
+        """The problems prompts are drawn from: the task's training problems, or with
+        ``task.test_time`` the evaluation problems themselves (the first ``task.eval_n`` held-out
+        ones, as the evaluation scores them; rewarded without their labels: ``reward.mode=majority``)."""
+        return self.task.heldout[: self.cfg.task.eval_n] if self.cfg.task.test_time else self.task.train
+
     def _source(self, s: int) -> tuple[list, np.ndarray]:
         """Source partition ``s``: its problems and answer lengths, from ``(seed, s)`` only."""
         if s not in self._sources:
             r = self.cfg.rollout
             rng = np.random.default_rng([self.cfg.seed, s])
-            idx = rng.choice(len(self.task.train), self.cfg.train.prompts_per_step, replace=False)
-            probs = [self.task.train[i] for i in idx]
+            pool = self.pool
+            idx = rng.choice(len(pool), self.cfg.train.prompts_per_step, replace=False)
+            probs = [pool[i] for i in idx]
             if r.gen_len == "longtail":
                 long = rng.random(len(probs)) < r.longtail_frac
                 gen_len = np.where(long, r.longtail_long, r.longtail_short)

@@ -7,6 +7,9 @@ How the role calls it depends on its shape:
 * local sync function: inline, one call per sample of the fetched micro-batch;
 * **batched** (``fn.batched``, from ``reward.batched``): inline, ``fn.call_batch(texts)``
   once per fetched micro-batch (up to ``micro`` samples);
+* **grouped** (``fn.grouped``: TTRL's majority vote, ``reward.mode=majority``): the role
+  fetches whole answer groups only (the data plane's ``GroupSampler``: a group is handed out
+  once all ``group_size`` of its rows are in) and calls ``fn.call_batch`` once per group;
 * **async** (``fn.is_async`` or a bare coroutine function) and the emulated remote verifier
   (``latency_ms`` of network time per call): up to ``concurrency`` calls in flight on one
   event-loop thread (:class:`RemoteCalls`), so the role overlaps the waits of many samples;
@@ -39,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncflow.dataplane import QueueTimeout
+from asyncflow.dataplane import GroupSampler, QueueTimeout
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.tasks.base import TaskReward
 from asyncflow.workflow.fields import decode_text
@@ -142,7 +145,8 @@ class RewardRole(Role):
     fn: Any
 
     def __init__(self, plane: DataPlaneClient, reward_fn: RewardFn, decode: Callable[[list[int]], str], micro: int = 64,
-                 concurrency: int = 64, latency_ms: tuple[float, float] | None = None, seed: int = 0):
+                 concurrency: int = 64, latency_ms: tuple[float, float] | None = None, seed: int = 0,
+                 group_size: int | None = None):
         super().__init__()
         self.plane, self.fn, self.decode, self.micro = plane, reward_fn, decode, micro
         self.latency_ms = latency_ms
@@ -155,15 +159,21 @@ class RewardRole(Role):
         self.remote = RemoteCalls() if (latency_ms or self.async_fn) and not self.batched else None
         self.errors = 0
         self.failures: list[str] = []  # the first KEEP_FAILURES failures of the function itself
+        # a group reward (fn.grouped: TTRL's majority vote) is called with whole groups only, fetched whole
+        self.group_size = group_size if getattr(reward_fn, "grouped", False) else None
+        if getattr(reward_fn, "grouped", False) and not group_size:
+            raise ValueError("a grouped reward function (reward.mode=majority) needs the role's group_size")
 
     def poll(self, timeout: float) -> int:
         inflight = self.remote.inflight if self.remote else 0
         room = self.concurrency - inflight if self.remote else self.micro
         fetched = 0
         if room > 0:
-            try:
-                meta, data = self.plane.get_batch("reward", FIELDS, n=min(room, self.micro), partition=None,
-                                               min_n=1, block=not inflight, timeout=timeout)
+            g = self.group_size
+            try:  # (a group reward: whole groups only, each group's rows together, in order)
+                meta, data = self.plane.get_batch("reward", FIELDS, n=max(min(room, self.micro), g or 1),
+                                               partition=None, min_n=g or 1, block=not inflight, timeout=timeout,
+                                               sampler=GroupSampler(g) if g else None)
             except QueueTimeout:
                 meta = None
             if meta is not None and meta.rows:
@@ -172,7 +182,7 @@ class RewardRole(Role):
                               self.decode(data["response_ids"][i].tolist()),
                               decode_text(data["answer"][i])) for i in range(len(meta.rows))]
                     if self.remote is None:
-                        scores = self._call_batch(texts) if self.batched else [self._call(t) for t in texts]
+                        scores = self._score_local(texts)
                         self._put(meta.partition, meta.rows, scores)
                         self.linger(len(meta.rows), self.micro)
                         return len(meta.rows)
@@ -194,6 +204,13 @@ class RewardRole(Role):
         for part, (rows, scores) in by_part.items():
             self._put(part, rows, scores)
         return len(done)
+
+    def _score_local(self, texts: list[tuple]) -> list[float]:
+        """Scores of fetched samples by a local function: per sample, per batch, or per whole group."""
+        g = self.group_size
+        if g:  # the sampler handed out whole groups, each group's rows together: one call per group
+            return [x for k in range(0, len(texts), g) for x in self._call_batch(texts[k:k + g])]
+        return self._call_batch(texts) if self.batched else [self._call(t) for t in texts]
 
     def score_ids(self, prompt_ids: Iterable[int], response_ids: Iterable[int], answer: Iterable[int]) -> float:
         """One local call on token ids (used inline by rollout for dynamic sampling)."""

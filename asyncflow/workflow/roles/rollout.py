@@ -392,7 +392,7 @@ class RolloutRole(Role):
                  swaps=self.weights.swaps if self.weights else 0,
                  weights_rejected=self.weights.rejected if self.weights else 0,
                  discarded=self.discarded, groups_carried=self.placer.carried,
-                 groups_restarted=self.placer.stalls)
+                 groups_restarted=self.placer.stalls, **getattr(self.engine, "stats", dict)())  # (ETMR's tokens)
         if self.scorer is not None:
             s.update(groups_scored=self.groups_scored, reward_errors=self.scorer.errors, **self.scorer.stats())
         if self.drop_flat:
