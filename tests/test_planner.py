@@ -219,12 +219,22 @@ def test_prefill_samples_the_first_token_when_the_workload_says_so():
 
 
 def test_measured_overheads_are_paid_where_each_mode_pays_them():
-    # pieces = (rollout per partition, data latency per group, actor per step)
+    # pieces = (rollout's prompt fetch, data latency of one hop, actor per step)
     cost = ConstantCost(decode=1.0, train_per_row=0.5, step=1.0, reward=0.25, overhead=0.0, pieces=(0.0, 0.5, 0.25))
     # stream, whole-batch micro-batch: the data latency is on the critical path, the actor's
-    # step boundary overlaps the next rollout: 8 s + 0.5 s
-    assert simulate(Workload(**WL), Allocation("stream", micro_prompts=2, slots=4), cost).samples_per_s \
+    # step boundary overlaps the next rollout. Rewards in rollout (the default): 4 s of decoding
+    # + the 4 rewards in the last round (1 s) + one hop (0.5 s) + 2 s training + 1 s step
+    inside = Workload(**WL, reward_in_rollout=True)
+    assert simulate(inside, Allocation("stream", micro_prompts=2, slots=4), cost).samples_per_s \
         == pytest.approx(4 / 8.5)
+    # a reward role of its own (reward.placement=separate): FIFO 4 x 0.25 s after the last round,
+    # then two hops (rollout -> reward -> trainer): 4 + 1 + 1 + 2 + 1
+    assert simulate(Workload(**WL), Allocation("stream", micro_prompts=2, slots=4), cost).samples_per_s \
+        == pytest.approx(4 / 9)
+    # the prompt fetch (a data-plane round trip) is rollout's, once per fetch: + 0.5 s a step
+    fetch = ConstantCost(decode=1.0, train_per_row=0.5, step=1.0, reward=0.25, pieces=(0.5, 0.5, 0.25))
+    assert simulate(inside, Allocation("stream", micro_prompts=2, slots=4), fetch).samples_per_s \
+        == pytest.approx(4 / 9)
     assert simulate(Workload(**WL), Allocation("sync", micro_prompts=2, slots=4), cost).samples_per_s \
         == pytest.approx(4 / 8)  # sync pays step_overhead_s only (0 here)
     # async, actor-bound (4 x 2 s + 1 s): the step boundary adds, the data latency hides
