@@ -60,8 +60,9 @@ from __future__ import annotations
 
 import functools
 from collections import Counter, defaultdict, deque
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -138,7 +139,9 @@ class _Job:
         roles busy when it starts (judged once at its start, a span that began while another
         role was idle escaped all sharing, which favoured big micro-batches). ``span=False``:
         work the real run does outside its roles' spans (a paused evaluation)."""
-        if seconds <= 0:
+        if seconds <= 0:  # (still a section of the role, as a real one that took no time: counted)
+            if span:
+                self.spans.append((role, what, self.env.now, 0.0))
             return
         start, left = self.env.now, seconds
         self.busy_threads[role] = threads
@@ -283,7 +286,7 @@ class _Job:
             self.counts["pass"] += 1
         return total
 
-    def train(self, v: int, first: _Fetch | None) -> Iterator:
+    def train(self, v: int, first: _Fetch | None) -> Generator[Any, Any, _Fetch | None]:
         """stream/async: train step ``v`` (see the module doc); returns the next step's first fetch."""
         wl, a = self.wl, self.a
         P, greedy = wl.prompts_per_step, wl.greedy and a.ranks == 1

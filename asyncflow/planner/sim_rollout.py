@@ -12,6 +12,7 @@ end for ``env_latency_s`` and extends it (a ``prefill`` of its context) when it 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Iterator
@@ -94,8 +95,8 @@ def run(job: _Job, threads: int, only: int | None, rank: int, share: int | None)
         if not s.live:
             _maybe_send(job, s, idle=True)
             if s.fetched >= s.total and not s.waiting and not s.back and not s.away \
-                    and not job.scoring and not s.outbox.groups:
-                return
+                    and not job.scoring and not s.outbox.groups and (s.sync or s.version >= wl.steps):
+                return  # (stream/async: it still swaps in every version, the last one too, as the real one)
             yield job.changed  # idle at the staleness bound (new weights), or rewards / turns in flight
             continue
         yield from _decode(job, s, role, threads)
@@ -149,7 +150,7 @@ def _decode(job: _Job, s: _Loop, role: str, threads: int) -> Iterator:
         elif x.turns_left and x.done >= s.turn_end(x, wl.turns):  # hook: a turn ends, the environment answers
             x.turns_left -= 1
             s.away += 1
-            job.env.at(job.env.now + wl.env_latency_s, lambda x=x: _returns(job, s, x))
+            job.env.at(job.env.now + wl.env_latency_s, functools.partial(_returns, job, s, x))
         else:
             keep.append(x)
     s.live = keep
@@ -169,7 +170,7 @@ def _maybe_send(job: _Job, s: _Loop, idle: bool) -> None:
     if s.sync:
         job.send(box, sync=True)
         return
-    per = {}
+    per: dict[int, int] = {}
     for g in box.groups:
         per[g[0].partition] = per.get(g[0].partition, 0) + 1
     complete = any(job.sent[p] + n >= job.wl.prompts_per_step for p, n in per.items())
