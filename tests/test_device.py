@@ -36,9 +36,9 @@ def test_compute_roles_share_the_gpus_as_they_share_the_cpus():
 
 
 def test_a_vllm_rollout_gets_a_gpu_share_whatever_the_device(monkeypatch):
-    import asyncflow.config
+    import asyncflow.config.rollout
 
-    monkeypatch.setattr(asyncflow.config.schema, "engine_installed", lambda name: True)  # (not installed here)
+    monkeypatch.setattr(asyncflow.config.rollout, "engine_installed", lambda name: True)  # (not installed here)
     assert _gpus(["rollout.engine=vllm"], 1) == {"rollout": 1.0, "actor": 0.0}
     assert _gpus(["rollout.engine=vllm", "resources.device=cuda"], 1) == {"rollout": 0.5, "actor": 0.5}
 

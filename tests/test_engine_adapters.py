@@ -346,7 +346,7 @@ def test_engine_switch_config_errors(monkeypatch):
 
     for name in ("vllm", "sglang"):
         if not config.engine_installed(name):
-            expect = (rf"^config error: rollout: rollout.engine={name} needs the {name} package, which is not "
+            expect = (rf"^config error in the override rollout.engine={name}: rollout: rollout.engine={name} needs the {name} package, which is not "
                       rf"installed: pip install 'asyncflow\[{name}\]'")
             with pytest.raises(ConfigError, match=expect) as e:
                 load_config(None, [f"rollout.engine={name}"])

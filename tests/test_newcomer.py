@@ -85,12 +85,12 @@ def test_dry_run_finds_a_reward_file_that_is_not_there(tmp_path, capsys, monkeyp
 
 @pytest.mark.parametrize("yaml_text, overrides, says", [
     ("train:\n  micro_prompts: 4\n", ["train.prompts_per_step=1"],
-     "in the command line's train.prompts_per_step=1 (with train.micro_prompts from '{f}'): "
+     "in the override train.prompts_per_step=1 (with train.micro_prompts from '{f}'): "
      "train.micro_prompts (4) must be <= train.prompts_per_step (1)"),
     ("train:\n  micro_prompts: 40\n", [], "in '{f}': train.micro_prompts (40) must be <= train.prompts_per_step"),
     ("train:\n  steps: 3\n", ["train.micro_prompts=40"],
-     "in the command line's train.micro_prompts=40 (with train.prompts_per_step's default)"),
-    ("train:\n  steps: 3\n", ["train.steps=-1"], "in the command line's train.steps=-1: train.steps = -1"),
+     "in the override train.micro_prompts=40 (with train.prompts_per_step's default)"),
+    ("train:\n  steps: 3\n", ["train.steps=-1"], "in the override train.steps=-1: train.steps = -1"),
     ("train:\n  steps: [1,\n", [], "'{f}' is not valid YAML: line 3, column 1: expected the node content"),
 ])
 def test_a_config_error_names_where_the_value_came_from(tmp_path, capsys, yaml_text, overrides, says):

@@ -104,7 +104,7 @@ def test_data_parallel_sync_ranks_generate_their_share_and_step_together():
     # (t=4), then 0.5 s + the all-reduce 0.25 s on every rank
     wl = Workload(prompts_per_step=4, group_size=1, prompt_len=0, steps=2, length_seq=[1, 1, 3, 3],
                   reward_in_rollout=True, sorted_passes=True)
-    cost = ConstantCost(decode=1.0, train_per_row=0.5, step=0.5, allreduce=0.25)
+    cost = ConstantCost(decode=1.0, train_per_row=0.5, step=0.5, grad_allreduce=0.25)
     r = simulate(wl, Allocation("sync", micro_prompts=2, slots=8, ranks=2), cost, cores=2)
     assert r.step_end[0] == pytest.approx(4.75)
     assert {"rollout", "actor", "rollout.1", "actor.1"} <= {role for role, *_ in r.spans}

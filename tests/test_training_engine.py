@@ -208,7 +208,7 @@ def test_bf16_generation_logprobs_match_recompute(tok, device):
 def test_engine_config_fields_give_one_line_errors():
     cfg = load_config(None, ["model.dtype=bfloat16", "train.max_tokens_per_micro=512"])
     assert (cfg.model.dtype, cfg.train.max_tokens_per_micro) == ("bfloat16", 512)
-    with pytest.raises(ConfigError, match=r"^config error: model.dtype = 'fp16'.*bfloat16") as e:
+    with pytest.raises(ConfigError, match=r"^config error in the override model.dtype=fp16: model.dtype = 'fp16'.*bfloat16") as e:
         load_config(None, ["model.dtype=fp16"])
     assert "\n" not in str(e.value)
     with pytest.raises(ConfigError, match=r"train.max_tokens_per_micro = 0.*Token budget"):

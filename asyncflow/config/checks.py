@@ -42,3 +42,25 @@ def _check_sync_dp(cfg: RunConfig) -> None:
     if t.dp > t.prompts_per_step:
         raise ValueError(f"mode=sync with train.dp={t.dp}: each rank generates whole prompt groups, so "
                          f"train.prompts_per_step ({t.prompts_per_step}) must be >= train.dp")
+
+
+def check_tp(cfg: RunConfig) -> None:
+    """The checks of a tensor-parallel trainer (``train.tp > 1``)."""
+    t = cfg.train
+    if cfg.launcher == "local":
+        raise ValueError(f"train.tp={t.tp} needs the trainer's ranks as processes (DTensor), but "
+                         "launcher=local runs them as threads: set launcher=ray, or train.tp=1")
+    if cfg.mode == "sync":
+        raise ValueError(f"mode=sync with train.tp={t.tp}: the colocated rollout decodes with the trainer's own "
+                         "model, which tensor parallelism shards; set mode=async (or stream), or train.tp=1")
+    if t.dp > 1 and t.strategy == "fsdp":
+        raise ValueError(f"train.tp={t.tp} with train.strategy=fsdp: the dp x tp mesh replicates over dp "
+                         "(gradients all-reduced); set train.strategy=ddp")
+    m = cfg.model
+    for key, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if not m.path and n % t.tp:  # (a model folder's heads are checked when the trainer loads it)
+            raise ValueError(f"train.tp={t.tp} must divide model.{key} ({n}): each rank computes its share of "
+                             "the attention heads; choose a train.tp that divides it")
+    if cfg.resources.device != "cpu":
+        raise ValueError(f"resources.device={cfg.resources.device} with train.tp={t.tp}: tensor-parallel ranks need "
+                         "a device each, which the worker plan does not assign yet; set resources.device=cpu")

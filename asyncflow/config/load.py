@@ -55,13 +55,25 @@ def _source(e: ValidationError, path: Any, given: dict[str, str], loaded: dict) 
     error names its own key; a cross-field check's message names the keys it compares)."""
     err = e.errors()[0]
     loc = ".".join(str(x) for x in err["loc"])
-    keys = [loc] if err["type"] != "value_error" else re.findall(r"\b[a-z_]+\.[a-z_.]+[a-z_]\b", err["msg"])
+    keys = [loc] if err["type"] != "value_error" else [
+        k for k in re.findall(r"\b[a-z_]+\.[a-z_.]+[a-z_]\b", err["msg"]) if _is_key(k)]  # (not torch.distributed)
     cli = [given[k] for k in dict.fromkeys(keys) if k in given]
     if not cli:
         return f"'{path}'" if path else None
     rest = [k for k in dict.fromkeys(keys) if k not in given and k != loc]
     where = [f"{k} from '{path}'" if _in(loaded, k) else f"{k}'s default" for k in rest]
-    return f"the command line's {', '.join(cli)}" + (f" (with {', '.join(where)})" if where else "")
+    return (f"the override{'s' if len(cli) > 1 else ''} {', '.join(cli)}"
+            + (f" (with {', '.join(where)})" if where else ""))
+
+
+def _is_key(dotted: str) -> bool:
+    """Whether ``dotted`` names a field of the config (``train.steps``), not some other dotted word."""
+    model: Any = RunConfig
+    for k in dotted.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or k not in model.model_fields:
+            return False
+        model = model.model_fields[k].annotation
+    return True
 
 
 def _in(data: dict, dotted: str) -> bool:

@@ -24,6 +24,9 @@ class RolloutConfig(Section):
                                "(transformers' continuous batching with a paged KV cache, any device, mode=stream or "
                                "async), vllm or sglang (optional extras for CUDA machines: pip install "
                                "'asyncflow[vllm]' / '[sglang]').")
+    cuda_graphs: bool = Field(True, description="builtin engine on a CUDA GPU: replay each decode step from a "
+                                                 "CUDA graph (one per batch-size/length bucket, captured on first "
+                                                 "use) instead of launching its kernels one by one; ignored on a CPU.")
     on_swap: Literal["continue", "discard"] = Field(
         "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial "
                                 "rollout), or 'discard' them and restart their whole groups from the prompt.")

@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.algorithm import AlgorithmConfig
 from asyncflow.config.base import ConfigError, Section
-from asyncflow.config.checks import check_dp
+from asyncflow.config.checks import check_dp, check_tp
 from asyncflow.config.model import BUILTIN_TASKS, ModelConfig, TaskConfig
 from asyncflow.config.outputs import EvalConfig, LogConfig
 from asyncflow.config.rollout import RewardConfig, RolloutConfig, engine_installed
@@ -82,6 +82,8 @@ class RunConfig(Section):
                              "is kept or dropped when it finishes): set reward.placement=rollout")
         if self.train.dp > 1:
             check_dp(self)
+        if self.train.tp > 1:
+            check_tp(self)
         if self.resources.device != "cpu" and self.train.dp > 1:
             raise ValueError(f"resources.device={self.resources.device} with train.dp={self.train.dp}: data-parallel "
                              f"trainer ranks run on CPU only so far; set train.dp=1 or resources.device=cpu")

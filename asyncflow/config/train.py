@@ -50,6 +50,14 @@ class TrainConfig(Section):
                                                "rank (gloo); local launcher: one thread per rank. mode=sync: N "
                                                "colocated workers, rank r generating and scoring prompts r, r+N, ... "
                                                "of each step.")
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the trainer (Megatron-style, through "
+                    "torch.distributed.tensor.parallel): each decoder layer's attention heads and MLP units, the "
+                    "embedding and the LM head's vocabulary split over tp processes; with dp > 1 a dp x tp device mesh "
+                    "(dp x tp processes). Needs launcher=ray and mode=stream or async (docs/parallelism.md).")
+    tp_plan: str | None = Field(None, description="train.tp > 1: the tensor-parallel plan for your model's "
+                                "architecture, by import path ('package.module:fn' or 'file.py:fn'): fn(model) "
+                                "returns {module-name pattern: style} (styles: colwise, rowwise, vocab_embedding, "
+                                "vocab_head, replicate, or a torch ParallelStyle). None: the Llama/Qwen2 plan.")
     step_timeout_s: float = Field(
         600.0, gt=0, description="Watchdog: the run stops with one line naming the stuck role when no role makes "
                                  "progress (rows produced, a step done) for this many seconds; also the deadline "

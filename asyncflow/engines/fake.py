@@ -2,8 +2,8 @@
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
 :class:`~asyncflow.workflow.roles.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
-``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, ``generate`` and
-``load_weights``, with the same
+``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, the multi-turn
+``extend`` / ``release`` (``stop_ids``, ``keep``), ``generate`` and ``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
 role code while generation costs microseconds.
 
@@ -17,6 +17,9 @@ Scripted behaviour
 * ``logprob(version, position) -> float``: the recorded log-prob of a token (default
   ``-1.0`` for every token); tests can make it depend on the version to see which weights
   "produced" a token.
+* A request's ``stop_ids`` end its answer at the first scripted token among them (after
+  ``min_new_tokens``); a ``keep`` request's tokens are kept for ``extend``, whose turn is
+  scripted by ``answer`` for a request whose prompt is the whole history.
 * ``load_weights(version, tensors)`` only records the version (and the names it got);
   ``recompute_cache`` counts its calls.
 
@@ -61,6 +64,7 @@ class FakeBatch:
         self.rows: list[_FakeRow] = []
         self.version = engine.version
         self.recomputes = 0
+        self.kept: dict[Any, tuple[Request, list[int]]] = {}  # key -> (request, every token so far)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,13 +90,39 @@ class FakeBatch:
             row.versions.append(self.version)
             limit = row.req.max_new_tokens or self.sampling.max_new_tokens
             eos = tok == self.engine.eos_id
-            if eos or len(row.out) >= min(limit, len(row.answer)):
-                done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs,
-                                       row.version, eos, row.versions))
+            stop = not eos and tok in row.req.stop_ids and len(row.out) > row.req.min_new_tokens
+            if eos or stop or len(row.out) >= min(limit, len(row.answer)):
+                done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs, row.version, eos,
+                                       row.versions, "eos" if eos else "stop" if stop else "length"))
                 ended.add(id(row))
+                if row.req.keep:
+                    self.kept[row.req.key] = (row.req, row.req.prompt_ids + row.out)
         if ended:
             self.rows = [r for r in self.rows if id(r) not in ended]
         return done
+
+    def extend(self, key: Any, append_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[Completion]:
+        """Continue a kept row: a new turn scripted by ``answer`` for a request whose prompt is the
+        whole history plus ``append_ids`` (``MultiTurnBatch``)."""
+        if key not in self.kept:
+            raise KeyError(f"extend: no kept row with key {key!r} (not added with keep=True, released, "
+                           f"or still generating)")
+        old, history = self.kept.pop(key)
+        req = Request(key, history + list(append_ids), max_new_tokens, min_new_tokens, stop_ids=old.stop_ids,
+                      keep=True)
+        return self.add([req])
+
+    def release(self, key: Any) -> None:
+        """Forget a kept row (a live one is not kept when it finishes)."""
+        if key in self.kept:
+            del self.kept[key]
+            return
+        for r in self.rows:
+            if r.req.key == key:
+                r.req = Request(r.req.key, r.req.prompt_ids, r.req.max_new_tokens, r.req.min_new_tokens,
+                                r.req.version, r.req.stop_ids, keep=False)
+                return
+        raise KeyError(f"release: no kept or live row with key {key!r}")
 
     def drop_all(self) -> list[Request]:
         reqs = [r.req for r in self.rows]

@@ -154,6 +154,10 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kw)
     logits = out.logits
     idx = (batch.gather_index() - (L - logits.shape[1])).clamp(min=0)  # into the kept positions
+    if hasattr(logits, "to_local"):  # train.tp: logits sharded by vocabulary (a DTensor), never gathered
+        # lazy: only with train.tp > 1 (torch.distributed.tensor takes seconds to import)
+        from asyncflow.engines.vocab_parallel import sharded_logprobs
+        return sharded_logprobs(logits, idx, batch, temperature, entropy)
     picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     if temperature > 0 and temperature != 1.0:
         picked = picked / temperature
@@ -278,13 +282,17 @@ class TrainEngine:
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
                  dtype: str = "float32", fsdp: bool = False, collective: Collective | None = None,
-                 split_padding: int = 0, rows_per_pass: int | None = None, logprob_chunk_mib: float = 256.0):
+                 split_padding: int = 0, rows_per_pass: int | None = None, logprob_chunk_mib: float = 256.0,
+                 tensor_parallel: Any = None):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
         self.device = model_device(model)  # batches are built there (resources.device)
         self.fsdp, self.collective = fsdp, collective
         if fsdp:
             shard(self.model)
+        if tensor_parallel is not None:  # train.tp: every parameter a DTensor (engines/tensor_parallel.py)
+            tensor_parallel.apply(self.model)
+        self.gathers = fsdp or tensor_parallel is not None  # sharded weights: every rank joins each all-gather
         self.dtype = dtype
         self.max_tokens_per_micro = max_tokens_per_micro
         self.split_padding = 0 if fsdp else split_padding  # FSDP: every rank runs the same passes

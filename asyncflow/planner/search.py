@@ -7,7 +7,8 @@ Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
   and training its share of the step (on 2 cores two one-thread ranks ran the default example
   1.2-2x faster than one two-thread worker: docs/benchmarks.md);
 * ``stream`` / ``async``: one process per role with ``t`` threads each
-  (``resources.threads_per_role``), ``2t <= cpus``: rollout and actor together never ask
+  (``resources.threads_per_role``), ``2t <= cpus`` (``train.tp``: ``(1 + tp) t``, the trainer's
+  ``tp`` ranks kept as the config has them; ``sync`` refuses tp): rollout and actor together never ask
   for more threads than cores (oversubscribed OpenMP teams spin-wait for each other far
   worse than the simulator's proportional sharing: 2 threads per role on 2 cores was
   predicted 1081 samples/s and measured 275), staleness ``k`` in 1 .. 3 for async;
@@ -34,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from asyncflow.config import RunConfig
 from asyncflow.observe.trace import write_gantt, write_sim_trace
@@ -58,6 +60,7 @@ def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, evaluate
     lora = getattr(m, "lora", None)  # hook: LoRA (issue 37) syncs only the adapter's share of the weights
     fraction = float(getattr(lora, "sync_fraction", 1.0)) if lora else 1.0
     n = steps or t.steps
+    layers, hidden = model_dims(cfg) if t.tp > 1 else (0, 0)
     return Workload(prompts_per_step=t.prompts_per_step, group_size=cfg.rollout.group_size,
                     prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
                     steps=n, reward_latency_s=cfg.reward.latency_ms and
@@ -68,7 +71,20 @@ def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, evaluate
                     greedy=cfg.mode != "sync" and t.dp == 1,
                     eval_every=t.eval_every if evaluate else 0, eval_beside=evaluate and evaluates_beside(cfg),
                     save_every=t.save_every, checkpoint_last=n == t.steps and checkpoint_due(cfg, t.steps),
-                    sync_fraction=fraction)
+                    sync_fraction=fraction, layers=layers, hidden=hidden)
+
+
+def model_dims(cfg: RunConfig) -> tuple[int, int]:
+    """(decoder layers, hidden size) of the policy: the built-in model's, or its folder's ``config.json``
+    ((0, 0) when unreadable: the tensor-parallel all-reduces are then not counted)."""
+    if not cfg.model.path:
+        return cfg.model.num_layers, cfg.model.hidden_size
+    try:
+        d = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        d = d.get("text_config", d)
+        return int(d["num_hidden_layers"]), int(d["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0
 
 
 def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
@@ -76,7 +92,7 @@ def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
     r, dp = cfg.resources, cfg.train.dp
     t = (r.sync_threads or max(1, cpus // dp)) if cfg.mode == "sync" else r.threads_per_role
     return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch, ranks=dp,
-                      tp=int(getattr(cfg.train, "tp", 1)))
+                      tp=cfg.train.tp)
 
 
 def predict(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int | None = None,
@@ -105,20 +121,20 @@ def team_limit(cpus: int) -> int:
 
 def candidates(cfg: RunConfig, cpus: int, modes: Sequence[str] = MODES, max_staleness: int = 3,
                max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
-    P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
+    P, slots, G, tp = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size, cfg.train.tp
     micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
     team = max_threads or cpus
     out = []
     for m in micros:
-        if "sync" in modes:  # one colocated worker on t threads, or r data-parallel ranks of t threads each
+        if "sync" in modes and tp == 1:  # one colocated worker on t threads, or r data-parallel ranks (sync refuses tp)
             out += [Allocation("sync", t, t, m, 0, slots, ranks=r) for r in range(1, team + 1) for t in
                     range(1, team // r + 1) if r <= P and (r == 1 or (r <= m * G and cfg.train.strategy == "ddp"))]
-        # two role processes: never more threads than cores
-        for t in range(1, max(1, min(cpus // 2, team)) + 1):
+        # rollout's process and the trainer's tp ranks: never more threads than cores
+        for t in range(1, max(1, min(cpus // (1 + tp), team)) + 1):
             if "stream" in modes:
-                out.append(Allocation("stream", t, t, m, 0, slots))
+                out.append(Allocation("stream", t, t, m, 0, slots, tp=tp))
             if "async" in modes:
-                out += [Allocation("async", t, t, m, k, slots) for k in range(1, max_staleness + 1)]
+                out += [Allocation("async", t, t, m, k, slots, tp=tp) for k in range(1, max_staleness + 1)]
     return out
 
 

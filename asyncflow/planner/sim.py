@@ -34,6 +34,9 @@ compares the two):
   span: optimizer step + weight export (+ the gradient all-reduce of ``ranks``), after which
   ``v + 1`` is published (visible to rollout ``cost.transfer_s`` later). Before each step the
   actor pays the driver's round trip (``actor``, the last of the pipeline overheads);
+* **tensor-parallel trainer** (``Allocation.tp``, ``train.tp``): each pass is split among the
+  ranks and pays its all-reduces (:func:`~asyncflow.planner.costs.tp_pass_s`), the optimizer
+  step is ``1 / tp`` of the parameters a rank, and the actor keeps ``tp x actor_res`` threads busy;
 * **sync** (:meth:`_Job.colocated`): ``ranks`` colocated workers (``train.dp``), each
   generating and scoring its share of the step's prompts (``r, r + N, ...``) on its own
   threads, training its own rows in sorted passes, then all together the step (their
@@ -67,6 +70,7 @@ from typing import Any
 import numpy as np
 
 from asyncflow.planner import extras, sim_rollout
+from asyncflow.planner.costs import tp_pass_s
 from asyncflow.planner.des import Env, Signal
 from asyncflow.planner.sim_rollout import FLUSH_S, Outbox
 from asyncflow.planner.workload import Allocation, CostModel, Hooks, SimResult, Workload
@@ -281,8 +285,7 @@ class _Job:
             part = [mine[i] for i in idx]
             longest = (sum(x.length for x in part) / len(part)) if wl.packed else max(x.length for x in part)
             padded = int(wl.prompt_len + longest)
-            total += self.cost.train_s(len(part), padded, threads) / a.tp + self.cost.tp_comm_s(
-                len(part) * padded, a.tp)
+            total += tp_pass_s(self.cost, self.cost.train_s(len(part), padded, threads), len(part) * padded, a.tp, wl)
             self.counts["pass"] += 1
         return total
 
@@ -307,7 +310,7 @@ class _Job:
             threads = a.actor_res * a.tp * a.ranks
             yield from self.work("actor", "train", self.pass_seconds(rows, a.actor_res, a.ranks), threads)
         yield from self.extras.wait_copy()
-        yield from self.work("actor", "step", self.cost.step_s(a.actor_res) + self.cost.allreduce_s(a.ranks)
+        yield from self.work("actor", "step", self.cost.step_s(a.actor_res) / a.tp + self.cost.grad_allreduce_s(a.ranks)
                              + self.cost.export_s(wl.sync_fraction), a.actor_res * a.tp * a.ranks)
         self.counts["step"] += 1
         return prefetched
@@ -345,7 +348,8 @@ class _Job:
             while self.arrived[v] < a.ranks:  # the gradient all-reduce: every rank's rows in
                 yield self.changed
             yield from self.extras.wait_copy()
-            yield from self.work(actor, "step", self.cost.step_s(t) + self.cost.allreduce_s(a.ranks), t * a.tp)
+            step = self.cost.step_s(t) / a.tp + self.cost.grad_allreduce_s(a.ranks)
+            yield from self.work(actor, "step", step, t * a.tp)
             if rank:
                 while len(self.step_end) <= v:  # the driver queues the next step once every rank returned
                     yield self.changed

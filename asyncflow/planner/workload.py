@@ -5,7 +5,7 @@
   features that are landing (multi-turn episodes, adapter-only weight syncs), each a
   parameter whose default leaves the dataflow as it is;
 * :class:`Allocation`: one candidate configuration (mode, threads, micro-batch, staleness,
-  data-parallel ranks, the tensor-parallel hook);
+  data-parallel ranks, tensor-parallel ranks);
 * :class:`CostModel`: seconds of each unit of work. Every term has a place in the dataflow
   of :mod:`asyncflow.planner.sim` and a source (a profile, an assumption, a test's hand-set
   number); :class:`Hooks` gives the terms that are zero until measured or landed;
@@ -40,8 +40,8 @@ class CostModel(Protocol):
     def reward_s(self, n: int) -> float: ...
     def eval_s(self, res: int) -> float: ...
     def checkpoint_s(self) -> tuple[float, float, float]: ...
-    def allreduce_s(self, ranks: int) -> float: ...
-    def tp_comm_s(self, tokens: int, tp: int) -> float: ...
+    def grad_allreduce_s(self, ranks: int) -> float: ...
+    def allreduce_s(self, nbytes: float, ranks: int) -> float: ...  # train.tp: one all-reduce (costs.tp_pass_s)
 
 
 class Hooks:
@@ -52,9 +52,10 @@ class Hooks:
     * ``checkpoint_s()``: ``(pause, copy, write)`` of one resumable checkpoint: the trainer's
       pause at the step boundary, the host copy of weights and AdamW's state beside the next
       step (whose optimizer step waits for it), the writer's serialisation to disk;
-    * ``allreduce_s(ranks)``: the gradient sum of one step across ``ranks`` data-parallel ranks;
-    * ``tp_comm_s(tokens, tp)``: issue 37 (``train.tp``): the all-reduces of one training pass of
-      ``tokens`` tokens split over ``tp`` ranks (the compute itself is divided by ``tp``).
+    * ``grad_allreduce_s(ranks)``: the gradient sum of one step across ``ranks`` data-parallel ranks.
+
+    (``train.tp``'s all-reduces are every cost model's own ``allreduce_s(nbytes, ranks)``, one
+    ring all-reduce, which :func:`~asyncflow.planner.costs.tp_pass_s` counts per pass.)
     """
 
     def eval_s(self, res: int) -> float:
@@ -63,10 +64,7 @@ class Hooks:
     def checkpoint_s(self) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
 
-    def allreduce_s(self, ranks: int) -> float:
-        return 0.0
-
-    def tp_comm_s(self, tokens: int, tp: int) -> float:
+    def grad_allreduce_s(self, ranks: int) -> float:
         return 0.0
 
 
@@ -106,6 +104,8 @@ class Workload:
     turns: int = 1
     env_latency_s: float = 0.0
     sync_fraction: float = 1.0
+    layers: int = 0  # the model's decoder layers and hidden size: train.tp's all-reduces (0: not counted)
+    hidden: int = 0
 
     @property
     def batch(self) -> int:
@@ -132,7 +132,7 @@ class Allocation:
     staleness: int = 1
     slots: int = 64  # continuous-batching slots of the rollout worker (all instances together)
     ranks: int = 1  # train.dp: sync: colocated workers, each generating its share; else the actor's ranks
-    tp: int = 1  # hook (issue 37, train.tp): tensor-parallel ranks of each trainer rank
+    tp: int = 1  # train.tp: tensor-parallel ranks of each trainer rank, actor_res threads each (costs.tp_pass_s)
 
     @property
     def k(self) -> int:
@@ -140,12 +140,12 @@ class Allocation:
 
     def describe(self) -> str:
         dp = f", {self.ranks} data-parallel ranks" if self.ranks > 1 else ""
-        tp = f", tp {self.tp}" if self.tp > 1 else ""
-        if self.mode == "sync":
-            return f"sync: colocated worker on {self.rollout_res}, micro {self.micro_prompts} prompts{dp}{tp}"
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        if self.mode == "sync":  # (sync refuses train.tp)
+            return f"sync: colocated worker on {self.rollout_res}, micro {self.micro_prompts} prompts{dp}"
         k = f", staleness {self.staleness}" if self.mode == "async" else ""
-        return (f"{self.mode}: rollout {self.rollout_res}, actor {self.actor_res}, "
-                f"micro {self.micro_prompts} prompts{k}{dp}{tp}")
+        return (f"{self.mode}: rollout {self.rollout_res}, actor {self.actor_res}{tp}, "
+                f"micro {self.micro_prompts} prompts{k}{dp}")
 
 
 @dataclass

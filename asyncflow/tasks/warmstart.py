@@ -134,23 +134,21 @@ def sft(
     """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
     The metric is ``spec``'s: by default exact match, or ``task.eval_score`` where the task
-    has one (countdown: any correct expression counts, not only the reference answer).
+    has one (countdown: any correct expression counts).
 
     Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` every
     ``eval_every`` steps (``near_every``: every that many once an evaluation reached half
     the target) and after the last step. Stops at the target, else after ``max_steps``.
     With ``land_every``, an evaluation more than ``land_tol`` past the target rewinds to the
     one before and replays, checking every ``land_every`` steps (``warmstart_landing``).
-    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` is told
-    the model's step (it goes back at a rewind, which ``note`` announces in one line). The
-    model is left in train mode.
+    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` is told the
+    model's step (back at a rewind, which ``note`` announces). The model is left in train mode.
     """
     started = time.perf_counter()
     eval_set = task.heldout[:eval_n]
     measure = _measure(model, tokenizer, task, eval_set, spec)
     batches = epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
-    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress)
-    trainer.note = note
+    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress, note)
     snap = Snapshot.take(model, trainer.optimizer, 0) if land_every else None
     acc, step, overshot = 0.0, 0, None
     while step < max_steps:
@@ -177,14 +175,14 @@ def sft(
 
 
 def _trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, chat: bool, lr: float,
-             warmup_steps: int, progress: ProgressFn | None) -> Trainer:
+             warmup_steps: int, progress: ProgressFn | None, note: Callable[[str], None] | None = None) -> Trainer:
     """AdamW on teacher-forced ``task.train`` (the model is put in train mode)."""
     ids, labels = sft_tensors(tokenizer, task.train, chat)
     ids, labels = ids.to(model.device), labels.to(model.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     return Trainer(model, optimizer, lambda rows: _sft_step(model, optimizer, ids, labels, rows),
-                   lambda step: warmup_lr(lr, step, warmup_steps), progress)
+                   lambda step: warmup_lr(lr, step, warmup_steps), progress, note)
 
 
 def _measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, eval_set: Sequence[Any],

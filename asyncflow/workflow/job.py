@@ -13,8 +13,9 @@ returns rank 0's metrics (data-parallel ``sync``, where each rank trains its own
 checkpoint and publishes weights): the driver's per-step protocol does not change. In
 ``sync`` the ranks are colocated workers (``colocated``, ``colocated.1``, ...) and ``submit(v)``
 queues ``sync_step(v)`` on each. With
-``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
-every rank gather the whole weights into rank 0's full copy (``gather_full``).
+``train.strategy=fsdp`` or ``train.tp > 1`` each rank holds a shard, so ``evaluate`` and ``save`` first have
+every rank gather the whole weights into rank 0's full copy (``gather_full``). With ``train.tp = T`` the
+trainer is ``dp x T`` ranks (:mod:`asyncflow.engines.tensor_parallel`); everything above holds for them.
 
 Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
 :class:`~asyncflow.workflow.evaluator.Evaluator`, an object of the driver's process with either launcher
@@ -317,8 +318,8 @@ class Job:
         return max(0, started - done * self.cfg.train.prompts_per_step) * self.cfg.rollout.group_size
 
     def _gather(self) -> None:
-        """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
-        if len(self.ranks) > 1 and self.cfg.train.strategy == "fsdp":
+        """FSDP, TP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
+        if len(self.ranks) > 1 and (self.cfg.train.strategy == "fsdp" or self.cfg.train.tp > 1):
             self._all([self.launcher.submit(self.workers[n], "gather_full") for n in self.ranks])
 
     def stats(self) -> dict:
