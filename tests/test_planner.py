@@ -381,7 +381,8 @@ def test_tensor_parallel_splits_each_training_pass_and_pays_four_all_reduces_a_l
     train = {tp: {round(d, 9) for role, what, _, d in s if role == "actor" and what == "train"}
              for tp, s in spans.items()}
     assert train == {1: {1.0}, 2: {0.5 + 4 * 3 * 0.01}}  # 2 rows x 0.5 s, halved, + 12 all-reduces of 10 ms
-    steps = {tp: {d for role, what, _, d in s if what == "optimizer step"} for tp, s in spans.items()}
+    # the step span: optimizer step (+ export, seal and publish: 0 here)
+    steps = {tp: {d for role, what, _, d in s if role == "actor" and what == "step"} for tp, s in spans.items()}
     assert steps == {1: {1.0}, 2: {0.5}}
     # the profiled (CPU) model: a ring all-reduce at the assumed gloo link (2 GB/s, 50 us a hop); 1 rank: none
     prof = ProfiledCost.from_dict(PROFILE)
