@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -212,9 +213,11 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     :func:`~asyncflow.planner.calib.overlap_interference`); a ``sync`` run on each multi-thread
     team; and the weight store's latencies (:func:`_transfer`)."""
 
+    root = tempfile.mkdtemp(prefix="asyncflow-profile-run-")  # (removed once the traces are read)
+
     def run_cfg(**kw: Any) -> RunConfig:
         data = cfg.model_dump()
-        data.update(plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"), **kw)
+        data.update(plan="off", progress=False, run_dir=root, **kw)
         # (one process's costs: the simulator adds tp's)
         data["train"].update(steps=steps, eval_every=0, save_every=0, tp=1)
         data["resources"].update(sync_threads=1, threads_per_role=1)
@@ -231,16 +234,18 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
         runs = {name: train(c, launcher=launcher, evaluate=False) for name, c in
                 (("sync", sync), ("stream", stream), ("async", asyn))}
         mt = {t: train(c, launcher=launcher, evaluate=False) for t, c in sync_mt.items()}
+        trace = {name: named_tracks(f"{r['run_dir']}/trace.json") for name, r in runs.items()}
+        mt_trace = {t: named_tracks(f"{r['run_dir']}/trace.json") for t, r in mt.items()}
     finally:
         launcher.shutdown()
-    trace = {name: named_tracks(f"{r['run_dir']}/trace.json") for name, r in runs.items()}
+        shutil.rmtree(root, ignore_errors=True)
     base = {**prof, "pipeline": {"transfer_s": transfer, "publish_s": publish}}
     fit = fit_pipeline(sync, base, trace["sync"], ncpu)
     fit.update(transfer_s=transfer, transfer_bench_s=transfer, publish_s=publish)
     fit.update(stream_pieces(trace["stream"]))  # (transfer_s as a real step sees it, where it could be read)
     # multi-thread teams (sync on t threads): their own factors, from a real colocated run each
-    fit["role_factor_threads"] = {str(t): fit_pipeline(sync_mt[t], base, named_tracks(f"{r['run_dir']}/trace.json"),
-                                                       ncpu)["role_factor"] for t, r in mt.items()}
+    fit["role_factor_threads"] = {str(t): fit_pipeline(sync_mt[t], base, tr, ncpu)["role_factor"]
+                                  for t, tr in mt_trace.items()}
     actor = actor_steps(trace["async"], steps)
     if actor:
         fit["actor_overhead_s"] = max(0.0, float(np.median([x["gap"] for x in actor])))
@@ -342,6 +347,7 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
         prof["fingerprint"] = fingerprint(cfg, ncpu)  # plan=auto reuses the file only for the same machine and job
     finally:
         torch.set_num_threads(1)
+        shutil.rmtree(tmp, ignore_errors=True)  # (the model folder: the runs above made their own)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(prof, indent=1))
