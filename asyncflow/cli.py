@@ -69,10 +69,11 @@ def _planner(args: argparse.Namespace, cfg: RunConfig) -> int:
     from asyncflow.planner.profile import run_profile  # lazy: numpy and the profiler, keeps --help fast
 
     if getattr(args, "check", False):  # the short profile (its own file: the machine's stays) and short runs
-        from asyncflow.planner.check import accuracy, format_accuracy  # lazy: the planner and the API
+        from asyncflow.api import train  # lazy: torch, transformers
+        from asyncflow.planner.check import accuracy, format_accuracy  # lazy: the planner
 
         out = os.path.join(os.path.dirname(args.profile) or ".", "profile-check.json")
-        print(format_accuracy(accuracy(cfg, steps=args.steps, profile_out=out, quick=True,
+        print(format_accuracy(accuracy(cfg, train, steps=args.steps, profile_out=out, quick=True,
                                        log=lambda m: print(m, file=sys.stderr))))
         print(f"(the short profile was written to {out})")
         return 0

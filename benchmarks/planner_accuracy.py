@@ -58,7 +58,9 @@ def main(argv=None) -> int:
 
         extra.append(("plan=auto", apply_plan(mode_config(base, base.mode, args.steps,
                                                           tempfile.mkdtemp(prefix="asyncflow-accuracy-")), best)))
-    report = accuracy(base, args.steps, args.modes.split(","), profile=prof, out=args.out, extra=extra)
+    from asyncflow.api import train
+
+    report = accuracy(base, train, args.steps, args.modes.split(","), profile=prof, out=args.out, extra=extra)
     print("\n" + format_accuracy(report))
     return 0
 

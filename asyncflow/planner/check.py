@@ -85,19 +85,17 @@ def mode_config(base: RunConfig, mode: str, steps: int, run_dir: str) -> RunConf
     return RunConfig.model_validate(data)
 
 
-def accuracy(base: RunConfig, steps: int = 10, modes: Sequence[str] = ("sync", "stream", "async"),
-             profile: str | dict | None = None, out: str | None = None, quick: bool = False,
-             profile_out: str | None = None,
-             train: Callable[..., dict] | None = None, log: Callable[[str], None] = print,
-             extra: Sequence[tuple[str, RunConfig]] = ()) -> dict:
+def accuracy(base: RunConfig, train: Callable[..., dict], steps: int = 10,
+             modes: Sequence[str] = ("sync", "stream", "async"), profile: str | dict | None = None,
+             out: str | None = None, quick: bool = False, profile_out: str | None = None,
+             log: Callable[[str], None] = print, extra: Sequence[tuple[str, RunConfig]] = ()) -> dict:
     """Read ``profile`` if given (a path, or the profile itself), else profile this machine
     (``quick``: the short profile) into ``profile_out``; then train each mode of ``base``
     ``steps`` steps (``evaluate=False``; and each ``(name, config)`` of ``extra``) and compare
-    each with its prediction, term by term."""
-    from asyncflow.api import train as api_train  # (lazy: the API sits above the planner)
+    each with its prediction, term by term. ``train``: :func:`asyncflow.api.train` (passed in by
+    the callers above: the API sits above the planner)."""
     from asyncflow.planner.profile import run_profile, step_seconds  # lazy: torch, only to measure
 
-    train = train or api_train
     cpus = os.cpu_count() or 1
     if isinstance(profile, dict):
         prof = profile
