@@ -74,7 +74,7 @@ def _planner(args: argparse.Namespace, cfg: RunConfig) -> int:
 
         out = os.path.join(os.path.dirname(args.profile) or ".", "profile-check.json")
         print(format_accuracy(accuracy(cfg, train, steps=args.steps, profile_out=out, quick=True,
-                                       log=lambda m: print(m, file=sys.stderr))))
+                                       log=lambda m: print(m, file=sys.stderr), run_root=cfg.run_dir)))
         print(f"(the short profile was written to {out})")
         return 0
     if args.command == "profile" or not os.path.exists(args.profile):

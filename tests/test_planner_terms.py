@@ -88,3 +88,22 @@ def test_data_parallel_sync_ranks_match_the_simulator(tmp_path):
     r, sim = _sim(cfg)
     assert real == sim
     assert {"rollout", "actor", "rollout.1", "actor.1"} <= set(real["tracks"])
+
+
+def test_plan_check_measures_each_mode_beside_its_prediction(tmp_path):
+    # `asyncflow plan --check`'s table (planner.check.accuracy, given a profile: the built-in
+    # default one): one short real run, its prediction for the same config, the error between
+    # them, and the steady step term by term from the real trace and the simulated one
+    from asyncflow.api import train
+    from asyncflow.planner.check import DEFAULT_PROFILE, accuracy, format_accuracy
+
+    cfg = load_config(None, [*TINY, f"run_dir={tmp_path}", "train.save_every=0", "train.eval_every=0"])
+    report = accuracy(cfg, train, steps=4, modes=("stream",), profile=str(DEFAULT_PROFILE), log=lambda m: None,
+                      run_root=str(tmp_path))
+    (row,) = report["rows"]
+    assert row["predicted"] > 0 and row["measured"] > 0
+    assert row["error"] == pytest.approx(row["predicted"] / row["measured"] - 1, rel=1e-9)
+    assert Path(row["run_dir"]).parent == tmp_path
+    assert set(row["terms_real"]) == set(row["terms_sim"]) >= {"step_s", "transfer_s", "data_s"}
+    text = format_accuracy(report)
+    assert "stream" in text and "term" in text and f"{row['error']:+.1%}" in text

@@ -88,11 +88,13 @@ def mode_config(base: RunConfig, mode: str, steps: int, run_dir: str) -> RunConf
 def accuracy(base: RunConfig, train: Callable[..., dict], steps: int = 10,
              modes: Sequence[str] = ("sync", "stream", "async"), profile: str | dict | None = None,
              out: str | None = None, quick: bool = False, profile_out: str | None = None,
-             log: Callable[[str], None] = print, extra: Sequence[tuple[str, RunConfig]] = ()) -> dict:
+             log: Callable[[str], None] = print, extra: Sequence[tuple[str, RunConfig]] = (),
+             run_root: str | None = None) -> dict:
     """Read ``profile`` if given (a path, or the profile itself), else profile this machine
     (``quick``: the short profile) into ``profile_out``; then train each mode of ``base``
     ``steps`` steps (``evaluate=False``; and each ``(name, config)`` of ``extra``) and compare
-    each with its prediction, term by term. ``train``: :func:`asyncflow.api.train` (passed in by
+    each with its prediction, term by term. The runs' folders go under ``run_root`` (default: a
+    new temporary folder; the report names each). ``train``: :func:`asyncflow.api.train` (passed in by
     the callers above: the API sits above the planner)."""
     from asyncflow.planner.profile import run_profile, step_seconds  # lazy: torch, only to measure
 
@@ -103,7 +105,8 @@ def accuracy(base: RunConfig, train: Callable[..., dict], steps: int = 10,
         prof = json.loads(Path(profile).read_text())
     else:
         prof = run_profile(base, out=profile_out, quick=quick)
-    cost, root, rows = ProfiledCost.from_dict(prof), tempfile.mkdtemp(prefix="asyncflow-accuracy-"), []
+    cost, rows = ProfiledCost.from_dict(prof), []
+    root = run_root or tempfile.mkdtemp(prefix="asyncflow-accuracy-")
     runs = [(m, mode_config(base, m, steps, root)) for m in modes] + list(extra)
     for name, cfg in runs:
         pred = predict(cfg, cost, prof, cpus, steps=cfg.train.steps, evaluate=False)
