@@ -16,6 +16,7 @@ from asyncflow.config import RunConfig
 from asyncflow.launch.local import LocalLauncher
 from asyncflow.launch.registry import get_launcher
 from asyncflow.planner.auto import resolve  # light: it imports the profiler's torch only when it profiles
+from asyncflow.planner.check import annotate
 from asyncflow.workflow import driver
 from asyncflow.workflow.checkpoint import check_resume
 from asyncflow.workflow.launcher import Launcher
@@ -41,8 +42,9 @@ def train(cfg: RunConfig, launcher: Launcher | None = None, run_dir: Path | None
         LocalLauncher.check_device(cfg.resources.device)  # before a warm-start, not after it
     owns = launcher is None
     launcher = launcher or get_launcher(cfg.launcher)
-    try:
-        return driver.train(cfg, launcher, run_dir, evaluate, resume=resume is not None)
+    try:  # (the summary gets the planner's prediction for this config beside what the run measured)
+        return driver.train(cfg, launcher, run_dir, evaluate, resume=resume is not None,
+                            annotate=annotate(cfg, launcher.cpus, evaluate))
     finally:
         if owns:
             launcher.shutdown()

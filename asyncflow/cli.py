@@ -58,12 +58,25 @@ def _parser() -> argparse.ArgumentParser:
         q.add_argument("--trace", default=None, help="plan: write a Chrome trace (Perfetto) of the planned run here")
         q.add_argument("--gantt", default=None, help="plan: write a PNG Gantt chart of "
                                                      "the planned run here (needs [plot])")
+        if name == "plan":
+            q.add_argument("--check", action="store_true", help="measure a short profile and a short run of each "
+                           "mode, and print predicted vs measured samples/s (the simulator's drift), term by term")
+            q.add_argument("--steps", type=int, default=10, help="--check: steps of each measured run (default 10)")
     return p
 
 
 def _planner(args: argparse.Namespace, cfg: RunConfig) -> int:
     from asyncflow.planner.profile import run_profile  # lazy: numpy and the profiler, keeps --help fast
 
+    if getattr(args, "check", False):  # the short profile (its own file: the machine's stays) and short runs
+        from asyncflow.api import train  # lazy: torch, transformers
+        from asyncflow.planner.check import accuracy, format_accuracy  # lazy: the planner
+
+        out = os.path.join(os.path.dirname(args.profile) or ".", "profile-check.json")
+        print(format_accuracy(accuracy(cfg, train, steps=args.steps, profile_out=out, quick=True,
+                                       log=lambda m: print(m, file=sys.stderr), run_root=cfg.run_dir)))
+        print(f"(the short profile was written to {out})")
+        return 0
     if args.command == "profile" or not os.path.exists(args.profile):
         run_profile(cfg, out=args.profile, cpus=args.cpus)
     if args.command == "plan":

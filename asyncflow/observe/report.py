@@ -279,7 +279,7 @@ def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None
         "busy": totals["busy"], "on_cpu": totals.get("on_cpu", {}), "busy_cpu_s": totals.get("busy_cpu_s", {}),
         "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
-        "rollout_decode_steps": rollout.get("decode_steps", 0),
+        "rollout_decode_steps": rollout.get("decode_steps", 0), "rollout_swaps": rollout.get("swaps", 0),
         **reward_counts(totals["stats"]), **vote_summary(totals["stats"]),
         "run_dir": str(run_dir), "checkpoint": ckpt, "pinned": totals.get("pinned", {}), **dyn,
         # task.on_bad_row=skip: bad dataset rows skipped, and the first of them (file:line: what is wrong)
@@ -324,6 +324,20 @@ def reward_error_line(s: dict, log: Path | None) -> str | None:
     first = f"; first: {s['reward_first_error']}" if s.get("reward_first_error") else ""
     where = f" (tracebacks of the first few: {log})" if log is not None else ""
     return f"asyncflow: warning: the reward failed on {n}{of} answers, scored as reward.on_error{first}{where}"
+
+
+def planner_line(s: dict) -> str:
+    """The simulator's prediction for the run's own config beside what it measured (the summary's
+    ``planner``, :mod:`asyncflow.planner.check`): a gap says the model has drifted from the code
+    (or the profile from the machine). Empty without one."""
+    p = s.get("planner")
+    if not p:
+        return ""
+    if p.get("predicted_samples_per_s") is None:
+        return f"planner            no prediction ({p.get('error_reason', 'unknown')})\n"
+    err = f"error {p['error']:+.1%}; " if p.get("error") is not None else ""
+    return (f"planner            predicted {p['predicted_samples_per_s']:.1f} samples/s, measured "
+            f"{p['measured_samples_per_s']:.1f} after step 1 ({err}{p['profile']})\n")
 
 
 def format_summary(s: dict) -> str:
@@ -380,6 +394,7 @@ def format_summary(s: dict) -> str:
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "
             f"({s['samples']} samples in {s['wall_s']:.1f} s; "
             f"after step 1: {s['steady_samples_per_s']:.1f} samples/s)\n"
+            + planner_line(s) +
             f"busy fraction      {busy} (after step 1)\n" + oncpu + cores +
             f"staleness          max {s['max_staleness']} (histogram {s['staleness_hist']}), "
             f"dropped {s['dropped_stale']}\n"

@@ -75,6 +75,23 @@ def tracks(trace: str | Path | dict | Iterable[Span]) -> tuple[str, dict[str, li
     return title, out
 
 
+def named_tracks(trace: str | Path | dict | Iterable[Span]) -> dict[str, list[tuple[float, float, str]]]:
+    """{track: [(start s, seconds, event name), ...]} sorted by start: :func:`tracks` with what each
+    span is (a real run names the actor's ``train`` / ``step`` spans, the others by their role)."""
+    data = json.loads(Path(trace).read_text()) if isinstance(trace, (str, Path)) else trace
+    if isinstance(data, dict):
+        names = {e["tid"]: e["args"]["name"] for e in data["traceEvents"]
+                 if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        spans = [(names.get(e["tid"], str(e["tid"])), e["ts"] / 1e6, e["dur"] / 1e6, e.get("name", ""))
+                 for e in data["traceEvents"] if e.get("ph") == "X"]
+    else:
+        spans = [(role, start, dur, name) for role, name, start, dur in data]
+    out: dict[str, list[tuple[float, float, str]]] = {}
+    for role, start, dur, name in sorted(spans, key=lambda s: s[1]):
+        out.setdefault(role, []).append((start, dur, name))
+    return out
+
+
 def _merge(spans: list[tuple[float, float]], gap: float) -> list[tuple[float, float]]:
     """Join spans closer than ``gap`` (below the image's resolution: a real run has 100k)."""
     out: list[list[float]] = []

@@ -63,12 +63,13 @@ def cached_profile(cfg: RunConfig, path: Path, cpus: int | None = None) -> dict 
 
 
 def apply_plan(cfg: RunConfig, alloc: Allocation) -> RunConfig:
-    """``cfg`` with the allocation's mode, staleness, micro-batch and threads, ``plan: off``."""
+    """``cfg`` with the allocation's mode, staleness, micro-batch, data-parallel ranks and threads, ``plan: off``."""
     data = cfg.model_dump()
     data.update(mode=alloc.mode, plan="off")
     if alloc.mode == "async":
         data["staleness"] = alloc.staleness
     data["train"]["micro_prompts"] = alloc.micro_prompts
+    data["train"]["dp"] = alloc.ranks  # (sync: colocated ranks, each generating its share)
     if alloc.mode == "sync":
         data["resources"]["sync_threads"] = alloc.rollout_res
     else:

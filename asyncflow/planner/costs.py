@@ -13,11 +13,16 @@ count, linear fits of
   (``role_factor``, applied on one thread), and the per-step overhead the curves miss
   (driver round trip, data-plane calls across processes, prompt feeding: the step's
   time outside every role), measured step by step (:mod:`asyncflow.planner.calib`); for
-  stream/async the same overhead measured where each role pays it
-  (``pipeline_overheads_s``): the data-plane latency of a finished group on its way to the
-  trainer (``data_latency_s``, from the sync run) and the actor's step boundary
-  (``actor_overhead_s``, from a short async run); the weight store's publish -> staged
-  latency gives ``transfer_s``,
+  stream/async the pieces measured where each role pays them (``pipeline_overheads_s``):
+  rollout's prompt fetch (``fetch_s``) and the rows' put -> get hop to the trainer
+  (``data_latency_s``), both from a short stream run (sync hands its rows over in memory now),
+  and the actor's step boundary (``actor_overhead_s``, from a short async run); the
+  publish -> swap latency of that stream run (else the weight store's, measured through a
+  subscriber) gives ``transfer_s``, and the trainer's seal + publish call (``publish_s``) is
+  part of its export,
+* extras (:class:`~asyncflow.planner.workload.Hooks`): one held-out evaluation per thread
+  count (``eval_s``), a checkpoint's pause, host copy and write (``checkpoint_s``); the
+  data-parallel all-reduce from the weights' bytes (``param_bytes``) at an assumed loopback rate,
 
 and per-role calibration factors (role alone through the real role code over an
 in-process data plane, divided by the curves' prediction: what the curves miss is data-
@@ -47,6 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncflow.planner.workload import Hooks
+
 CPU_LINK = (2.0, 50e-6)  # assumed gloo all-reduce on one host: GB/s, seconds a hop (not measured)
 
 
@@ -71,7 +78,7 @@ def tp_pass_s(cost: Any, compute_s: float, tokens: int, tp: int, wl: Any) -> flo
 
 # ---------------------------------------------------------------------------- profiled
 @dataclass
-class ProfiledCost:
+class ProfiledCost(Hooks):
     curves: dict[int, dict]  # threads -> {"decode": [a, b, c], "prefill": [a, b], "train": [a, b], "step_s": x}
     export_s_: float = 0.0
     load_s: float = 0.0
@@ -79,6 +86,7 @@ class ProfiledCost:
     calibration: dict[int, dict] = field(default_factory=dict)  # threads -> {role: measured / curves}
     interference: float = 1.0
     pipeline: dict = field(default_factory=dict)  # measured in a short real run: step_overhead_s, transfer_s
+    extra: dict = field(default_factory=dict)  # eval_s {threads: s}, checkpoint_s {pause, copy, write}, param_bytes
 
     @classmethod
     def load(cls, path: str | Path) -> ProfiledCost:
@@ -89,7 +97,8 @@ class ProfiledCost:
         return cls(curves={int(k): v for k, v in d["curves"].items()}, export_s_=d["export_s"], load_s=d["load_s"],
                    reward_per_sample_s=d["reward_s_per_sample"],
                    calibration={int(k): v for k, v in d.get("calibration", {}).items()},
-                   interference=d.get("interference", 1.0), pipeline=d.get("pipeline", {}))
+                   interference=d.get("interference", 1.0), pipeline=d.get("pipeline", {}),
+                   extra={k: d[k] for k in ("eval_s", "checkpoint_s", "param_bytes", "allreduce_gbs") if k in d})
 
     @staticmethod
     def _pick(table: dict, res: int) -> Any:
@@ -123,14 +132,32 @@ class ProfiledCost:
     def step_s(self, res: int) -> float:
         return self._c(res)["step_s"]
 
-    def export_s(self) -> float:
-        return self.export_s_
+    def export_s(self, fraction: float = 1.0) -> float:
+        # the trainer's export, then seal (a CRC-32 per tensor) + the store's publish call: all in its step span
+        return (self.export_s_ + self.pipeline.get("publish_s", 0.0)) * fraction
 
-    def swap_s(self, n_live: int, ctx: float, res: int) -> float:
-        return self.load_s + (self.prefill_s(n_live, ctx, res) if n_live else 0.0)
+    def swap_s(self, n_live: int, ctx: float, res: int, fraction: float = 1.0) -> float:
+        return self.load_s * fraction + (self.prefill_s(n_live, ctx, res) if n_live else 0.0)
 
-    def transfer_s(self) -> float:
-        return self.pipeline.get("transfer_s", self.load_s)  # publish -> staged at the subscriber
+    def transfer_s(self, fraction: float = 1.0) -> float:
+        # publish -> staged at the subscriber (measured in a real stream run where it was), all of
+        # it taken to scale with the bytes moved (adapter-only syncs: a fixed part is not split off yet)
+        return self.pipeline.get("transfer_s", self.load_s) * fraction
+
+    def eval_s(self, res: int) -> float:
+        e = self.extra.get("eval_s", {})
+        return float(self._pick({int(t): v for t, v in e.items()}, res)) if e else 0.0
+
+    def checkpoint_s(self) -> tuple[float, float, float]:
+        c = self.extra.get("checkpoint_s", {})
+        return c.get("pause", 0.0), c.get("copy", 0.0), c.get("write", 0.0)
+
+    def grad_allreduce_s(self, ranks: int) -> float:
+        """Gradient sum over ``ranks``: a ring all-reduce of the weights' bytes at the measured rate,
+        ``extra["allreduce_gbs"]``; assumed 1 GB/s over loopback gloo when not measured, plus 1 ms
+        a hop of the ring."""
+        gbs = self.extra.get("allreduce_gbs", 1.0)
+        return ring_allreduce_s(self.extra.get("param_bytes", 0), ranks, gbs, 1e-3)
 
     def reward_s(self, n: int) -> float:
         return self.reward_per_sample_s * n
@@ -144,7 +171,7 @@ class ProfiledCost:
     def pipeline_overheads_s(self) -> tuple[float, float, float]:
         p = self.pipeline
         if "actor_overhead_s" in p:  # measured piece by piece (asyncflow.planner.calib)
-            return 0.0, p.get("data_latency_s", 0.0), p["actor_overhead_s"]
+            return p.get("fetch_s", 0.0), p.get("data_latency_s", 0.0), p["actor_overhead_s"]
         return split_overhead(self.step_overhead_s())  # a profile from before: the sync overhead, split
 
 
@@ -207,7 +234,7 @@ ASSUMPTIONS = {
 
 
 @dataclass
-class AnalyticCost:
+class AnalyticCost(Hooks):
     """Accelerator cost model. ``res`` of a role = its devices; ``tp`` devices per
     rollout instance (an instance's decode round serves ``n / instances`` rows)."""
 
@@ -243,14 +270,14 @@ class AnalyticCost:
         reshard = 2 * self.model.params / (res * self.a["reshard_gbs"] * 1e9) if self.colocated else 0.0
         return opt + reshard
 
-    def export_s(self) -> float:
+    def export_s(self, fraction: float = 1.0) -> float:
         return 0.0  # device -> host copy overlaps the next step (delayed update)
 
-    def swap_s(self, n_live: int, ctx: float, res: int) -> float:
-        return 2 * self.model.params / (self.tp * self.a["h2d_gbs"] * 1e9)  # each instance loads its shard
+    def swap_s(self, n_live: int, ctx: float, res: int, fraction: float = 1.0) -> float:
+        return 2 * self.model.params * fraction / (self.tp * self.a["h2d_gbs"] * 1e9)  # each instance its shard
 
-    def transfer_s(self) -> float:
-        return 2 * self.model.params / (self.a["reshard_gbs"] * 1e9)  # background, not on either critical path
+    def transfer_s(self, fraction: float = 1.0) -> float:
+        return 2 * self.model.params * fraction / (self.a["reshard_gbs"] * 1e9)  # background, off the critical path
 
     def step_overhead_s(self) -> float:
         return self.a["step_overhead_s"]
@@ -266,7 +293,7 @@ class AnalyticCost:
 
 
 @dataclass
-class ConstantCost:
+class ConstantCost(Hooks):
     """Hand-set costs (tests and quick what-ifs): every call costs a fixed number of seconds."""
 
     decode: float = 0.0  # per decode round (any batch size)
@@ -281,6 +308,9 @@ class ConstantCost:
     overhead: float = 0.0
     pieces: tuple[float, float, float] | None = None  # stream/async overheads (rollout, data, actor); None: split
     interference: float = 1.0
+    evaluation: float = 0.0  # one held-out evaluation (any threads)
+    checkpoint: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (pause, copy, write)
+    grad_allreduce: float = 0.0  # per step with more than one data-parallel rank
     allreduce: float = 0.0  # seconds of one all-reduce (train.tp)
 
     def decode_s(self, n: int, ctx: float, res: int) -> float:
@@ -295,14 +325,23 @@ class ConstantCost:
     def step_s(self, res: int) -> float:
         return self.step
 
-    def export_s(self) -> float:
-        return self.export
+    def export_s(self, fraction: float = 1.0) -> float:
+        return self.export * fraction
 
-    def swap_s(self, n_live: int, ctx: float, res: int) -> float:
-        return self.swap
+    def swap_s(self, n_live: int, ctx: float, res: int, fraction: float = 1.0) -> float:
+        return self.swap * fraction
 
-    def transfer_s(self) -> float:
-        return self.transfer
+    def transfer_s(self, fraction: float = 1.0) -> float:
+        return self.transfer * fraction
+
+    def eval_s(self, res: int) -> float:
+        return self.evaluation
+
+    def checkpoint_s(self) -> tuple[float, float, float]:
+        return self.checkpoint
+
+    def grad_allreduce_s(self, ranks: int) -> float:
+        return self.grad_allreduce if ranks > 1 else 0.0
 
     def reward_s(self, n: int) -> float:
         return self.reward * n

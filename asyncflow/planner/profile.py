@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.numpy import save_file
 
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.bench.solo import measure_roles
@@ -50,15 +52,17 @@ from asyncflow.engines.inference import (
 )
 from asyncflow.engines.training import TrainEngine
 from asyncflow.launch.registry import get_launcher
-from asyncflow.observe.trace import tracks
-from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference
+from asyncflow.observe.trace import named_tracks
+from asyncflow.planner.calib import actor_steps, fit_pipeline, overlap_interference, stream_pieces
 from asyncflow.planner.costs import ProfiledCost
 from asyncflow.planner.search import workload_from
 from asyncflow.planner.sim import Allocation, simulate
 from asyncflow.tasks.models import load_model, prepare_model
-from asyncflow.tasks.registry import build_task
+from asyncflow.tasks.registry import build_task, heldout_metric
+from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import seal
 from asyncflow.weights.subscriber import WeightSubscriber
+from asyncflow.workflow.checkpoint import capture_parts, host_all
 from asyncflow.workflow.driver import train
 
 
@@ -163,7 +167,7 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
     runs = [measure_roles(cfg, model_dir, steps, threads, continuous=True) for _ in range(2)]
     measured = {k: min(r[k] for r in runs) for k in runs[0]}
     cost = ProfiledCost.from_dict({**prof, "curves": {threads: curves}, "calibration": {}})
-    wl = workload_from(cfg, prof, steps=steps)
+    wl = workload_from(cfg, prof, steps=steps, evaluate=False)
     r = simulate(wl, Allocation("async", threads, threads, cfg.train.micro_prompts, 10**6, cfg.rollout.max_batch), cost)
     # rollout ran partitions 1..steps-1 continuously; actor trained steps 1..steps-1 (no export: shared model)
     roll = sum(d for role, what, _, d in r.spans if role == "rollout") * (steps - 1) / steps
@@ -173,71 +177,81 @@ def _calibrate(cfg: RunConfig, model_dir: str, curves: dict, prof: dict, threads
             "measured_s": measured, "predicted_s": {"rollout": roll, "actor": actor}}
 
 
-def _transfer(launcher: Any, param_bytes: int, reps: int = 10, warm: int = 3) -> float:
-    """publish -> staged at a :class:`WeightSubscriber` (the path rollout's weights take:
-    the store, the subscriber's copy and checksum check), the median of ``reps`` after
-    ``warm`` rounds. The old measurement, the mean of 5 rounds on a fresh store with no
-    subscriber, included the store actor's start: 56-144 ms, where stream traces show
-    7-13 ms between the actor's publish and rollout's swap."""
+def _transfer(launcher: Any, param_bytes: int, reps: int = 10, warm: int = 3) -> tuple[float, float]:
+    """(publish -> staged, seal + publish): the first at a :class:`WeightSubscriber` (the path
+    rollout's weights take: the store, the subscriber's copy and checksum check), the second
+    what the trainer's ``step`` span pays for it (the CRC-32 of every tensor and the store's
+    call), the medians of ``reps`` after ``warm`` rounds. The old measurement, the mean of 5
+    rounds on a fresh store with no subscriber, included the store actor's start: 56-144 ms,
+    where stream traces show 7-13 ms between the actor's publish and rollout's swap."""
     store = launcher.weight_store()
-    w = seal({"w": np.zeros(max(1, param_bytes // 4), np.float32)})  # same size as the model
+    w = {"w": np.zeros(max(1, param_bytes // 4), np.float32)}  # same size as the model
     sub = WeightSubscriber(store, lambda v, b: None, start_version=0, poll_s=0.5)
-    times = []
+    times, pub = [], []
     try:
         for v in range(1, warm + reps + 1):
             t = time.perf_counter()
-            store.publish(v, w)
+            store.publish(v, seal(w))
+            pub.append(time.perf_counter() - t)
             while sub.staged_version() < v:
                 sub.wait_staged(5.0)
             times.append(time.perf_counter() - t)
             sub.swap_if_ready()
     finally:
         sub.close()
-    return float(np.median(times[warm:]))
+    return float(np.median(times[warm:])), float(np.median(pub[warm:]))
 
 
 def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
-    """Short real runs on the job's launcher: a one-thread ``sync`` run (a one-thread step
-    does not collapse when another process takes a core, as a multi-threaded one can),
-    decomposed by :func:`asyncflow.planner.calib.fit_pipeline`, then an ``async`` run (one
-    thread per role, staleness 2 so the trainer's next rows are always ready) for the
-    actor's step-boundary overhead and the interference between busy roles
-    (:func:`asyncflow.planner.calib.actor_steps`, :func:`~asyncflow.planner.calib.overlap_interference`);
-    and the weight store's publish -> staged latency (:func:`_transfer`)."""
+    """Short real runs on the job's launcher, one thread per role: a ``sync`` run (a one-thread
+    step does not collapse when another process takes a core, as a multi-threaded one can),
+    decomposed by :func:`asyncflow.planner.calib.fit_pipeline`; a ``stream`` run for the chain
+    of a step that sync no longer has (its rows go to its actor in memory): the transfer, the
+    prompt fetch and the rows' hop (:func:`~asyncflow.planner.calib.stream_pieces`); an ``async``
+    run (staleness 2 so the trainer's next rows are always ready) for the actor's step boundary
+    and the interference between busy roles (:func:`~asyncflow.planner.calib.actor_steps`,
+    :func:`~asyncflow.planner.calib.overlap_interference`); a ``sync`` run on each multi-thread
+    team; and the weight store's latencies (:func:`_transfer`)."""
+
+    root = tempfile.mkdtemp(prefix="asyncflow-profile-run-")  # (removed once the traces are read)
 
     def run_cfg(**kw: Any) -> RunConfig:
         data = cfg.model_dump()
-        data.update(plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"), **kw)
-        data["train"].update(steps=steps, eval_every=0, tp=1)  # (one process's costs: the simulator adds tp's)
+        data.update(plan="off", progress=False, run_dir=root, **kw)
+        # (one process's costs: the simulator adds tp's)
+        data["train"].update(steps=steps, eval_every=0, save_every=0, tp=1)
         data["resources"].update(sync_threads=1, threads_per_role=1)
         return RunConfig.model_validate(data)
 
-    sync, asyn = run_cfg(mode="sync"), run_cfg(mode="async", staleness=max(2, cfg.staleness))
+    sync, stream = run_cfg(mode="sync"), run_cfg(mode="stream")
+    asyn = run_cfg(mode="async", staleness=max(2, cfg.staleness))
     teams = [t for t in _thread_counts(ncpu) if t > 1 and str(t) in prof["curves"]]
     sync_mt = {t: RunConfig.model_validate({**sync.model_dump(), "resources": {
         **sync.resources.model_dump(), "sync_threads": t}}) for t in teams}
     launcher = get_launcher(cfg.launcher)
     try:
-        transfer = _transfer(launcher, prof["param_bytes"])
-        s = train(sync, launcher=launcher, evaluate=False)
-        a = train(asyn, launcher=launcher, evaluate=False)
+        transfer, publish = _transfer(launcher, prof["param_bytes"])
+        runs = {name: train(c, launcher=launcher, evaluate=False) for name, c in
+                (("sync", sync), ("stream", stream), ("async", asyn))}
         mt = {t: train(c, launcher=launcher, evaluate=False) for t, c in sync_mt.items()}
+        trace = {name: named_tracks(f"{r['run_dir']}/trace.json") for name, r in runs.items()}
+        mt_trace = {t: named_tracks(f"{r['run_dir']}/trace.json") for t, r in mt.items()}
     finally:
         launcher.shutdown()
-    base = {**prof, "pipeline": {"transfer_s": transfer}}
-    fit = fit_pipeline(sync, base, tracks(f"{s['run_dir']}/trace.json")[1], ncpu)
-    fit["transfer_s"] = transfer
+        shutil.rmtree(root, ignore_errors=True)
+    base = {**prof, "pipeline": {"transfer_s": transfer, "publish_s": publish}}
+    fit = fit_pipeline(sync, base, trace["sync"], ncpu)
+    fit.update(transfer_s=transfer, transfer_bench_s=transfer, publish_s=publish)
+    fit.update(stream_pieces(trace["stream"]))  # (transfer_s as a real step sees it, where it could be read)
     # multi-thread teams (sync on t threads): their own factors, from a real colocated run each
-    fit["role_factor_threads"] = {str(t): fit_pipeline(sync_mt[t], base, tracks(f"{r['run_dir']}/trace.json")[1],
-                                                       ncpu)["role_factor"] for t, r in mt.items()}
-    atracks = tracks(f"{a['run_dir']}/trace.json")[1]
-    actor = actor_steps(atracks, steps)
+    fit["role_factor_threads"] = {str(t): fit_pipeline(sync_mt[t], base, tr, ncpu)["role_factor"]
+                                  for t, tr in mt_trace.items()}
+    actor = actor_steps(trace["async"], steps)
     if actor:
         fit["actor_overhead_s"] = max(0.0, float(np.median([x["gap"] for x in actor])))
-    interference = overlap_interference(atracks, steps)
+    interference = overlap_interference(trace["async"], steps)
     return {**fit, "interference": interference, "launcher": cfg.launcher, "steps": steps,
-            "sync_steady_samples_per_s": s["steady_samples_per_s"],
-            "async_steady_samples_per_s": a["steady_samples_per_s"]}
+            **{f"{n}_steady_samples_per_s": r["steady_samples_per_s"] for n, r in runs.items()}}
 
 
 def step_seconds(run_dir: str) -> list[float]:
@@ -261,6 +275,35 @@ def _costs(model: Any, tok: Any, task: Any, prompts: list[list[int]], cfg: RunCo
         tok.decode(prompts[0], skip_special_tokens=True)
     out["reward_s_per_sample"] = (time.perf_counter() - t) / len(probs)
     return out
+
+
+def _extras(model_dir: str, task: Any, cfg: RunConfig, ncpu: int) -> dict:
+    """What the job does besides rollout and training, on the job's own model: one held-out
+    evaluation (``task.eval_n`` problems, greedy, as the evaluator runs it) on 1 and ``ncpu``
+    threads, and one checkpoint's ``pause`` (the small part at the step boundary:
+    :func:`~asyncflow.workflow.checkpoint.capture_parts`), ``copy`` (the weights and AdamW's state
+    to host memory: ``host_all``) and ``write`` (``state.safetensors`` into a temporary folder)."""
+    model, tok = load_model(model_dir)
+    _, score = heldout_metric(cfg, task)
+    problems = task.heldout[: cfg.task.eval_n]
+    ev = {}
+    for t in sorted({1, ncpu}):
+        torch.set_num_threads(t)
+        ev[str(t)] = _min_time(partial(evaluate, model, tok, problems, 512, task.greedy_eval_tokens, score,
+                                       cfg.task.chat_template), 2)
+    torch.set_num_threads(1)
+    eng = TrainEngine(model, tok.pad_token_id, lr=1e-6)
+    eng.forward_backward([[1, 2, 3]], [[4, 5]], {"logprobs": [np.zeros(2, np.float32)],
+                                                 "advantages": np.ones(1, np.float32)},
+                         Algorithm().loss(1))
+    eng.optimizer_step()  # (AdamW's moments exist from here on, as in a checkpoint of a run)
+    pause = _min_time(lambda: capture_parts(model, eng, None), 3)
+    live, (tensors, _) = capture_parts(model, eng, None)
+    copy = _min_time(lambda: host_all(live), 3)
+    state = {**tensors, **host_all(live)}
+    with tempfile.TemporaryDirectory(prefix="asyncflow-profile-ckpt-") as d:
+        write = _min_time(lambda: save_file(state, f"{d}/state.safetensors"), 3)
+    return {"eval_s": ev, "checkpoint_s": {"pause": pause, "copy": copy, "write": write}}
 
 
 def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, calibrate: bool = True,
@@ -287,6 +330,8 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
         model, tok = load_model(model_dir)  # untouched weights for the length distribution
         prof["lengths"] = {str(k): v for k, v in _lengths(model, tok, prompts, cfg).items()}
         prof.update(_costs(model, tok, task, prompts, cfg))
+        print("[profile] evaluation and checkpoint costs ...", flush=True)
+        prof.update(_extras(model_dir, task, cfg, ncpu))
         if calibrate:
             for t in sorted({1, ncpu}):
                 print(f"[profile] calibration: roles alone through the role code on {t} thread(s) ...", flush=True)
@@ -302,6 +347,7 @@ def run_profile(cfg: RunConfig, out: str | None = None, quick: bool = False, cal
         prof["fingerprint"] = fingerprint(cfg, ncpu)  # plan=auto reuses the file only for the same machine and job
     finally:
         torch.set_num_threads(1)
+        shutil.rmtree(tmp, ignore_errors=True)  # (the model folder: the runs above made their own)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(prof, indent=1))

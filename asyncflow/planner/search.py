@@ -2,7 +2,10 @@
 
 Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
 
-* ``sync``: one colocated worker on ``t`` threads, ``t`` in 1 .. cpus;
+* ``sync``: one colocated worker on ``t`` threads, ``t`` in 1 .. cpus, or ``r`` data-parallel
+  colocated ranks (``train.dp = r``, ddp) of ``t`` threads each, ``r t <= cpus``, each generating
+  and training its share of the step (on 2 cores two one-thread ranks ran the default example
+  1.2-2x faster than one two-thread worker: docs/benchmarks.md);
 * ``stream`` / ``async``: one process per role with ``t`` threads each
   (``resources.threads_per_role``), ``2t <= cpus`` (``train.tp``: ``(1 + tp) t``, the trainer's
   ``tp`` ranks kept as the config has them; ``sync`` refuses tp): rollout and actor together never ask
@@ -22,7 +25,7 @@ actor-bound in both): the simulator does not yet know why, so it does not go the
 simulated on the profiled costs with the roles sharing ``cpus`` cores; the plan is the
 highest simulated samples/s, where candidates within ``TIE`` (3%) of the best count as
 equal (below the simulator's error on this machine) and the simplest of them wins: sync,
-then stream, then the smaller staleness (fresher samples are never worse for learning),
+then stream, then fewer data-parallel ranks, the smaller staleness (fresher samples are never worse for learning),
 fewer threads, the larger micro-batch. The list returned is that plan first, then the
 rest best first.
 """
@@ -38,20 +41,37 @@ from asyncflow.config import RunConfig
 from asyncflow.observe.trace import write_gantt, write_sim_trace
 from asyncflow.planner.costs import ProfiledCost
 from asyncflow.planner.sim import Allocation, CostModel, SimResult, Workload, simulate
+from asyncflow.workflow.checkpoint import checkpoint_due
+from asyncflow.workflow.driver import evaluates_beside
+from asyncflow.workflow.plan import rewards_in_rollout
 
 MODES = ("sync", "stream", "async")
 TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equal
 
 
-def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None) -> Workload:
-    """The simulator's workload for ``cfg``, with lengths and prompt length from a profile."""
-    layers, hidden = model_dims(cfg) if cfg.train.tp > 1 else (0, 0)
-    return Workload(prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.group_size,
+def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, evaluate: bool = True) -> Workload:
+    """The simulator's workload for ``cfg``, with lengths and prompt length from a profile.
+    ``evaluate``: the run evaluates held-out accuracy (``train.eval_every``; a benchmark's
+    ``train(evaluate=False)`` does not). What the workflow decides is asked of it, not repeated:
+    where rewards are scored (:func:`~asyncflow.workflow.plan.rewards_in_rollout`), whether
+    evaluations go beside training (:func:`~asyncflow.workflow.driver.evaluates_beside`), when
+    checkpoints are written (:func:`~asyncflow.workflow.checkpoint.checkpoint_due`)."""
+    t, m = cfg.train, cfg.model
+    lora = getattr(m, "lora", None)  # hook: LoRA (issue 37) syncs only the adapter's share of the weights
+    fraction = float(getattr(lora, "sync_fraction", 1.0)) if lora else 1.0
+    n = steps or t.steps
+    layers, hidden = model_dims(cfg) if t.tp > 1 else (0, 0)
+    return Workload(prompts_per_step=t.prompts_per_step, group_size=cfg.rollout.group_size,
                     prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
-                    steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
+                    steps=n, reward_latency_s=cfg.reward.latency_ms and
                     (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
                     reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True,
-                    layers=layers, hidden=hidden)
+                    reward_in_rollout=rewards_in_rollout(cfg),
+                    sorted_passes=not (t.dp > 1 and t.strategy == "fsdp") and (cfg.mode == "sync" or t.dp == 1),
+                    greedy=cfg.mode != "sync" and t.dp == 1,
+                    eval_every=t.eval_every if evaluate else 0, eval_beside=evaluate and evaluates_beside(cfg),
+                    save_every=t.save_every, checkpoint_last=n == t.steps and checkpoint_due(cfg, t.steps),
+                    sync_fraction=fraction, layers=layers, hidden=hidden)
 
 
 def model_dims(cfg: RunConfig) -> tuple[int, int]:
@@ -69,14 +89,15 @@ def model_dims(cfg: RunConfig) -> tuple[int, int]:
 
 def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
     """The allocation ``cfg`` runs with today (what ``asyncflow train`` would do)."""
-    r = cfg.resources
-    t = (r.sync_threads or cpus) if cfg.mode == "sync" else r.threads_per_role
-    return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch, cfg.train.tp)
+    r, dp = cfg.resources, cfg.train.dp
+    t = (r.sync_threads or max(1, cpus // dp)) if cfg.mode == "sync" else r.threads_per_role
+    return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch, ranks=dp,
+                      tp=cfg.train.tp)
 
 
 def predict(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int | None = None,
-            alloc: Allocation | None = None) -> SimResult:
-    wl = workload_from(cfg, prof, steps=steps)
+            alloc: Allocation | None = None, evaluate: bool = True) -> SimResult:
+    wl = workload_from(cfg, prof, steps=steps, evaluate=evaluate)
     return simulate(wl, alloc or allocation_for(cfg, cpus), cost, cores=cpus)
 
 
@@ -102,16 +123,18 @@ def candidates(cfg: RunConfig, cpus: int, modes: Sequence[str] = MODES, max_stal
                max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
     P, slots, G, tp = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size, cfg.train.tp
     micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
+    team = max_threads or cpus
     out = []
     for m in micros:
-        if "sync" in modes and tp == 1:  # (sync refuses train.tp)
-            out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, (max_threads or cpus) + 1)]
-        # rollout's process and the trainer's tp: never more threads than cores
-        for t in range(1, max(1, min(cpus // (1 + tp), max_threads or cpus)) + 1):
+        if "sync" in modes and tp == 1:  # one colocated worker on t threads, or r data-parallel ranks (sync refuses tp)
+            out += [Allocation("sync", t, t, m, 0, slots, ranks=r) for r in range(1, team + 1) for t in
+                    range(1, team // r + 1) if r <= P and (r == 1 or (r <= m * G and cfg.train.strategy == "ddp"))]
+        # rollout's process and the trainer's tp ranks: never more threads than cores
+        for t in range(1, max(1, min(cpus // (1 + tp), team)) + 1):
             if "stream" in modes:
-                out.append(Allocation("stream", t, t, m, 0, slots, tp))
+                out.append(Allocation("stream", t, t, m, 0, slots, tp=tp))
             if "async" in modes:
-                out += [Allocation("async", t, t, m, k, slots, tp) for k in range(1, max_staleness + 1)]
+                out += [Allocation("async", t, t, m, k, slots, tp=tp) for k in range(1, max_staleness + 1)]
     return out
 
 
@@ -123,7 +146,8 @@ def search(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int = 
     rows = min(profiled_rows(prof), cfg.train.micro_prompts * cfg.rollout.group_size)  # see the module doc
     cands = candidates(cfg, cpus, modes, max_rows=rows, max_threads=max_threads)
     res = [(a, predict(cfg, cost, prof, cpus, steps, a)) for a in cands]
-    simple = lambda ar: (rank[ar[0].mode], ar[0].staleness, ar[0].rollout_res, -ar[0].micro_prompts)  # noqa: E731
+    simple = lambda ar: (rank[ar[0].mode], ar[0].ranks, ar[0].staleness, ar[0].rollout_res,  # noqa: E731
+                         -ar[0].micro_prompts)
     res.sort(key=lambda ar: (-round(ar[1].samples_per_s, 6), *simple(ar)))
     near = [ar for ar in res if ar[1].samples_per_s >= (1 - TIE) * res[0][1].samples_per_s]
     pick = min(near, key=simple)  # within the model's error of the best: the simplest, freshest
@@ -140,6 +164,7 @@ def format_plan(ranked: list[tuple[Allocation, SimResult]], cpus: int,
              f"plan: {best_a.describe()}",
              f"      config: mode={best_a.mode}" + (f" staleness={best_a.staleness}" if best_a.mode == "async" else "")
              + f" train.micro_prompts={best_a.micro_prompts} "
+             + (f"train.dp={best_a.ranks} " if best_a.ranks > 1 else "")
              + (f"resources.sync_threads={best_a.rollout_res}" if best_a.mode == "sync"
                 else f"resources.threads_per_role={best_a.rollout_res}"),
              f"predicted: {best.samples_per_s:.1f} samples/s; idle: "

@@ -73,10 +73,12 @@ def make_run_dir(cfg: RunConfig) -> Path:
 
 
 def write_run_trace(spans: dict, path: Path) -> None:
-    """Chrome trace (Perfetto) of the roles' computing spans, one track per role; and
+    """Chrome trace (Perfetto) of the roles' computing spans, one track per role (an event is
+    named after its role, or what it is where the role says: the actor's ``train`` / ``step``); and
     ``gantt.png`` beside it when matplotlib is installed."""
-    t0 = min((s for v in spans.values() for s, _ in v), default=0.0)
-    write_trace([(role, role, s - t0, d) for role, v in spans.items() for s, d in v], path, "asyncflow run")
+    t0 = min((s for v in spans.values() for s, *_ in v), default=0.0)
+    write_trace([(role, what[0] if what else role, s - t0, d) for role, v in spans.items() for s, d, *what in v],
+                path, "asyncflow run")
     try:  # the same timeline as a PNG, when the [plot] extra is installed
         write_gantt(path, path.with_name("gantt.png"))
     except PlotUnavailable:
@@ -84,10 +86,12 @@ def write_run_trace(spans: dict, path: Path) -> None:
 
 
 def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evaluate: bool = True,
-          resume: bool = False) -> dict:
+          resume: bool = False, annotate: Callable[[dict], dict] | None = None) -> dict:
     """Run one job on ``launcher``; return its summary (also written to ``<run_dir>/summary.json``).
     ``plan: auto`` must be resolved first (:func:`asyncflow.api.train` does, and picks the launcher).
-    ``resume``: continue ``run_dir`` from its latest checkpoint (checked by :func:`asyncflow.api.train`)."""
+    ``resume``: continue ``run_dir`` from its latest checkpoint (checked by :func:`asyncflow.api.train`).
+    ``annotate(summary)``: more entries for the summary, asked once the run is done (the API's: the
+    planner's prediction beside the measurement, :mod:`asyncflow.planner.check`)."""
     if cfg.plan == "auto":
         raise ConfigError("plan=auto is resolved before the driver runs: call asyncflow.api.train, or resolve it "
                           "with asyncflow.planner.auto.resolve")
@@ -102,7 +106,7 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
     while True:
         snap: Snapshot | None = read(latest(run_dir)) if resume else None
         try:
-            return _run(cfg, launcher, run_dir, evaluate, task, metric, snap, history)
+            return _run(cfg, launcher, run_dir, evaluate, task, metric, snap, history, annotate)
         except Exception as e:  # the whole story for the user's one line (asyncflow.cli)
             what = one_line(e)
             write_error_log(run_dir / "error.log", e)
@@ -133,10 +137,10 @@ def check_reward_fn(cfg: RunConfig) -> None:
 
 
 def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task: Task, metric: str,
-         snap: Snapshot | None, history: dict) -> dict:
+         snap: Snapshot | None, history: dict, annotate: Callable[[dict], dict] | None = None) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
     model_dir, init = prepare_model(cfg, run_dir, progress.warmstart, progress.note)  # checks model.path's folder
-    beside = evaluate and _beside(cfg)  # (its evaluator is built beside the before-evaluation)
+    beside = evaluate and evaluates_beside(cfg)  # (its evaluator is built beside the before-evaluation)
     keeper = BestKeeper(run_dir) if cfg.train.keep_best and evaluate else None
     job, trackers = Job(cfg, launcher, model_dir, evaluator=beside, keeper=keeper), Trackers([])
     ckpt = Checkpoints(cfg, job, run_dir)
@@ -175,6 +179,7 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
                    "checkpoint_pause_s": ckpt.pauses, "restarts": history["restarts"],
                    "in_flight_answers": {"continued": history["continued"], "restarted": history["restarted"]},
                    "heldout_evals": evals.summary() if evals is not None else None, "checkpoint_kept": kept}
+        summary.update(annotate(summary) if annotate is not None else {})
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
@@ -225,7 +230,7 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
         fut = submit(v + 1) if pause else nxt
 
 
-def _beside(cfg: RunConfig) -> bool:
+def evaluates_beside(cfg: RunConfig) -> bool:
     """Whether periodic evaluations run beside training (``train.eval_overlap``, not ``sync``: its one
     worker computes on every core in every phase, so it pauses for each)."""
     return cfg.train.eval_overlap and cfg.mode != "sync" and 0 < cfg.train.eval_every < cfg.train.steps

@@ -229,12 +229,12 @@ class ActorRole(Role):
             if self.algorithm.batch_level:
                 pending.append(data)
             else:
-                with self.work():
+                with self.work("train"):  # (span names: the planner's terms, asyncflow.planner.terms)
                     metrics.append(self._accumulate(v, data, self.algorithm.advantages(data)))
             rewards.extend(data["reward"].tolist())
             groups.update(int(g) for g in data["group"])  # (metrics' 'groups': a resume feeds the others)
             lengths.extend(len(r) for r in data["response_ids"])
-        with self.work():
+        with self.work("step"):
             if pending:
                 metrics.extend(self._accumulate_batch(v, pending))
             tokens = self._step_tokens(sum(lengths))

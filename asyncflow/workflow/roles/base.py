@@ -22,7 +22,9 @@ waiting on the data plane or on weights; ``busy_s / wall`` is the role's busy fr
 busy_s`` below 1 is time the role meant to compute but was not on a core (other threads
 and processes ran there).
 Each section is also kept as a span ``(wall-clock start, seconds)`` (the first
-``MAX_SPANS``) for the run's timeline trace.
+``MAX_SPANS``) for the run's timeline trace; a section that says what it is
+(``work("step")``) is kept as ``(start, seconds, what)``, and ``trace.json`` names the event
+so (the planner reads them: :mod:`asyncflow.planner.terms`).
 """
 
 from __future__ import annotations
@@ -47,14 +49,14 @@ class Role:
     busy_cpu_s: float  # CPU seconds this thread got inside them
     items: int  # rows produced
     error: BaseException | None  # the error that stopped run(), if any
-    spans: list[tuple[float, float]]  # (wall-clock start, seconds) of each work() section
+    spans: list[tuple]  # (wall-clock start, seconds[, what]) of each work() section
 
     def __init__(self) -> None:
         self.busy_s = 0.0
         self.busy_cpu_s = 0.0
         self.items = 0  # rows produced
         self.error: BaseException | None = None
-        self.spans: list[tuple[float, float]] = []
+        self.spans: list[tuple] = []
         self._since: float | None = None  # start of the current poll or work section (the watchdog's)
 
     def stuck_s(self) -> float:
@@ -64,7 +66,8 @@ class Role:
         return time.perf_counter() - since if since is not None else 0.0
 
     @contextmanager
-    def work(self) -> Iterator[None]:
+    def work(self, what: str = "") -> Iterator[None]:
+        """A computing section (``what``: its name in the trace, e.g. the actor's ``train`` / ``step``)."""
         t, c = time.perf_counter(), time.thread_time()
         outer = self._since
         self._since = outer if outer is not None else t
@@ -76,7 +79,8 @@ class Role:
             self.busy_s += d
             self.busy_cpu_s += time.thread_time() - c
             if len(self.spans) < MAX_SPANS:
-                self.spans.append((time.time() - d, d))  # wall clock: comparable across processes
+                # wall clock: comparable across processes
+                self.spans.append((time.time() - d, d, what) if what else (time.time() - d, d))
 
     linger_s = 0.02  # after a short batch, let rows accumulate before asking again
 
