@@ -23,7 +23,7 @@ LAYERS = {
     "config": 0,
     "observe": 1, "dataplane": 1, "weights": 1, "algorithms": 1,
     "engines": 2,
-    "tasks": 3,
+    "agents": 3, "tasks": 3,
     "workflow": 4,
     "launch": 5,
     "bench": 6,

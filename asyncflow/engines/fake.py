@@ -1,7 +1,7 @@
 """A deterministic fake inference engine for tests of the other roles (no torch, no model).
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
-:class:`~asyncflow.workflow.roles.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
+:class:`~asyncflow.workflow.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
 ``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, ``generate`` and
 ``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
@@ -19,6 +19,11 @@ Scripted behaviour
   "produced" a token.
 * ``load_weights(version, tensors)`` only records the version (and the names it got);
   ``recompute_cache`` counts its calls.
+* A request's ``stop_ids`` end its answer at the first of them (kept), as EOS does;
+  ``Completion.stop_reason`` says ``eos``, ``stop`` or ``length``.
+* ``FakeEngine(keep=True)``: its batches also have the multi-turn ``extend``/``release``
+  (rows finished with ``Request.keep`` are kept by key; ``extend`` appends ids and scripts the
+  next turn from the whole history); without it they have neither, like the vLLM adapter.
 
 Invariants: the output is a pure function of the requests, the script and the sequence of
 calls (no randomness); ``token_versions`` records the batch version at each token, exactly
@@ -61,6 +66,7 @@ class FakeBatch:
         self.rows: list[_FakeRow] = []
         self.version = engine.version
         self.recomputes = 0
+        self.kept: dict[Any, _FakeRow] = {}  # finished rows with Request.keep, by key (KeepBatch)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -86,10 +92,14 @@ class FakeBatch:
             row.versions.append(self.version)
             limit = row.req.max_new_tokens or self.sampling.max_new_tokens
             eos = tok == self.engine.eos_id
-            if eos or len(row.out) >= min(limit, len(row.answer)):
+            stop = tok in row.req.stop_ids
+            if eos or stop or len(row.out) >= min(limit, len(row.answer)):
+                reason = "eos" if eos else "stop" if stop else "length"
                 done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs,
-                                       row.version, eos, row.versions))
+                                       row.version, eos, row.versions, reason))
                 ended.add(id(row))
+                if row.req.keep:
+                    self.kept[row.req.key] = row
         if ended:
             self.rows = [r for r in self.rows if id(r) not in ended]
         return done
@@ -120,12 +130,30 @@ class FakeBatch:
         return []
 
 
+class FakeKeepBatch(FakeBatch):
+    """A :class:`FakeBatch` with the multi-turn capability (``extend``/``release``)."""
+
+    def extend(self, key: Any, append_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[Completion]:
+        """Continue the kept row ``key``: its history plus ``append_ids`` is the next turn's prompt."""
+        row = self.kept.pop(key)  # (KeyError for an unknown key, as the protocol says)
+        req = Request(key, list(row.req.prompt_ids) + row.out + list(append_ids), max_new_tokens, min_new_tokens,
+                      stop_ids=row.req.stop_ids, keep=row.req.keep)
+        self.extended += 1
+        return self.add([req])
+
+    def release(self, key: Any) -> None:
+        del self.kept[key]
+
+    extended = 0  # extend calls (tests check which path a runner took)
+
+
 class FakeEngine:
     """Drop-in for :class:`~asyncflow.engines.inference.InferenceEngine` in role tests."""
 
     def __init__(self, answer: Callable[[Request, SamplingParams], Sequence[int]] | None = None,
-                 logprob: float | Callable[[int, int], float] = -1.0, eos_id: int = EOS, max_batch: int = 64):
-        self.eos_id, self.max_batch = eos_id, max_batch
+                 logprob: float | Callable[[int, int], float] = -1.0, eos_id: int = EOS, max_batch: int = 64,
+                 keep: bool = False):
+        self.eos_id, self.max_batch, self.keep = eos_id, max_batch, keep
         self.answer = answer or (lambda req, sp: default_answer(req, sp, eos_id))
         self.logprob = logprob if callable(logprob) else (lambda version, pos, _v=float(logprob): _v)
         self.version = 0
@@ -134,7 +162,7 @@ class FakeEngine:
         self.total_slots = 0
 
     def new_batch(self, sampling: SamplingParams) -> FakeBatch:
-        return FakeBatch(self, sampling)
+        return FakeKeepBatch(self, sampling) if self.keep else FakeBatch(self, sampling)
 
     def generate(self, requests: Iterable[Request], sampling: SamplingParams,
                  on_done: Callable[[Completion], None] | None = None) -> list[Completion]:

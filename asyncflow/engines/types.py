@@ -9,6 +9,16 @@ live rows whose request ``which(req)`` is true: over-provisioned stragglers); an
 ``engine.load_weights(version, tensors)``. Completions carry one log-prob and one policy
 version per generated token.
 
+Multi-turn (optional capabilities): ``Request.stop_ids`` end a row at any of those tokens
+besides EOS (the token is kept; ``Completion.stop_reason`` says which of ``eos``, ``stop``,
+``length`` ended it; an engine that ignores them runs on, and the caller cuts the answer at
+the first stop token); a batch with ``extend(key, append_ids, max_new_tokens,
+min_new_tokens=0) -> [Completion]`` continues a finished row kept by ``Request.keep`` (its
+KV cache kept under ``key``): the appended ids are prefilled onto it and the next turn is
+generated (``response_ids``: the new turn's tokens only); ``release(key)`` frees it, and an
+unknown key raises ``KeyError``. Without ``extend`` the caller sends the whole history as a
+new request's ``prompt_ids``.
+
 Implementations (one contract test, ``tests/test_contracts_inference.py``, runs against
 each): the built-in :class:`asyncflow.engines.inference.InferenceEngine`, the test double
 :class:`asyncflow.engines.fake.FakeEngine`, and the adapters
@@ -41,6 +51,8 @@ class Request:
     max_new_tokens: int | None = None  # overrides SamplingParams.max_new_tokens
     min_new_tokens: int = 0
     version: int = 0  # policy version when the request was admitted (filled by the engine)
+    stop_ids: tuple[int, ...] = ()  # token ids that end it besides EOS (the stopping token is kept)
+    keep: bool = False  # keep the finished row's KV cache under ``key`` (for ``batch.extend``)
 
 
 @dataclass
@@ -54,6 +66,7 @@ class Completion:
     version: int  # oldest policy version that produced any of its tokens
     finished_on_eos: bool
     token_versions: list[int] = field(default_factory=list)  # policy version that sampled each token
+    stop_reason: str = ""  # "eos", "stop" (one of the request's stop_ids) or "length"; "" = not told
 
 
 @dataclass

@@ -173,7 +173,7 @@ class RunMeter:
     scored since the previous step. With ``stragglers`` (``rollout.overprovision``) every step
     reports ``groups_carried`` / ``groups_restarted`` since the previous step likewise. A
     resumed run's counters continue the checkpoint's: ``since`` (rollout's counters there, as
-    :func:`~asyncflow.workflow.inflight.capture` saved them) is where its first step counts from.
+    :func:`~asyncflow.workflow.rollout.inflight.capture` saved them) is where its first step counts from.
     """
 
     def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False,
@@ -255,7 +255,7 @@ def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None
         "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "rollout_decode_steps": rollout.get("decode_steps", 0),
-        **reward_counts(totals["stats"]),
+        **reward_counts(totals["stats"]), **episode_counts(totals["stats"]),
         "run_dir": str(run_dir), "checkpoint": ckpt, "pinned": totals.get("pinned", {}), **dyn,
         # task.on_bad_row=skip: bad dataset rows skipped, and the first of them (file:line: what is wrong)
         "skipped_rows": totals.get("skipped_rows", 0), "skipped_first": totals.get("skipped_first"),
@@ -282,6 +282,46 @@ def reward_counts(stats: dict) -> dict:
     # a configured reward.fn: calls, errors by kind (exception/timeout/non_number), named score means
     return {"reward_errors": own + sum(fn.get(k, 0) for k in FN_ERRORS),
             "reward_first_error": first[:200] if first else None, "reward_fn": fn}
+
+
+ENV_ERRORS = ("env_exception", "env_timeout", "env_bad_return", "env_template")
+
+
+def episode_stats(stats: dict) -> dict:
+    """The episode counters of every rollout worker (data-parallel ``sync``: one per rank), summed;
+    their first failures, in rank order."""
+    out: dict = {}
+    for name, s in sorted(stats.items()):
+        if name.split(".")[0] != "rollout" or "episodes" not in s:
+            continue
+        for k in ("episodes", "turns", "env_calls", "turns_cut_at_stop", "env_errors", *ENV_ERRORS):
+            out[k] = out.get(k, 0) + s.get(k, 0)
+        out["env_failures"] = out.get("env_failures", []) + s.get("env_failures", [])
+    return out
+
+
+def episode_counts(stats: dict) -> dict:
+    """Multi-turn runs: ``episodes`` (finished, turns, environment calls, errors by kind) and
+    ``env_errors`` / ``env_first_error`` (one line) beside it; nothing for a single-turn run."""
+    rollout = episode_stats(stats)
+    if not rollout:
+        return {}
+    fails = rollout["env_failures"]
+    first = next((ln.strip() for ln in reversed(fails[0].splitlines()) if ln.strip()), None) if fails else None
+    return {"episodes": {k: rollout.get(k, 0) for k in ("episodes", "turns", "env_calls", "turns_cut_at_stop",
+                                                        *ENV_ERRORS)},
+            "env_errors": rollout.get("env_errors", 0), "env_first_error": first[:200] if first else None}
+
+
+def env_error_line(s: dict, log: Path | None) -> str | None:
+    """One line on the episodes an environment error ended (None when none did)."""
+    n = s.get("env_errors", 0)
+    if not n:
+        return None
+    first = f"; first: {s['env_first_error']}" if s.get("env_first_error") else ""
+    where = f" (tracebacks of the first few: {log})" if log is not None else ""
+    return (f"asyncflow: warning: an environment error ended {n} of {s['episodes']['episodes']} episodes, "
+            f"scored as env.on_error{first}{where}")
 
 
 def reward_failures(stats: dict) -> list[str]:
@@ -311,6 +351,10 @@ def format_summary(s: dict) -> str:
         e = s["heldout_evals"]
         acc += (f"evaluations        {e['done']} beside training ({e.get('skipped', 0)} skipped while one ran, "
                 f"{e.get('late', 0)} late, {e['failed']} failed, {e['abandoned']} unfinished at the end)\n")
+    if s.get("episodes"):  # (multi-turn)
+        e = s["episodes"]
+        acc += (f"episodes           {e['episodes']} ({e['turns']} turns, {e['env_calls']} environment calls), "
+                f"{s['env_errors']} ended by an environment error\n")
     if s.get("skipped_rows"):
         acc += f"bad rows skipped   {s['skipped_rows']} (task.on_bad_row=skip); first: {s['skipped_first']}\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
