@@ -50,9 +50,15 @@ def make():
 '''
 
 AGENT = '''
+import functools
 import json
 
 import openai
+
+
+@functools.cache
+def _openai():
+    return openai.OpenAI(base_url="http://127.0.0.1/v1", api_key="per-episode", max_retries=0)
 
 
 def calc(expr):
@@ -65,7 +71,7 @@ TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Multi
 
 
 def run(sample, base_url, api_key):
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    client = _openai().with_options(base_url=base_url, api_key=api_key)
     messages = [{"role": "user", "content": sample["prompt"]}]
     for _ in range(3):
         msg = client.chat.completions.create(model="policy", messages=messages, tools=TOOLS).choices[0].message

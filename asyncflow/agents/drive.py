@@ -55,16 +55,16 @@ def run_episodes(engine: Engine, sampling: SamplingParams, runner: EpisodeRunner
     pending = deque(enumerate(rows))
     out: list[Trajectory] = []
     while pending or runner.active:
-        while pending and runner.active < engine.max_batch:
+        while pending and runner.active < engine.max_batch:  # (at most a batch of episodes at once)
             i, (key, sample, fallback) = pending.popleft()
             runner.start(key, i, sample, fallback)
         runner.collect()
-        nexts, done, release = runner.take()
+        nexts, done, release = runner.take(engine.max_batch - len(batch))
         out += done
         finished = submit_turns(batch, nexts, release)
         if len(batch):
             finished += batch.step()
-        elif not nexts and not finished and runner.active:
+        elif not nexts and not finished and runner.active and not runner.queued:
             runner.calls.wait(0.05)  # (only environment calls in flight)
         runner.on_turns(finished)
     return out

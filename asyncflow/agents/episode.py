@@ -123,7 +123,7 @@ class EpisodeRunner:
 
     @property
     def active(self) -> int:
-        """Episodes not finished (each holds a batch slot's worth of capacity)."""
+        """Episodes not finished (generating, waiting for a slot, or waiting on their environment)."""
         return len(self.episodes)
 
     # ------------------------------------------------------------------ starting and stepping
@@ -213,10 +213,17 @@ class EpisodeRunner:
             except Exception as e:  # a bad return value, or the template cannot continue the conversation
                 self._fail(ep, e)
 
-    def take(self) -> tuple[list[NextTurn], list[Trajectory], list[Hashable]]:
-        """The turns to generate next, the finished episodes, and kept rows to release; each once."""
-        out = (self._next, self._done, self._release)
-        self._next, self._done, self._release = [], [], []
+    @property
+    def queued(self) -> int:
+        """Turns waiting for a decode slot (:meth:`take` with a ``limit`` leaves them queued)."""
+        return len(self._next)
+
+    def take(self, limit: int | None = None) -> tuple[list[NextTurn], list[Trajectory], list[Hashable]]:
+        """The turns to generate next (at most ``limit``, the oldest first: the rest stay queued), the
+        finished episodes, and kept rows to release; each once."""
+        n = len(self._next) if limit is None else max(0, limit)
+        out = (self._next[:n], self._done, self._release)
+        self._next, self._done, self._release = self._next[n:], [], []
         return out
 
     def _call(self, ep: Episode, fn: Callable[..., Any], arg: Any, what: str) -> None:

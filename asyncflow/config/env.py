@@ -6,6 +6,8 @@ with none of them every answer is one turn, as before.
 
 from __future__ import annotations
 
+import importlib.util
+
 from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.base import Section
@@ -64,6 +66,9 @@ class EnvConfig(Section):
         given = [k for k in ("tools", "fn", "agent") if getattr(self, k)]
         if len(given) > 1:
             raise ValueError(f"{' and '.join(given)} are both set: give one of tools, fn, agent")
+        if self.agent and not all(importlib.util.find_spec(m) for m in ("starlette", "uvicorn")):
+            raise ValueError("agent needs the endpoint's server (starlette, uvicorn), which is not installed: "
+                             "pip install 'asyncflow[agents]'")
         if self.latency_ms is not None and not 0 <= self.latency_ms[0] <= self.latency_ms[1]:
             raise ValueError(f"latency_ms = {list(self.latency_ms)}: expected [lo, hi] with 0 <= lo <= hi")
         return self

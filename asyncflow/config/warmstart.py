@@ -31,8 +31,8 @@ class WarmStartConfig(_Section):
     traces: str | None = Field(None, description="Multi-turn SFT (with env): 'package.module:fn' or "
                                                  "'path/to/file.py:fn', fn(prompt, answer) -> the conversation that "
                                                  "solves a training problem (chat messages with tool calls and tool "
-                                                 "results); SFT trains the assistant's tokens only, and the held-out "
-                                                 "metric runs episodes.")
+                                                 "results, or {messages: ..., tools: ...}); SFT trains the "
+                                                 "assistant's tokens only, and the held-out metric runs episodes.")
 
     @field_validator("traces")
     @classmethod

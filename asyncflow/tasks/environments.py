@@ -112,11 +112,18 @@ def tool_schemas(cfg: RunConfig, tokenizer: PreTrainedTokenizerBase) -> list[dic
 
 
 def trace_tensors(tokenizer: PreTrainedTokenizerBase, problems: Sequence[ProblemLike],
-                  traces: Callable[[str, str], list[dict[str, Any]]],
+                  traces: Callable[[str, str], Any],
                   tools: list[dict[str, Any]] | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded ids of each problem's conversation ``traces(prompt, answer)`` and labels (-100
-    but on the assistant's tokens; :func:`asyncflow.agents.chat.trace_ids`)."""
-    rows = [trace_ids(tokenizer, traces(p.prompt, p.answer), tools) for p in problems]
+    """Right-padded ids of each problem's conversation ``traces(prompt, answer)`` (its messages, or
+    ``{"messages": ..., "tools": ...}`` with the tools it offers: an agent's) and labels (-100 but on
+    the assistant's tokens; :func:`asyncflow.agents.chat.trace_ids`)."""
+    rows = []
+    for p in problems:
+        trace = traces(p.prompt, p.answer)  # the messages, or {"messages": ..., "tools": ...} (an agent's own tools)
+        if isinstance(trace, dict):
+            rows.append(trace_ids(tokenizer, trace["messages"], trace.get("tools", tools)))
+        else:
+            rows.append(trace_ids(tokenizer, trace, tools))
     width = max(len(ids) for ids, _, _ in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
     labels = torch.full((len(rows), width), -100, dtype=torch.long)

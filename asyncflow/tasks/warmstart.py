@@ -130,7 +130,7 @@ def sft(
     spec: EvalSpec = EvalSpec(),
     land_every: int | None = LAND_EVERY,
     land_tol: float = LAND_TOL,
-    data: tuple[torch.Tensor, torch.Tensor] | None = None,
+    data: tuple[torch.Tensor, torch.Tensor] | None = None,  # (ids, labels) instead of task.train's
 ) -> SFTResult:
     """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
@@ -142,8 +142,6 @@ def sft(
     the target) and after the last step. Stops at the target, else after ``max_steps``.
     With ``land_every``, an evaluation more than ``land_tol`` past the target rewinds to the
     one before and replays, checking every ``land_every`` steps (``warmstart_landing``).
-    ``data``: the teacher-forced ``(ids, labels)`` rows to train on instead of the task's
-    prompt + answer (multi-turn traces: :func:`asyncflow.tasks.environments.trace_tensors`).
     ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` counts
     every step run, replayed ones too. The model is left in train mode.
     """

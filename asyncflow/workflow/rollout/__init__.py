@@ -7,7 +7,8 @@
 * :mod:`~asyncflow.workflow.rollout.collect`: :class:`Collector`, finished answers ->
   scored, placed groups -> the data plane;
 * :mod:`~asyncflow.workflow.rollout.inflight`: the state's groups in a checkpoint, and put
-  back on resume.
+  back on resume; :mod:`~asyncflow.workflow.rollout.episodes`: the same for multi-turn episodes
+  (:mod:`asyncflow.agents`) in flight.
 
 Step placement (which training step a finished group fills) is the plain arithmetic of
 :class:`~asyncflow.workflow.placement.GroupPlacer`, held in the state.

@@ -60,6 +60,15 @@ the batch and go on in the next phase.
 prompts tagged ``shard = r`` (``prompts_per_step`` is then its share) and tags its rows so,
 for the rank's reference role.
 
+**Multi-turn** (``episodes``: an :class:`~asyncflow.agents.episode.EpisodeRunner`, ``env`` configured): an
+answer is an episode of turns and environment steps. A started group's requests become episodes
+(their environments reset off the loop); every finished turn goes to its episode, whose environment
+answers off the loop; the next turns (new requests with the whole history, or ``extend`` of kept rows)
+go into the batch at the next poll, before new groups (an episode waiting on its environment holds no
+slot), and a finished episode comes back as one scored :class:`~asyncflow.agents.episode.Trajectory`
+with its loss mask, placed like any answer. With nothing to decode, rollout sleeps until an
+environment call comes back or new weights are staged.
+
 **In-memory hand-off** (``local``, set by the worker: ``sync`` where rollout writes every field
 the actor of its own worker reads, i.e. rewards in rollout, no reference, no critic): a step's
 rows go to ``local[partition]`` instead of the data plane, and that actor takes them from there
@@ -250,7 +259,7 @@ class RolloutRole(Role):
         runner = self.episodes
         assert runner is not None
         runner.collect()
-        nexts, trajectories, release = runner.take()
+        nexts, trajectories, release = runner.take(self.engine.max_batch - len(self.batch))
         if trajectories:
             self.collector.collect(trajectories)
         if nexts or release:
@@ -269,7 +278,8 @@ class RolloutRole(Role):
         """Start waiting prompt groups in free slots (restarted groups first); fetch the next
         prompts when none wait."""
         s = self.state
-        busy = len(self.batch) if self.episodes is None else self.episodes.active  # (an episode holds its slot)
+        # (multi-turn: episodes waiting on their environment hold no slot; turns waiting for one go first)
+        busy = len(self.batch) + (self.episodes.queued if self.episodes is not None else 0)
         free_groups = (self.engine.max_batch - busy) // self.group_size
         if free_groups <= 0:
             return
