@@ -189,11 +189,14 @@ def forget_trained(state: RolloutState, version: int) -> None:
 
 
 def _arrays(j: int, p: Partial) -> dict[str, np.ndarray]:
-    return {f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
-            f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
-            f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
-            f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
-            f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
+    out = {f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
+           f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
+           f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
+           f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
+           f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
+    if len(p.req.key) > 2:  # (multi-turn: the prompt's text, an environment's reset reads it)
+        out[f"{PREFIX}{j}/text"] = np.asarray(p.req.key[2], dtype=np.uint8)
+    return out
 
 
 # (finished, the answer, finished on EOS, its reward if placed, a multi-turn sample's episode: loss mask...)
@@ -207,7 +210,9 @@ def saved_groups(tensors: dict[str, np.ndarray], meta: dict[str, Any]
     out: dict[int, tuple[int | None, list[Saved], dict[str, Any]]] = {}
     for j, r in enumerate(meta.get("answers", [])):
         t = {k: tensors[f"{PREFIX}{j}/{k}"] for k in ("prompt", "response", "logprobs", "versions", "answer")}
-        req = Request((r["group"], t["answer"].copy()), t["prompt"].tolist(), r["max_new"], r["min_new"], r["version"])
+        text = (tensors[f"{PREFIX}{j}/text"].copy(),) if f"{PREFIX}{j}/text" in tensors else ()
+        req = Request((r["group"], t["answer"].copy(), *text), t["prompt"].tolist(), r["max_new"], r["min_new"],
+                      r["version"])
         part = out.setdefault(r["group"], (r.get("placed"), [], r))
         extra = None
         if "episode" in r:  # (a multi-turn sample: its loss mask and how its episode went)
