@@ -17,6 +17,7 @@ import sys
 import traceback
 
 from asyncflow.config import ConfigError, RunConfig, dump_config, load_config
+from asyncflow.config.files import check_files
 from asyncflow.workflow.failure import LOG, one_line  # light: no torch
 
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 cfg, text = resolve(cfg, log=lambda m: print(m, file=sys.stderr))
                 print("# plan=auto\n" + "\n".join(f"# {line}".rstrip() for line in text.splitlines()), flush=True)
+            check_files(cfg)  # light: a reward.fn file or data path that is not there, even with --dry-run
             if args.dry_run:
                 print(dump_config(cfg), end="")
                 return 0

@@ -1,12 +1,45 @@
-"""Test-wide settings: never touch the network, keep output readable."""
+"""Test-wide settings: never touch the network, keep output readable, leave nothing behind.
 
+The suite runs with ``HOME`` (and the XDG cache folder) pointed at a folder of its own, removed
+at the end: the warm-start cache (``~/.cache/asyncflow``), Ray's and matplotlib's files land
+there, never in the user's home; tests that share the default warm-start still share it within
+the run. At the end, any new ``/tmp/asyncflow*`` entry, new ``/dev/shm/afdp-*`` segment or
+new entry in the real ``~/.cache`` fails the run, naming them.
+"""
+
+import glob
 import os
+import pathlib
+import shutil
+import tempfile
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model or dataset downloads, ever
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+_REAL_CACHE = pathlib.Path(os.path.expanduser("~/.cache"))
+_WATCHED = ("/tmp/asyncflow*", "/dev/shm/afdp-*")
+
+
+def _present() -> set[str]:
+    found = {p for pattern in _WATCHED for p in glob.glob(pattern)}
+    return found | ({str(p) for p in _REAL_CACHE.iterdir()} if _REAL_CACHE.is_dir() else set())
+
+
+_BEFORE = _present()
+_HOME = tempfile.mkdtemp(prefix="asyncflow-test-home-")  # (under /tmp: excluded from the check, removed below)
+os.environ["HOME"] = _HOME
+os.environ["XDG_CACHE_HOME"] = os.path.join(_HOME, ".cache")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_HOME, ignore_errors=True)
+    left = sorted(_present() - _BEFORE - {_HOME})
+    if left and os.environ.get("ASYNCFLOW_ALLOW_LEFTOVERS") != "1":  # (a machine shared with other jobs)
+        print(f"\nthe test run left files behind (tests must write under tmp_path only): {left}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

@@ -59,9 +59,9 @@ def ping_unit(unit: str, creds: Credentials, wait_s: float) -> bool:
 def bulk_pings(unit: str, creds: Credentials, wait_s: float) -> dict:
     """The unit's sealed bulk port, asked for over CURVE with the job's keys: a ping sealed
     under the session is answered; one under a random key (the real session id) or a
-    random session is not."""
+    random session is not (the random session gets only a notice naming its id)."""
     from asyncflow.dataplane.transport.protocol import unpack_header  # reason: test helper, keep imports short
-    from asyncflow.dataplane.transport.sealed import TO_SERVER, Session
+    from asyncflow.dataplane.transport.sealed import TO_SERVER, Session, notice_of
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -79,7 +79,9 @@ def bulk_pings(unit: str, creds: Credentials, wait_s: float) -> dict:
             bulk.linger = 0
             bulk.connect(host + ":" + got["endpoint"].rsplit(":", 1)[1])
             bulk.send_multipart(Session(sid, key, TO_SERVER).seal(pack_header({"op": "ping", "id": 1}), [], bytearray))
-            out[name] = bool(bulk.poll(int(wait_s * 1000)))
+            reply = bulk.recv_multipart() if bulk.poll(int(wait_s * 1000)) else None
+            out[name] = reply is not None and notice_of(reply) is None  # answered (a notice names an unknown id)
+            out[name + "_notice"] = reply is not None and notice_of(reply) == sid
     ctx.destroy(linger=0)
     return out
 

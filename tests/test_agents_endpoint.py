@@ -15,8 +15,8 @@ import json
 import httpx
 import openai
 import pytest
-
 from agents_helpers import calc, calc_engine, tool_tokenizer
+
 from asyncflow.agents import EpisodeRunner, Limits
 from asyncflow.agents.agent_env import agent_factory
 from asyncflow.agents.calls import EnvCalls

@@ -10,10 +10,10 @@ raises, hangs or breaks the contract ends its episode, counted, never the runner
 from __future__ import annotations
 
 import pytest
+from agents_helpers import AsyncEcho, Echo, calc, calc_engine, exact, tool_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents_helpers import AsyncEcho, Echo, calc, calc_engine, exact, tool_tokenizer
 from asyncflow.agents import EpisodeRunner, Limits, StepResult, ToolEnv
 from asyncflow.agents.calls import EnvCalls
 from asyncflow.agents.chat import tokens

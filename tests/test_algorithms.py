@@ -35,7 +35,7 @@ PAD = 7.0
 def _check_rows(got, want_per_seq, lens=LENS):
     assert [len(g) for g in got] == lens
     for g, w, n in zip(got, want_per_seq, lens):
-        np.testing.assert_allclose(g, np.full(n, w) if np.ndim(w) == 0 else w, atol=1e-5)
+        np.testing.assert_allclose(g, np.full(n, w) if np.ndim(w) == 0 else w, atol=1e-5, rtol=1e-5)
 
 
 def _batch(lens):
@@ -141,7 +141,7 @@ VALS = [[1.0, 2.0], [3.0], [4.0, 5.0, 6.0]]  # lengths 2, 1, 3; padding PAD
 def test_aggregation_modes_hand_computed(mode, expected):
     b = _batch([2, 1, 3])
     v = _tensor(VALS, 3)
-    assert aggregate(v, b.mask, mode, total_seqs=3, total_tokens=6).item() == pytest.approx(expected, abs=1e-6)
+    assert aggregate(v, b.mask, mode, total_seqs=3, total_tokens=6).item() == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
@@ -150,7 +150,7 @@ def test_aggregation_is_additive_over_micro_batches(mode):
     whole = aggregate(_tensor(VALS, 3), _batch([2, 1, 3]).mask, mode, 3, 6)
     parts = (aggregate(_tensor(VALS[:2], 2), _batch([2, 1]).mask, mode, 3, 6)
              + aggregate(_tensor(VALS[2:], 3), _batch([3]).mask, mode, 3, 6))
-    assert parts.item() == pytest.approx(whole.item(), abs=1e-6)
+    assert parts.item() == pytest.approx(whole.item(), rel=1e-5, abs=1e-6)
 
 
 def test_token_mean_without_total_is_a_token_sum():
@@ -198,7 +198,7 @@ def test_policy_loss_clip_higher_and_dual_clip_metrics_with_padding():
     logp = _tensor([[math.log(1.25), math.log(1.5)], [math.log(5.0)]], 2, grad=True)
     loss, m = PolicyLoss(total_seqs=2, clip_low=0.2, clip_high=0.28, dual_clip=3.0)(
         logp, b, {"logprobs": old, "advantages": np.array([1.0, -1.0])})
-    assert loss.item() == pytest.approx(0.8675, abs=1e-5)
+    assert loss.item() == pytest.approx(0.8675, rel=1e-5, abs=1e-5)
     assert m["clip_frac_high"] == pytest.approx(1 / 3) and m["clip_frac_low"] == 0.0
     assert m["dual_clip_frac"] == pytest.approx(1 / 3)
     assert m["ratio_max"] == pytest.approx(5.0, rel=1e-5) and m["ratio_min"] == pytest.approx(1.25, rel=1e-5)
@@ -216,10 +216,10 @@ def test_gspo_sequence_ratio_and_gradient():
     logp = _tensor([[-0.8, -1.1], [-1.7]], 2, grad=True)
     loss, m = PolicyLoss(total_seqs=2, ratio_level="sequence")(logp, b, {"logprobs": old, "advantages": np.array([1.0, 1.0])})
     s = math.exp(0.05)
-    assert loss.item() == pytest.approx((-s - 1.2) / 2, abs=1e-6)
+    assert loss.item() == pytest.approx((-s - 1.2) / 2, rel=1e-5, abs=1e-6)
     assert m["clip_frac_high"] == pytest.approx(1 / 3)
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[-s / 4, -s / 4], [0.0, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-s / 4, -s / 4], [0.0, 0.0]]), atol=1e-6, rtol=1e-5)
 
 
 def test_per_token_advantage_rows_and_loss_aggregations():
@@ -230,7 +230,7 @@ def test_per_token_advantage_rows_and_loss_aggregations():
     ex = {"logprobs": old, "advantages": [np.array([1.0, 3.0]), np.array([2.0])]}
     for agg, want in [("token-mean", -2.0), ("seq-mean-token-mean", -2.0), ("seq-mean-token-sum", -3.0)]:
         loss, _ = PolicyLoss(total_seqs=2, total_tokens=3, loss_agg=agg)(_tensor([[-1, -1], [-1]], 2), b, ex)
-        assert loss.item() == pytest.approx(want, abs=1e-6), agg
+        assert loss.item() == pytest.approx(want, rel=1e-5, abs=1e-6), agg
 
 
 # --------------------------------------------------------------------------- KL estimators
@@ -243,9 +243,9 @@ def test_kl_estimators_hand_computed_numpy_and_torch():
     lp, ref = np.array([-1.0, -2.0]), np.array([-1.5, -1.0])
     want = {"k1": [0.5, -1.0], "k2": [0.125, 0.5], "k3": [math.exp(-0.5) - 0.5, math.e - 2]}
     for name, w in want.items():
-        np.testing.assert_allclose(kl_estimate(name, lp, ref), w, atol=1e-7)
+        np.testing.assert_allclose(kl_estimate(name, lp, ref), w, atol=1e-7, rtol=1e-5)
         t = kl_estimate(name, torch.tensor(lp), torch.tensor(ref))
-        np.testing.assert_allclose(t.numpy(), w, atol=1e-7)
+        np.testing.assert_allclose(t.numpy(), w, atol=1e-7, rtol=1e-5)
     with pytest.raises(ValueError, match="k3"):
         kl_estimate("k4", lp, ref)
 
@@ -266,10 +266,10 @@ def test_kl_loss_term_with_padding(est, per_tok, grad, grad1):
     ex = {"logprobs": [np.array([-1.0, -2.0]), np.array([-1.0])], "advantages": np.zeros(2),
           "ref_logprobs": [np.array([-1.5, -1.0]), np.array([-1.0])]}
     loss, m = PolicyLoss(total_seqs=2, kl_coef=0.5, kl_estimator=est)(logp, b, ex)
-    assert loss.item() == pytest.approx(0.5 * sum(per_tok) / 4, abs=1e-6)
-    assert m["kl"] == pytest.approx(sum(per_tok) / 3, abs=1e-6)
+    assert loss.item() == pytest.approx(0.5 * sum(per_tok) / 4, rel=1e-5, abs=1e-6)
+    assert m["kl"] == pytest.approx(sum(per_tok) / 3, rel=1e-5, abs=1e-6)
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[g / 8 for g in grad], [grad1 / 4, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp.grad, torch.tensor([[g / 8 for g in grad], [grad1 / 4, 0.0]]), atol=1e-6, rtol=1e-5)
 
 
 def test_kl_in_reward_replaces_the_loss_term():
@@ -331,11 +331,11 @@ def test_decoupled_ppo_loss_and_gradient():
     logp = _tensor(LOGP, 2, grad=True)
     loss, m = PolicyLoss(total_seqs=2, correction=Correction("decoupled", cap=2.0))(
         logp, b, {"logprobs": BEHAV, "advantages": np.array([1.0, 2.0])})
-    assert loss.item() == pytest.approx(-1.5625, abs=1e-6)
+    assert loss.item() == pytest.approx(-1.5625, rel=1e-5, abs=1e-6)
     assert m["masked_frac"] == pytest.approx(1 / 3) and m["clip_frac"] == 0.0
     assert m["ratio_max"] == pytest.approx(3.0, rel=1e-5) and m["ratio_min"] == pytest.approx(0.25, rel=1e-5)
     loss.backward()
-    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.0625], [-1.5, 0.0]]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, -0.0625], [-1.5, 0.0]]), atol=1e-6, rtol=1e-5)
 
 
 def test_explicit_proximal_logprobs_clip_the_update_ratio():
@@ -344,7 +344,7 @@ def test_explicit_proximal_logprobs_clip_the_update_ratio():
     logp = _tensor([[math.log(1.5)]], 1, grad=True)
     loss, m = PolicyLoss(total_seqs=1, correction=Correction("tis", cap=2.0))(
         logp, b, {"logprobs": [np.zeros(1)], "prox_logprobs": [np.zeros(1)], "advantages": np.array([1.0])})
-    assert loss.item() == pytest.approx(-1.2, abs=1e-6) and m["clip_frac_high"] == 1.0
+    assert loss.item() == pytest.approx(-1.2, rel=1e-5, abs=1e-6) and m["clip_frac_high"] == 1.0
 
 
 # --------------------------------------------------------------------------- engine: token-mean accumulation

@@ -11,8 +11,8 @@ final answer in the loss, the tool's result not, reward 1 for the right product.
 from __future__ import annotations
 
 import pytest
-
 from agents_helpers import calc_engine, tool_tokenizer
+
 from asyncflow.agents import Environment, EpisodeRunner, Limits
 from asyncflow.agents.calls import EnvCalls
 from asyncflow.agents.drive import run_episodes
@@ -127,6 +127,7 @@ def test_every_implementation_makes_the_same_samples(make_env):
         i = t.key[0]
         q, r = f"{12 + i}*34", str((12 + i) * 34)
         assert TOK.decode(t.prompt_ids) == f"<bos>calc:{q}="
-        assert TOK.decode(t.response_ids) == f"<tool_call>calc({q})</tool_call><tool_response>{r}</tool_response>{r}<eos>"
+        call, obs = f"<tool_call>calc({q})</tool_call>", f"<tool_response>{r}</tool_response>"
+        assert TOK.decode(t.response_ids) == f"{call}{obs}{r}<eos>"
         masked = TOK.decode([x for x, m in zip(t.response_ids, t.loss_mask) if not m])
         assert masked == f"<tool_response>{r}</tool_response>" and (t.reward, t.turns, t.end) == (1.0, 2, "done")

@@ -1,12 +1,18 @@
 """Contract of the inference engine protocol (:class:`asyncflow.engines.types.Engine` and
 :class:`~asyncflow.engines.types.EngineBatch`), run against every engine.
 
+The multi-turn capability (:class:`~asyncflow.engines.types.MultiTurnBatch`: ``stop_ids``,
+``keep``, ``extend``, ``release``) is checked on the engines that offer it.
+
 ``ENGINES`` lists the implementations (adding one is one line): the built-in engine on the
-tiny model, the deterministic ``FakeEngine``, the adapters' shared ``StepEngine`` over a
-scripted backend (the pure-Python half of the vLLM and SGLang adapters, with the engine
-faked at its edge), and the real vLLM and SGLang engines, which need their package and a
-CUDA GPU and skip cleanly otherwise. Each case gives an engine and a weight set its
-``load_weights`` accepts.
+tiny model, transformers' continuous batching (``hf_paged``) on it, the deterministic
+``FakeEngine``, the adapters' shared ``StepEngine`` over a scripted backend, the vLLM adapter over ``tests/fake_vllm.py`` (vLLM 0.33.0's engine core
+in another process, its serialisation, prefix cache and pause; the tiny model decoding),
+and the real vLLM and SGLang engines, which need their package and a CUDA GPU and skip
+cleanly otherwise. (The SGLang adapter's fake returns an answer only when it finishes or is
+aborted, so "one step gives every request a token" cannot hold for it; its behaviour is
+tested in ``tests/test_engine_adapters.py``.) Each case gives an engine and a weight set
+its ``load_weights`` accepts.
 """
 
 from __future__ import annotations
@@ -17,8 +23,16 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.engines.adapters import StepEngine, Update
-from asyncflow.engines.types import Completion, Engine, EngineBatch, Request, SamplingParams
+from asyncflow.engines.adapters import Loaded, StepEngine, Update
+from asyncflow.engines.types import (
+    STOP_REASONS,
+    Completion,
+    Engine,
+    EngineBatch,
+    MultiTurnBatch,
+    Request,
+    SamplingParams,
+)
 
 torch.set_num_threads(1)
 
@@ -69,59 +83,84 @@ class ScriptedBackend:
 
     def load(self, weights):
         self.loads += 1
-        return "scripted"
+        return Loaded("scripted")
 
 
-def _builtin(tmp_path):
+def _builtin(tmp_path, monkeypatch):
     from asyncflow.engines.inference import InferenceEngine
 
     return InferenceEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
 
 
-def _fake(tmp_path):
+def _hf_paged(tmp_path, monkeypatch):
+    from asyncflow.engines.hf_paged import HFPagedEngine
+
+    return HFPagedEngine(_tiny(0), eos_id=EOS, pad_id=0, max_batch=MAX_BATCH, seed=0), _named(_tiny(1))
+
+
+def _fake(tmp_path, monkeypatch):
     from asyncflow.engines.fake import FakeEngine
 
     return FakeEngine(eos_id=EOS, max_batch=MAX_BATCH), {"w": np.zeros(2, np.float32)}
 
 
-def _adapter(tmp_path):
+def _adapter(tmp_path, monkeypatch):
     return StepEngine(ScriptedBackend(), EOS, MAX_BATCH), {"model.w": np.zeros(2, np.float32)}
 
 
+def _saved_tiny(tmp_path):
+    from asyncflow.engines.tiny import build_char_tokenizer
+
+    _tiny(0).save_pretrained(tmp_path / "m")
+    build_char_tokenizer().save_pretrained(tmp_path / "m")
+    return str(tmp_path / "m")
+
+
+def _vllm_fake(tmp_path, monkeypatch):
+    import sys
+
+    import fake_vllm
+
+    from asyncflow.engines.vllm_engine import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", fake_vllm.module())
+    engine = VLLMEngine(_saved_tiny(tmp_path), EOS, max_batch=MAX_BATCH, dtype="float32",
+                        weights_dir=str(tmp_path / "w"), fake_knobs={"first_batch": 3})
+    return engine, _named(_tiny(1))
+
+
 def _real(lib: str, module: str, cls: str):
-    def make(tmp_path):
+    def make(tmp_path, monkeypatch):
         pytest.importorskip(lib)
         if not torch.cuda.is_available():
             pytest.skip(f"{lib} needs a CUDA GPU")
         import importlib
 
-        from asyncflow.engines.tiny import build_char_tokenizer
-
-        model = _tiny(0)
-        model.save_pretrained(tmp_path / "m")
-        build_char_tokenizer().save_pretrained(tmp_path / "m")
         engine_cls = getattr(importlib.import_module(f"asyncflow.engines.{module}"), cls)
-        return engine_cls(str(tmp_path / "m"), EOS, max_batch=MAX_BATCH, dtype="float32"), _named(_tiny(1))
+        return engine_cls(_saved_tiny(tmp_path), EOS, max_batch=MAX_BATCH, dtype="float32"), _named(_tiny(1))
 
     return make
 
 
 ENGINES = {
     "builtin": _builtin,
+    "hf_paged": _hf_paged,
     "fake": _fake,
     "adapter": _adapter,
+    "vllm-fake": _vllm_fake,
     "vllm": _real("vllm", "vllm_engine", "VLLMEngine"),
     "sglang": _real("sglang", "sglang_engine", "SGLangEngine"),
 }
 
 
 @pytest.fixture(params=list(ENGINES))
-def case(request, tmp_path):
-    engine, weights = ENGINES[request.param](tmp_path)
+def case(request, tmp_path, monkeypatch):
+    engine, weights = ENGINES[request.param](tmp_path, monkeypatch)
     yield engine, weights
-    close = getattr(engine, "shutdown", None)
-    if callable(close):
-        close()
+    for name in ("shutdown", "close"):
+        close = getattr(engine, name, None)
+        if callable(close):
+            close()
 
 
 def requests(n: int, **kw) -> list[Request]:
@@ -146,6 +185,7 @@ def check_completion(c: Completion, req: Request, versions: set[int]) -> None:
     assert set(c.token_versions) <= versions and c.version == min(c.token_versions)
     assert list(c.token_versions) == sorted(c.token_versions)
     assert c.finished_on_eos == (c.response_ids[-1] == EOS)
+    assert c.stop_reason in STOP_REASONS and (c.stop_reason == "eos") == c.finished_on_eos
 
 
 # --------------------------------------------------------------------------- the contract
@@ -251,3 +291,85 @@ def test_saved_answers_continue_in_a_fresh_batch_or_the_engine_does_not_offer_it
         assert list(c.response_ids[:2]) == p.response_ids and list(c.logprobs[:2]) == p.logprobs
         assert c.token_versions[:2] == [0, 0] and c.token_versions[2:] == [4] * (len(c.response_ids) - 2)
         assert c.version == 0
+
+
+# --------------------------------------------------------------------------- multi-turn (optional)
+
+STOPS = tuple(range(3, 300))  # nearly every token: an answer ends on a stop id at its first chance
+
+
+def multi_turn(engine) -> MultiTurnBatch | None:
+    """A new batch if the engine offers the multi-turn capability (else it has neither method)."""
+    batch = engine.new_batch(SAMPLING)
+    if not isinstance(batch, MultiTurnBatch):
+        assert not hasattr(batch, "extend") and not hasattr(batch, "release")
+        return None
+    return batch
+
+
+def test_stop_ids_end_an_answer_on_the_stop_token(case):
+    """A stop id ends the answer (included, ``stop_reason="stop"``), never within ``min_new_tokens``."""
+    engine, _ = case
+    batch = multi_turn(engine)
+    if batch is None:
+        return
+    reqs = requests(2, stop_ids=STOPS) + requests(2, stop_ids=STOPS, min_new_tokens=2)
+    for i, r in enumerate(reqs[2:]):
+        r.key = f"m{i}"
+    done = batch.add(reqs) + drain(batch)
+    assert sorted(c.key for c in done) == sorted(r.key for r in reqs)
+    for c in done:
+        req = next(r for r in reqs if r.key == c.key)
+        check_completion(c, req, {0})
+        ends = set(STOPS) | {EOS}
+        assert not ends & set(c.response_ids[req.min_new_tokens:-1]), c.response_ids  # only the last may stop
+        after_min = len(c.response_ids) > req.min_new_tokens
+        assert (c.stop_reason == "stop") == (c.response_ids[-1] in STOPS and after_min), c
+    assert sum(c.stop_reason == "stop" for c in done) >= 2  # (the first two at least: nothing bars them)
+
+
+def test_a_kept_answer_continues_with_extend_and_is_released(case):
+    """``keep`` parks a finished answer; ``extend`` appends an observation and generates the next
+    turn (its own tokens only, the whole history as prompt); ``release`` forgets it; unknown keys
+    raise KeyError naming them."""
+    engine, _ = case
+    batch = multi_turn(engine)
+    if batch is None:
+        return
+    first = Request("a", [1, 5, 6], max_new_tokens=3, keep=True)
+    done = batch.add([first, *requests(2)]) + drain(batch)
+    assert len(batch) == 0  # a kept answer is not live
+    (one,) = [c for c in done if c.key == "a"]
+    history = one.prompt_ids + one.response_ids
+    done = batch.extend("a", [7, 8], max_new_tokens=4)
+    assert len(batch) == (0 if done else 1)  # live again, unless it finished at its first token
+    done += drain(batch)
+    (two,) = done
+    assert two.key == "a" and list(two.prompt_ids) == history + [7, 8]
+    check_completion(two, Request("a", list(two.prompt_ids), max_new_tokens=4), {0})
+    three = batch.extend("a", [9], max_new_tokens=2) + drain(batch)  # still kept: continue again
+    assert list(three[0].prompt_ids) == list(two.prompt_ids) + list(two.response_ids) + [9]
+    batch.release("a")
+    with pytest.raises(KeyError, match="'a'"):
+        batch.extend("a", [5], max_new_tokens=2)
+    with pytest.raises(KeyError, match="'nope'"):
+        batch.release("nope")
+    with pytest.raises(KeyError, match="'r0'"):  # finished, but not added with keep=True
+        batch.extend("r0", [5], max_new_tokens=2)
+
+
+def test_a_kept_answer_continues_under_new_weights(case):
+    """After a weight swap a kept answer's next turn is sampled (every token) at the new version."""
+    engine, weights = case
+    batch = multi_turn(engine)
+    if batch is None:
+        return
+    batch.add([Request("k", [1, 5, 6], max_new_tokens=2, min_new_tokens=2, keep=True)])
+    drain(batch)
+    engine.load_weights(1, weights)
+    batch.version = 1
+    batch.recompute_cache()
+    done = batch.extend("k", [5, 5], max_new_tokens=3, min_new_tokens=3) + drain(batch)
+    assert [len(c.response_ids) for c in done] == [3]
+    assert done[0].token_versions == [1, 1, 1] and done[0].version == 1
+

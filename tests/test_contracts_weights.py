@@ -16,7 +16,15 @@ import numpy as np
 import pytest
 import torch
 
-from asyncflow.weights.store import CHECKSUMS, WeightSource, WeightStore, WeightTransferError, seal, verify
+from asyncflow.weights.store import (
+    CHECKSUMS,
+    WeightSource,
+    WeightStore,
+    WeightTransferError,
+    publish_parts,
+    seal,
+    verify,
+)
 from asyncflow.weights.subscriber import WeightSubscriber
 
 torch.set_num_threads(1)
@@ -138,6 +146,38 @@ def test_sealed_buffers_verify_after_the_trip(make_store):
     for name in sent:
         np.testing.assert_array_equal(tensors[name], sent[name])
         assert tensors[name].dtype == sent[name].dtype
+
+
+def test_a_version_published_in_parts_is_visible_only_whole(make_store):
+    """Parts arrive in any order; the version appears once the last one has, as their union, and
+    its checksums (the last part of :func:`publish_parts`) verify the whole set."""
+    store = make_store()
+    parts = [{"a": np.full((2, 3), 1.0, dtype=np.float32)}, {"b": np.arange(4)}, {"c": np.ones(5, dtype=np.float16)}]
+    sealed = seal({k: v for part in parts for k, v in part.items()})
+    store.publish_part(1, 2, parts[2])
+    store.publish_part(1, 3, {CHECKSUMS: sealed[CHECKSUMS]}, total=4)
+    store.publish_part(1, 0, parts[0])
+    assert store.wait_newer(-1, 0.3) is None and store.latest_version() == -1  # part 1 is missing
+    store.publish_part(1, 1, parts[1])
+    version, buffers = wait_version(store, 1)
+    assert version == 1 and set(verify(buffers)) == {"a", "b", "c"}
+    np.testing.assert_array_equal(buffers["c"], parts[2]["c"])
+    store.publish_part(1, 0, {"a": np.zeros(1)}, total=1)  # a part of a version not newer: ignored
+    time.sleep(0.05)
+    assert store.latest_version() == 1 and wait_version(store, 1)[1]["a"].shape == (2, 3)
+
+
+def test_publish_parts_seals_many_parts_as_one_set_and_one_part_as_a_publish(make_store):
+    store = make_store()
+    sent = [{"x": np.arange(3, dtype=np.float32)}, {"y": np.full((2, 2), 7, dtype=np.int64)}, {"z": np.zeros(1)}]
+    publish_parts(store, 2, iter(sent))  # (a generator: each part taken once)
+    _, buffers = wait_version(store, 2)
+    tensors = verify(buffers)  # one CRC-32 a tensor over the union, as seal() of it at once
+    assert set(tensors) == {"x", "y", "z"}
+    np.testing.assert_array_equal(tensors["y"], sent[1]["y"])
+    publish_parts(store, 3, [weights(3)])
+    _, buffers = wait_version(store, 3)
+    assert set(verify(buffers)) == {"a", "b"}
 
 
 # --------------------------------------------------------------------------- the subscriber

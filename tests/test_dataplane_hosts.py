@@ -143,7 +143,8 @@ def test_a_unit_on_another_host_serves_frames_sealed_and_over_curve(pair, tmp_pa
         curve = report["curve"]  # the same over the unit's CURVE socket
         assert curve["equal"] and curve["transports"] == ["zmq"] and curve["rows"] == list(range(8, 16))
         assert curve["wire_bytes"] > 2 * 4 << 20 and curve["marker_on_wire"] == 0, curve
-        assert report["bulk"] == {"session": True, "forged_key": False, "forged_session": False, "job": True}
+        assert report["bulk"] == {"session": True, "forged_key": False, "forged_session": False, "job": True,
+                                  "forged_key_notice": False, "forged_session_notice": True, "job_notice": False}
         assert "authentication refused" in report["stranger"] and report["stranger_s"] < 10, report
         assert report["unit_answers_job"] is True and report["unit_answers_stranger"] is False
         assert time.monotonic() - t0 < 110

@@ -6,9 +6,11 @@ moved, dropped or added, a replayed or older counter, another session's key or i
 refused with :class:`SealError`, and a refused header leaves the counter where it was.
 Live: a storage unit (in a thread of this process, with CURVE keys) and raw sockets: a
 client without the keys gets no session; a write and a gather round-trip; a tampered
-write, its replay, a message under an unknown session or a forged key are each dropped
-unanswered, counted and logged, nothing of them stored, and the unit keeps serving. The
-whole client (put/get through ``launch``) is in tests/test_dataplane_fetch.py.
+write, its replay or a forged key are each dropped unanswered, counted and logged, nothing
+of them stored, and the unit keeps serving; a message under an unknown session gets only a
+notice naming that id. Sessions are bounded per unit, the least recently used forgotten
+first. The whole client (put/get through ``launch``) is in tests/test_dataplane_fetch.py;
+8,192 sessions and a forgotten one renewed in tests/test_dataplane_sessions.py.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from asyncflow.dataplane.transport import bulk
 from asyncflow.dataplane.transport.auth import Credentials, secure_client
 from asyncflow.dataplane.transport.link_sealed import PUT_WINDOW, SealedLink
 from asyncflow.dataplane.transport.protocol import encode_columns, pack_header, unpack_header
-from asyncflow.dataplane.transport.sealed import TAG, TO_CLIENT, TO_SERVER, SealError, Session
+from asyncflow.dataplane.transport.sealed import TAG, TO_CLIENT, TO_SERVER, SealError, Session, notice_of
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
 
@@ -173,7 +175,8 @@ def test_a_live_unit_serves_sealed_requests_and_refuses_forged_ones(unit, caplog
     assert _ask(sock, write, me, 400) is None and server.bulk.refused == 2  # the same counter again: a replay
     assert 0 not in server.storage._columns["x"]  # nothing of either stored
     unknown = Session(bytes(8), bytes(32), TO_SERVER)
-    assert _ask(sock, _seal(unknown, {"op": "ping", "id": 2}), me, 400) is None
+    sock.send_multipart(_seal(unknown, {"op": "ping", "id": 2}))  # an unknown session: a notice, nothing else
+    assert sock.poll(2000) and notice_of(sock.recv_multipart()) == bytes(8)
     forged = Session(got["sid"], bytes(32), TO_SERVER)
     forged.sent = 100
     assert _ask(sock, _seal(forged, {"op": "ping", "id": 3}), me, 400) is None
@@ -181,7 +184,7 @@ def test_a_live_unit_serves_sealed_requests_and_refuses_forged_ones(unit, caplog
     assert _ask(sock, _seal(me, {"op": "drop", "id": 4, "a": {"rows": [0]}}), me)[0]["ok"] is False  # CURVE only
     assert server.bulk.refused == 5
     header, _ = _ask(sock, _seal(me, {"op": "write", "id": 5, "a": {"rows": [0, 1], "cols": spec}}, bufs), me)
-    assert header == {"id": 5, "ok": True, "r": None}  # the unit kept serving
+    assert header["id"] == 5 and header["ok"] and len(header["r"]["receipt"]) == 16  # the unit kept serving
     header, frames = _ask(sock, _seal(me, {"op": "gather", "id": 6, "a": {"rows": [0, 1], "fields": ["x"]}}), me)
     assert header["ok"] and np.array_equal(np.frombuffer(frames[0], np.float32).reshape(2, 4), x)
     replayed = _seal(me, {"op": "gather", "id": 7, "a": {"rows": [0, 1], "fields": ["x"]}})
@@ -189,13 +192,17 @@ def test_a_live_unit_serves_sealed_requests_and_refuses_forged_ones(unit, caplog
     assert server.bulk.refused == 6
 
 
-def test_sessions_per_unit_are_bounded_oldest_forgotten_first(monkeypatch):
-    monkeypatch.setattr(bulk, "MAX_SESSIONS", 3)
+def test_sessions_per_unit_are_bounded_least_recently_used_forgotten_first():
     ctx = zmq.Context()
-    port = bulk.BulkPort(ctx, "tcp://127.0.0.1:0", 1 << 20, {}, lambda header: None)
+    port = bulk.BulkPort(ctx, "tcp://127.0.0.1:0", 1 << 20, {"ping": lambda h, f: "pong"}, lambda header: None,
+                         max_sessions=3)
     try:
-        sids = [port.new_session({}, [])["sid"] for _ in range(5)]
-        assert len(set(sids)) == 5 and list(port.sessions) == sids[2:]
+        sids = [port.new_session({}, [])["sid"] for _ in range(3)]
+        port.sessions.move_to_end(sids[0])  # (what an opened message of sids[0] does: it was used last)
+        sids += [port.new_session({}, [])["sid"] for _ in range(2)]
+        assert len(set(sids)) == 5 and list(port.sessions) == [sids[0], sids[3], sids[4]] and port.forgotten == 2
+        again = port.new_session({"a": {"replaces": sids[3]}}, [])["sid"]  # a renewal drops the session it replaces
+        assert list(port.sessions) == [sids[0], sids[4], again] and port.forgotten == 2
         assert port.endpoint.startswith("tcp://127.0.0.1:") and not port.endpoint.endswith(":0")
     finally:
         port.close()

@@ -141,14 +141,15 @@ def test_a_token_must_match_both_ways():
         d.shutdown()
 
 
-def test_a_client_at_a_dead_endpoint_fails_within_its_deadline():
+def test_a_client_at_a_dead_endpoint_fails_at_once_naming_it():
+    """Nothing listens there: the refused connect fails the call (not its 30 s deadline)."""
     s = zmq.Context.instance().socket(zmq.ROUTER)  # a free port that nothing will answer on
     port = s.bind_to_random_port("tcp://127.0.0.1")
     s.close(0)
     t = time.monotonic()
-    with pytest.raises(DataPlaneUnavailable, match=rf"127\.0\.0\.1:{port} did not answer 'hello' within 1s"):
-        ZmqDataPlane(f"tcp://127.0.0.1:{port}", deadline=1.0).stats()
-    assert time.monotonic() - t < 3
+    with pytest.raises(DataPlaneUnavailable, match=rf"controller tcp://127\.0\.0\.1:{port} refused the connection"):
+        ZmqDataPlane(f"tcp://127.0.0.1:{port}").stats()
+    assert time.monotonic() - t < 5
 
 
 def test_a_server_that_stops_answering_fails_the_waiting_call(dep):

@@ -36,9 +36,9 @@ def test_compute_roles_share_the_gpus_as_they_share_the_cpus():
 
 
 def test_a_vllm_rollout_gets_a_gpu_share_whatever_the_device(monkeypatch):
-    import asyncflow.config
+    import asyncflow.config.rollout
 
-    monkeypatch.setattr(asyncflow.config.schema, "engine_installed", lambda name: True)  # (not installed here)
+    monkeypatch.setattr(asyncflow.config.rollout, "engine_installed", lambda name: True)  # (not installed here)
     assert _gpus(["rollout.engine=vllm"], 1) == {"rollout": 1.0, "actor": 0.0}
     assert _gpus(["rollout.engine=vllm", "resources.device=cuda"], 1) == {"rollout": 0.5, "actor": 0.5}
 
@@ -93,7 +93,7 @@ def test_gpu_training_step_equals_the_cpu_step():
         step = eng.optimizer_step()
         out[dev] = (logp, m["loss"], step["grad_norm"])
     for a, b in zip(out["cpu"][0], out["cuda"][0]):
-        np.testing.assert_allclose(a, b, atol=1e-4)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-5)
     assert out["cuda"][1] == pytest.approx(out["cpu"][1], rel=1e-4, abs=1e-6)
     assert out["cuda"][2] == pytest.approx(out["cpu"][2], rel=1e-3)
 

@@ -46,10 +46,10 @@ def test_token_entropy_hand_computed_with_ragged_rows():
     batch = TokenBatch.build([[1], [1, 1]], [[0, 1], [1]], pad_id=0)
     token_logprobs(FixedLogits(TABLE), batch, entropy=True)
     expected = [[H_UNIFORM4, H_HALF], [H_HALF, 0.0]]  # the padded slot is 0
-    assert batch.entropy.detach().numpy() == pytest.approx(np.array(expected), abs=1e-5)
+    assert batch.entropy.detach().numpy() == pytest.approx(np.array(expected), rel=1e-5, abs=1e-5)
     batch2 = TokenBatch.build([[1, 1]], [[1, 1]], pad_id=0)
     token_logprobs(FixedLogits(TABLE), batch2, entropy=True)
-    assert batch2.entropy.detach().numpy()[0] == pytest.approx([H_HALF, H_2080], abs=1e-5)
+    assert batch2.entropy.detach().numpy()[0] == pytest.approx([H_HALF, H_2080], rel=1e-5, abs=1e-5)
 
 
 @pytest.mark.parametrize("agg, expected", [
@@ -72,10 +72,10 @@ def test_entropy_bonus_in_the_loss_and_additive_over_micro_batches(agg, expected
         return float(loss.detach()), metrics
 
     whole, metrics = loss_of([0, 1], 3)
-    assert whole == pytest.approx(-coef * expected, abs=1e-5)
-    assert metrics["entropy"] == pytest.approx((H_UNIFORM4 + 2 * H_HALF) / 3, abs=1e-5)
+    assert whole == pytest.approx(-coef * expected, rel=1e-5, abs=1e-5)
+    assert metrics["entropy"] == pytest.approx((H_UNIFORM4 + 2 * H_HALF) / 3, rel=1e-5, abs=1e-5)
     parts = loss_of([0], 3)[0] + loss_of([1], 3)[0]
-    assert parts == pytest.approx(whole, abs=1e-6)
+    assert parts == pytest.approx(whole, rel=1e-5, abs=1e-6)
 
 
 def test_engine_hands_entropy_to_the_loss_and_the_bonus_raises_entropy():

@@ -36,6 +36,7 @@ from test_resume_async import TINY, check_every_group_once, kill_after_checkpoin
 from asyncflow.cli import main
 from asyncflow.workflow import checkpoint as C
 from asyncflow.workflow.job import Job
+from test_failures import SLOW_BUILD  # (a loaded machine's note: not an error)
 
 RESUMED = re.compile(r"^asyncflow: resumed at step (\d+); in-flight answers: (\d+) continued, (\d+) restarted$")
 EVERY = [a for a in TINY if not a.startswith(("train.steps=", "train.save_every="))] + ["train.save_every=1"]
@@ -132,7 +133,7 @@ def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_ever
     assert main(["train", *args, "launcher=ray", "train.step_timeout_s=60", f"train.max_restarts={len(order) + spare}",
                  f"run_dir={tmp_path / 'runs'}", f"train.steps={steps}"]) == 0
     captured = capsys.readouterr()
-    err = [x for x in captured.err.splitlines() if x.startswith("asyncflow:")]
+    err = [x for x in captured.err.splitlines() if x.startswith("asyncflow:") and not x.startswith(SLOW_BUILD)]
     assert len(order) <= len(err) <= len(order) + spare and killed == order, (killed, err)
     for i, line in enumerate(err, 1):
         assert line.startswith(f"asyncflow: restart {i}/{len(order) + spare} from "), line
@@ -171,7 +172,7 @@ def test_a_killed_actor_or_controller_ends_the_run_within_60_s_with_one_line_nam
     monkeypatch.setattr(Job, "start", start_then_kill)
     rc = main(["train", *[a for a in TINY if a != "launcher=local"], "launcher=ray", "train.steps=1000",
                "train.max_restarts=0", "train.step_timeout_s=45", f"run_dir={tmp_path / 'runs'}"])
-    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:")]
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("asyncflow:") and not x.startswith(SLOW_BUILD)]
     assert killed, (rc, err)  # (the run was going when the kill came)
     took = time.monotonic() - killed[0]
     assert rc == 1 and len(err) == 1 and err[0].startswith("asyncflow: error: "), err

@@ -355,3 +355,37 @@ def test_thread_teams_are_limited_by_other_load_and_roles_never_oversubscribe(mo
     cfg = load_config(None, ["train.prompts_per_step=4"])
     threads = {(a.mode, a.rollout_res) for a in candidates(cfg, 4, max_threads=3)}
     assert threads == {("sync", 1), ("sync", 2), ("sync", 3), ("stream", 1), ("stream", 2), ("async", 1), ("async", 2)}
+
+
+def test_tensor_parallel_splits_each_training_pass_and_pays_four_all_reduces_a_layer():
+    """``Allocation.tp``: each pass costs ``1 / tp`` of its compute plus ``4 x layers`` all-reduces
+    (Megatron: two forward, two backward), the step ``1 / tp``; hand-computed on constant costs."""
+    from asyncflow.planner.costs import ProfiledCost
+
+    wl = Workload(prompts_per_step=2, group_size=2, prompt_len=3, lengths={4: 1.0}, steps=3, layers=3, hidden=8)
+    cost = ConstantCost(decode=0.1, train_per_row=0.5, step=1.0, allreduce=0.01)
+    spans = {tp: simulate(wl, Allocation("async", micro_prompts=1, staleness=1, slots=4, tp=tp), cost).spans
+             for tp in (1, 2)}
+    train = {tp: {round(d, 9) for role, what, _, d in s if role == "actor" and what == "train"}
+             for tp, s in spans.items()}
+    assert train == {1: {1.0}, 2: {0.5 + 4 * 3 * 0.01}}  # 2 rows x 0.5 s, halved, + 12 all-reduces of 10 ms
+    steps = {tp: {d for role, what, _, d in s if what == "optimizer step"} for tp, s in spans.items()}
+    assert steps == {1: {1.0}, 2: {0.5}}
+    # the profiled (CPU) model: a ring all-reduce at the assumed gloo link (2 GB/s, 50 us a hop); 1 rank: none
+    prof = ProfiledCost.from_dict(PROFILE)
+    assert prof.allreduce_s(1e6, 2) == pytest.approx(1e6 / 2e9 + 2 * 50e-6)  # half sent, half received, twice
+    assert prof.allreduce_s(1e6, 1) == 0.0
+
+
+def test_plan_keeps_the_configs_tensor_parallelism_and_leaves_out_sync():
+    from asyncflow.config import load_config
+    from asyncflow.planner.search import allocation_for, candidates, model_dims, workload_from
+
+    cfg = load_config(None, ["launcher=ray", "train.tp=2", "train.prompts_per_step=4", "model.num_layers=3"])
+    cands = candidates(cfg, 6)
+    assert cands and all(a.tp == 2 and a.mode != "sync" for a in cands)
+    assert max(a.actor_res for a in cands) == 2  # rollout's threads + 2 ranks' threads within 6 cores
+    assert "actor 1 x tp 2" in allocation_for(cfg, 6).describe()
+    assert model_dims(cfg) == (3, 128)
+    wl = workload_from(cfg, PROFILE)
+    assert (wl.layers, wl.hidden) == (3, 128)

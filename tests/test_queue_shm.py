@@ -42,8 +42,13 @@ def files(prefixes, kind: str = "") -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) for p in prefixes if n.startswith(p + kind))
 
 
-def ours() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith("afdp-")}
+def ours(dep) -> list[str]:
+    """Every segment of ``dep``'s storage units (each name starts ``afdp-<unit pid>-``), left or
+    not. Only these: a check of every ``afdp-*`` name in /dev/shm also saw the segments of other
+    deployments on the machine (another job, or another test run beside this one), created while
+    this test ran, and failed with their ``afdp-<other pid>-...-s1`` (reproduced with a second
+    deployment putting in a loop beside the test)."""
+    return sorted(n for n in os.listdir(shm.SHM_DIR) for p in dep.processes if n.startswith(f"afdp-{p.pid}-"))
 
 
 def settled(prefixes, kind: str, n: int) -> bool:
@@ -87,7 +92,6 @@ def dep():
 
 
 def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
-    before = ours()
     d = launch(SCHEMA, n_storage=2, token="tok")
     plane = client(d)
     try:
@@ -121,11 +125,10 @@ def test_big_puts_use_one_segment_per_unit_freed_at_the_last_drop():
     finally:
         plane.disconnect()
         d.shutdown()
-    assert ours() - before == set()
+    assert ours(d) == []
 
 
 def test_shutdown_and_a_killed_unit_leave_nothing():
-    before = ours()
     d = launch(SCHEMA, n_storage=2)
     plane = client(d)
     plane.put({"x": np.ones((128, 64), np.float32)}, partition=0)
@@ -138,7 +141,7 @@ def test_shutdown_and_a_killed_unit_leave_nothing():
     d.processes[0].join(5)
     plane.disconnect()
     d.shutdown(timeout=2)
-    assert ours() - before == set()
+    assert ours(d) == []
     assert not Path(d.folder).exists()
 
 
@@ -337,7 +340,6 @@ def test_unit_recycles_a_cleared_segment_only_when_no_process_maps_it():
 
 def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritten():
     schema = Schema([Field("y", "float32", (1 << 15,))])  # 128 KiB a row: 160 rows, 20 MiB
-    before = ours()
     d = launch(schema, n_storage=1)
     plane = d.client()
     try:
@@ -364,7 +366,7 @@ def test_puts_reuse_cleared_segments_and_a_held_get_never_sees_its_rows_rewritte
     finally:
         plane.disconnect()
         d.shutdown()
-    assert ours() - before == set()
+    assert ours(d) == []
 
 
 def test_a_get_refuses_a_segment_recycled_while_it_was_being_mapped(monkeypatch):
@@ -433,3 +435,52 @@ def test_servers_of_an_owner_killed_with_kill_9_stop_and_free_their_memory():
     assert files(prefixes) == []  # its segments unlinked
     assert not folder.exists(), list(folder.rglob("*"))  # the job folder (its sockets) gone
     print(f"servers gone {time.monotonic() - t:.2f} s after the owner's kill -9")
+
+
+def test_a_process_that_exits_without_shutdown_leaves_no_folder_and_no_segment(tmp_path):
+    """A script that launches a deployment and exits without ``shutdown``: before, Python's
+    exit terminated the servers (multiprocessing's SIGTERM, none of their clean-up runs) and
+    the job folder stayed in the temp dir, every unit's segments in /dev/shm. Now
+    ``launch`` registers the shutdown at exit."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # (the job folder goes there)
+    out = subprocess.run([sys.executable, "-c", OWNER.replace("time.sleep(600)", "")], capture_output=True,
+                         text=True, timeout=120, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert files(got["prefixes"]) == []
+    assert not Path(got["folder"]).exists() and Path(got["folder"]).parent == tmp_path
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_next_launch_clears_the_folders_of_jobs_killed_whole(tmp_path):
+    """A job killed with its servers at once (``kill -9`` of its process group) leaves its job
+    folder (nobody is left to remove it): the next launch removes such folders, by the launching
+    pid in their name, only when that process is gone, only this user's, keeping a saved state."""
+    from asyncflow.dataplane.transport.deploy import sweep_job_folders
+
+    gone = subprocess_pid()
+    dead, alive, kept = (tmp_path / f"asyncflow-plane-{gone}-abc", tmp_path / f"asyncflow-plane-{os.getpid()}-abc",
+                         tmp_path / f"asyncflow-plane-{gone}-def")
+    for folder in (dead, alive, kept):
+        (folder / "sock").mkdir(parents=True)
+        (folder / "state").mkdir()
+    (kept / "state" / "index.msgpack").write_bytes(b"saved")
+    (tmp_path / "asyncflow-plane-notapid").mkdir()
+    sweep_job_folders(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [alive.name, kept.name, "asyncflow-plane-notapid"])
+    assert sorted(p.name for p in kept.iterdir()) == ["state"]  # its sockets gone, the saved state kept
+
+
+def subprocess_pid() -> int:
+    """The pid of a process that has exited (and been reaped)."""
+    import subprocess
+    import sys
+
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid

@@ -106,8 +106,15 @@ def _train_commands() -> list[list[str]]:
 
 
 @pytest.mark.parametrize("argv", _train_commands(), ids=lambda a: " ".join(["asyncflow", *a])[:80])
-def test_readme_train_command_dry_runs(argv, monkeypatch, capsys):
+def test_readme_train_command_dry_runs(argv, monkeypatch, capsys, tmp_path):
     monkeypatch.chdir(ROOT)  # README paths (asyncflow/configs/...) are relative to the repository
+    # a user's own reward file the README names as an example (reward.fn=rewards.py:score): --dry-run
+    # checks that the file exists, so the test gives it one, in tmp_path
+    for i, a in enumerate(argv):
+        file = a.partition("=")[2].rpartition(":")[0] if a.startswith("reward.fn=") else ""
+        if file and not (ROOT / file).exists():
+            (tmp_path / file).write_text("def score(prompt, response, sample):\n    return 0.0\n")
+            argv = [*argv[:i], f"reward.fn={tmp_path / a.partition('=')[2]}", *argv[i + 1:]]
     assert cli.main([*argv, "--dry-run"]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "mode:" in out and "train:" in out  # the resolved config, as YAML

@@ -12,11 +12,11 @@ from __future__ import annotations
 import random
 
 import numpy as np
+from agents_helpers import Echo, tool_tokenizer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agents_helpers import Echo, tool_tokenizer
-from asyncflow.agents import EpisodeRunner, Limits, StepResult
+from asyncflow.agents import EpisodeRunner, Limits
 from asyncflow.agents.calls import EnvCalls
 from asyncflow.agents.chat import tokens
 from asyncflow.dataplane import DataPlane

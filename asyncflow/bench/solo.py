@@ -50,6 +50,7 @@ class _Solo:
     def __init__(self, cfg: RunConfig, model_dir: str, steps: int, threads: int, continuous: bool):
         solo = cfg.model_copy(update={"mode": "sync"}, deep=True)  # shared model, no weight transfer
         solo.train.steps = 10**6  # the feeder never runs out
+        solo.train.dp = solo.train.tp = 1  # one process's roles (the planner models the trainer's ranks)
         reward = [] if rewards_in_rollout(cfg) else ["reward"]  # else rollout scores (its time includes it)
         self.roles = ["rollout"] + reward + (["reference"] if cfg.algorithm.kl_coef > 0 else []) + ["actor"]
         self.plane = DataPlane(SCHEMA)

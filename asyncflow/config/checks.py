@@ -65,3 +65,23 @@ def check_env(cfg: RunConfig) -> None:
     if cfg.env.max_tokens < (cfg.env.turn_tokens or cfg.rollout.max_new_tokens) and cfg.env.max_turns > 1:
         raise ValueError(f"env.max_tokens ({cfg.env.max_tokens}) leaves no room for a second turn of "
                          f"{cfg.env.turn_tokens or cfg.rollout.max_new_tokens} tokens: raise env.max_tokens")
+def check_tp(cfg: RunConfig) -> None:
+    """The checks of a tensor-parallel trainer (``train.tp > 1``)."""
+    t = cfg.train
+    if cfg.launcher == "local":
+        raise ValueError(f"train.tp={t.tp} needs the trainer's ranks as processes (DTensor), but "
+                         "launcher=local runs them as threads: set launcher=ray, or train.tp=1")
+    if cfg.mode == "sync":
+        raise ValueError(f"mode=sync with train.tp={t.tp}: the colocated rollout decodes with the trainer's own "
+                         "model, which tensor parallelism shards; set mode=async (or stream), or train.tp=1")
+    if t.dp > 1 and t.strategy == "fsdp":
+        raise ValueError(f"train.tp={t.tp} with train.strategy=fsdp: the dp x tp mesh replicates over dp "
+                         "(gradients all-reduced); set train.strategy=ddp")
+    m = cfg.model
+    for key, n in (("num_heads", m.num_heads), ("num_kv_heads", m.num_kv_heads)):
+        if not m.path and n % t.tp:  # (a model folder's heads are checked when the trainer loads it)
+            raise ValueError(f"train.tp={t.tp} must divide model.{key} ({n}): each rank computes its share of "
+                             "the attention heads; choose a train.tp that divides it")
+    if cfg.resources.device != "cpu":
+        raise ValueError(f"resources.device={cfg.resources.device} with train.tp={t.tp}: tensor-parallel ranks need "
+                         "a device each, which the worker plan does not assign yet; set resources.device=cpu")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from asyncflow.config.schema import ConfigError, RunConfig
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
     """Load ``path`` (YAML; None = defaults) and apply ``key=value`` overrides, then validate."""
     data: dict[str, Any] = {}
+    loaded: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -28,16 +30,59 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         try:
             loaded = yaml.safe_load(p.read_text()) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+            raise ConfigError(f"config file '{path}' is not valid YAML: {_yaml_problem(e)}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file '{path}' must hold a mapping of sections, got {type(loaded).__name__}")
         data = _relative_to(loaded, p.resolve().parent)
+    given = {item.partition("=")[0].strip(): item for item in overrides}  # dotted key -> 'key=value'
     for item in overrides:
         _apply_override(data, item)
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, path)) from None
+        raise ConfigError(_describe(e, _source(e, path, given, loaded))) from None
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """``line L, column C: <problem>`` where PyYAML knows the place (1-based, as editors count)."""
+    mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: {problem}" if mark is not None else problem
+
+
+def _source(e: ValidationError, path: Any, given: dict[str, str], loaded: dict) -> str | None:
+    """Where the offending values came from: the file, the command line, or both (a field's
+    error names its own key; a cross-field check's message names the keys it compares)."""
+    err = e.errors()[0]
+    loc = ".".join(str(x) for x in err["loc"])
+    keys = [loc] if err["type"] != "value_error" else [
+        k for k in re.findall(r"\b[a-z_]+\.[a-z_.]+[a-z_]\b", err["msg"]) if _is_key(k)]  # (not torch.distributed)
+    cli = [given[k] for k in dict.fromkeys(keys) if k in given]
+    if not cli:
+        return f"'{path}'" if path else None
+    rest = [k for k in dict.fromkeys(keys) if k not in given and k != loc]
+    where = [f"{k} from '{path}'" if _in(loaded, k) else f"{k}'s default" for k in rest]
+    return (f"the override{'s' if len(cli) > 1 else ''} {', '.join(cli)}"
+            + (f" (with {', '.join(where)})" if where else ""))
+
+
+def _is_key(dotted: str) -> bool:
+    """Whether ``dotted`` names a field of the config (``train.steps``), not some other dotted word."""
+    model: Any = RunConfig
+    for k in dotted.split("."):
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or k not in model.model_fields:
+            return False
+        model = model.model_fields[k].annotation
+    return True
+
+
+def _in(data: dict, dotted: str) -> bool:
+    node: Any = data
+    for k in dotted.split("."):
+        if not isinstance(node, dict) or k not in node:
+            return False
+        node = node[k]
+    return True
 
 
 # (section, key, what): paths a YAML file may give relative to its own folder; "spec" = the
@@ -106,10 +151,10 @@ def _apply_override(data: dict, item: str) -> None:
             raise ConfigError(f"config key '{'.'.join(keys[: i + 1])}' must be a section")
 
 
-def _describe(e: ValidationError, path: Any) -> str:
+def _describe(e: ValidationError, source: str | None) -> str:
     err = e.errors()[0]
     loc = ".".join(str(x) for x in err["loc"]) or "(top level)"
-    src = f" in '{path}'" if path else ""
+    src = f" in {source}" if source else ""
     more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
     if err["type"] == "extra_forbidden":
         parent: type[BaseModel] = RunConfig

@@ -19,9 +19,14 @@ class RolloutConfig(Section):
                                                   "the tiny model costs about the same for 64 or 128 rows on a CPU).")
     recompute_on_swap: bool = Field(True, description="At a weight swap, rebuild the KV cache of "
                                                       "unfinished answers under the new weights.")
-    engine: Literal["builtin", "vllm", "sglang"] = Field(
-        "builtin", description="Inference engine of the rollout role: builtin (torch, any device), vllm or sglang "
-                               "(optional extras for CUDA machines: pip install 'asyncflow[vllm]' / '[sglang]').")
+    engine: Literal["builtin", "hf_paged", "vllm", "sglang"] = Field(
+        "builtin", description="Inference engine of the rollout role: builtin (torch, any device), hf_paged "
+                               "(transformers' continuous batching with a paged KV cache, any device, mode=stream or "
+                               "async), vllm or sglang (optional extras for CUDA machines: pip install "
+                               "'asyncflow[vllm]' / '[sglang]').")
+    cuda_graphs: bool = Field(True, description="builtin engine on a CUDA GPU: replay each decode step from a "
+                                                 "CUDA graph (one per batch-size/length bucket, captured on first "
+                                                 "use) instead of launching its kernels one by one; ignored on a CPU.")
     on_swap: Literal["continue", "discard"] = Field(
         "continue", description="At a weight swap: 'continue' unfinished answers under the new weights (partial "
                                 "rollout), or 'discard' them and restart their whole groups from the prompt.")
@@ -47,8 +52,9 @@ class RolloutConfig(Section):
 
 
 def engine_installed(name: str) -> bool:
-    """Is the optional inference engine ``name`` importable? (find_spec: nothing is imported)"""
-    return importlib.util.find_spec(name) is not None
+    """Is the optional inference engine ``name`` importable? (find_spec: nothing is imported;
+    hf_paged is transformers' own, a core dependency)"""
+    return importlib.util.find_spec("transformers" if name == "hf_paged" else name) is not None
 
 
 class RewardConfig(Section):

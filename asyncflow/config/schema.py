@@ -19,7 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.algorithm import AlgorithmConfig
 from asyncflow.config.base import ConfigError, Section
-from asyncflow.config.checks import check_dp, check_env
+from asyncflow.config.checks import check_dp, check_env, check_tp
 from asyncflow.config.env import EnvConfig
 from asyncflow.config.model import BUILTIN_TASKS, ModelConfig, TaskConfig
 from asyncflow.config.outputs import EvalConfig, LogConfig
@@ -76,9 +76,6 @@ class RunConfig(Section):
         if self.rollout.engine != "builtin" and self.mode == "sync":
             raise ValueError(f"rollout.engine={self.rollout.engine} needs mode=stream or async (sync shares one torch "
                              f"model between rollout and training); set mode=async or rollout.engine=builtin")
-        if self.rollout.engine == "sglang" and self.rollout.on_swap == "continue":
-            raise ValueError("rollout.engine=sglang returns an answer only when it finishes, so it cannot be "
-                             "continued after a weight swap: set rollout.on_swap=discard")
         if self.algorithm.overlong_buffer >= self.rollout.max_new_tokens:
             raise ValueError(f"algorithm.overlong_buffer ({self.algorithm.overlong_buffer}) must be < "
                              f"rollout.max_new_tokens ({self.rollout.max_new_tokens}): lower algorithm.overlong_buffer")
@@ -91,6 +88,8 @@ class RunConfig(Section):
             check_env(self)
         elif self.warmstart.traces:
             raise ValueError("warmstart.traces is multi-turn SFT: it needs env.tools, env.fn or env.agent")
+        if self.train.tp > 1:
+            check_tp(self)
         if self.resources.device != "cpu" and self.train.dp > 1:
             raise ValueError(f"resources.device={self.resources.device} with train.dp={self.train.dp}: data-parallel "
                              f"trainer ranks run on CPU only so far; set train.dp=1 or resources.device=cpu")

@@ -29,10 +29,17 @@ class TrainConfig(Section):
     max_tokens_per_micro: int | None = Field(
         None, gt=0, description="Token budget of one forward/backward: rows are sorted by length and packed so "
                                 "rows x longest row <= budget (None = one pass per streamed micro-batch).")
+    logprob_chunk_mib: float = Field(256.0, ge=0, description="Training's log-probs and entropy: a pass whose float32 "
+                                     "logits (response tokens x vocabulary x 4 bytes) would exceed this many MiB runs "
+                                     "the LM head in chunks of that size, recomputed in backward, so the peak grows "
+                                     "with the chunk (about 3x it), not with the micro-batch (0 = never chunk).")
     split_padding: int = Field(128, ge=0, description="Without max_tokens_per_micro: cut a micro-batch (longest rows "
                                "first) into passes wherever a cut saves this many padded tokens (0 = one pass).")
     eval_every: int = Field(10, ge=0, description="Evaluate held-out accuracy every N "
                                                   "steps (0 = only before and after).")
+    keep_best: bool = Field(False, description="Keep the weights of the best held-out evaluation (the periodic "
+                            "ones and the final one): checkpoint/ is then the best version and the last goes to "
+                            "checkpoint-last/ when it scored lower; the summary says which (workflow/best.py).")
     eval_overlap: bool = Field(True, description="stream/async: periodic evaluations run beside training on a "
                                "weight snapshot (a thread of the driver at nice 19; a due one is skipped while one "
                                "runs), logged with the version measured (heldout_version). false, or mode=sync: "
@@ -43,6 +50,14 @@ class TrainConfig(Section):
                                                "rank (gloo); local launcher: one thread per rank. mode=sync: N "
                                                "colocated workers, rank r generating and scoring prompts r, r+N, ... "
                                                "of each step.")
+    tp: int = Field(1, ge=1, le=64, description="Tensor-parallel ranks of the trainer (Megatron-style, through "
+                    "torch.distributed.tensor.parallel): each decoder layer's attention heads and MLP units, the "
+                    "embedding and the LM head's vocabulary split over tp processes; with dp > 1 a dp x tp device mesh "
+                    "(dp x tp processes). Needs launcher=ray and mode=stream or async (docs/parallelism.md).")
+    tp_plan: str | None = Field(None, description="train.tp > 1: the tensor-parallel plan for your model's "
+                                "architecture, by import path ('package.module:fn' or 'file.py:fn'): fn(model) "
+                                "returns {module-name pattern: style} (styles: colwise, rowwise, vocab_embedding, "
+                                "vocab_head, replicate, or a torch ParallelStyle). None: the Llama/Qwen2 plan.")
     step_timeout_s: float = Field(
         600.0, gt=0, description="Watchdog: the run stops with one line naming the stuck role when no role makes "
                                  "progress (rows produced, a step done) for this many seconds; also the deadline "
@@ -57,6 +72,11 @@ class TrainConfig(Section):
         "where the staleness bound allows, the others restart from their prompts).")
     keep_checkpoints: int = Field(2, ge=1, description="Resumable checkpoints kept (the newest); older ones are "
         "deleted once a newer one is complete.")
+    build_timeout_s: float = Field(
+        600.0, gt=0, description="Seconds to wait for the workers to be built at the start (imports, model load, "
+                                 "warm-up: slow on a loaded machine) before the run fails or restarts; a worker whose "
+                                 "process dies while building is found at once whatever this is. A build slower than "
+                                 "train.step_timeout_s prints one line and goes on.")
     max_restarts: int = Field(2, ge=0, description="When a worker or data-plane process is lost or a step stalls (not "
         "a user or config error), restart the run from its latest checkpoint up to this many times (0 = stop at once); "
         "past it, exit with the --resume command that continues.")

@@ -2,7 +2,9 @@
 adapters of external ones (vLLM, SGLang), which import their engine only when built.
 
 * :mod:`~asyncflow.engines.types`       the inference engine protocol and its records (no torch)
-* :mod:`~asyncflow.engines.inference`   built-in engine: KV cache, continuous batching
+* :mod:`~asyncflow.engines.inference`   built-in engine: continuous batching on slots (``slot_batch``, ``slot_pool``,
+  ``slot_step``, ``slot_cache``, ``slot_graphs``: a preallocated KV cache, the decode step on the device,
+  CUDA graphs); ``reference``: the former right-aligned ``DynamicCache`` path it is tested against
 * :mod:`~asyncflow.engines.training`    built-in trainer: log-probs, micro-batched steps, LR schedule
 * :mod:`~asyncflow.engines.critic`      PPO's value model and its optimizer
 * :mod:`~asyncflow.engines.collective`  a data-parallel trainer's collectives (threads or torch.distributed)

@@ -26,6 +26,10 @@ flattened into as few contiguous buffers of one dtype and device as fit ``bucket
 round trip each (26 per step on the tiny model; gloo's TCP thread then used ~8% of the
 compute thread's CPU); element-wise sums are the same numbers either way.
 
+Sharded weights (FSDP, tensor parallel: DTensors) leave the trainer whole, bucket by bucket
+(:func:`full_buckets`): each bucket's shards all-gathered, copied to the host and handed on
+before the next bucket is gathered, so no rank holds more than one bucket of gathered weights.
+
 Invariant (both): the ops of one *channel* (gradients, control) are called in the same
 order by every rank; a rank that deviates blocks the others until ``timeout_s``.
 """
@@ -34,17 +38,20 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 
 class Collective(Protocol):
-    rank: int
+    rank: int  # this process among the group's
     world: int
+    shard: int  # the rows this rank trains: shard `shard` of `shards` (rank and world, but on a
+    shards: int  # (dp, tp) mesh the tp ranks of one dp index train one shard: tensor_parallel.MeshGroup)
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> None: ...
     def broadcast(self, obj: Any) -> Any: ...
@@ -94,6 +101,22 @@ def all_reduce_buckets(tensors: Sequence[torch.Tensor], reduce: Callable[[torch.
             at += n
 
 
+@torch.no_grad()
+def full_buckets(model: torch.nn.Module, bucket_bytes: int = BUCKET_BYTES) -> Iterator[dict[str, np.ndarray]]:
+    """The model's parameters (tied ones once) as whole host numpy arrays by name, in buckets of
+    about ``bucket_bytes`` of whole tensors (:func:`buckets`). A sharded parameter (a DTensor) is
+    all-gathered: every rank holding a shard must iterate this, in the same order."""
+    named = list(model.named_parameters())
+    whole = [torch.empty(p.shape, dtype=p.dtype, device="meta") for _, p in named]  # (sizes, not shards)
+    for idx in buckets(whole, bucket_bytes):
+        out = {}
+        for i in idx:
+            name, p = named[i]
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            out[name] = full.detach().to("cpu", copy=True).numpy()
+        yield out
+
+
 def free_address(host: str | None = None) -> str:
     """``tcp://host:port`` with a port free on this machine now (rank 0 calls this)."""
     host = host or "127.0.0.1"
@@ -107,6 +130,7 @@ class TorchGroup:
 
     def __init__(self, address: str, rank: int, world: int, timeout_s: float = 900.0):
         self.rank, self.world, self._dist = rank, world, dist
+        self.shard, self.shards = rank, world
         dist.init_process_group("gloo", init_method=address, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         self._ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -159,6 +183,7 @@ class ThreadGroup:
 
     def __init__(self, rendezvous: ThreadRendezvous, rank: int):
         self.rdv, self.rank, self.world = rendezvous, rank, rendezvous.world
+        self.shard, self.shards = rank, self.world
 
     def all_reduce_sum(self, tensors: Sequence[torch.Tensor]) -> None:
         mine = [t.detach().clone() for t in tensors]  # others read them while we write ours

@@ -2,8 +2,8 @@
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
 :class:`~asyncflow.workflow.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
-``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, ``generate`` and
-``load_weights``, with the same
+``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, the multi-turn
+``extend`` / ``release`` (``stop_ids``, ``keep``), ``generate`` and ``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
 role code while generation costs microseconds.
 
@@ -17,13 +17,13 @@ Scripted behaviour
 * ``logprob(version, position) -> float``: the recorded log-prob of a token (default
   ``-1.0`` for every token); tests can make it depend on the version to see which weights
   "produced" a token.
+* A request's ``stop_ids`` end its answer at the first scripted token among them (after
+  ``min_new_tokens``); a ``keep`` request's tokens are kept for ``extend``, whose turn is
+  scripted by ``answer`` for a request whose prompt is the whole history. ``FakeEngine(keep=False)``:
+  batches without ``extend``/``release``, like an engine without the capability (the caller sends
+  the whole history as a new request).
 * ``load_weights(version, tensors)`` only records the version (and the names it got);
   ``recompute_cache`` counts its calls.
-* A request's ``stop_ids`` end its answer at the first of them (kept), as EOS does;
-  ``Completion.stop_reason`` says ``eos``, ``stop`` or ``length``.
-* ``FakeEngine(keep=True)``: its batches also have the multi-turn ``extend``/``release``
-  (rows finished with ``Request.keep`` are kept by key; ``extend`` appends ids and scripts the
-  next turn from the whole history); without it they have neither, like the vLLM adapter.
 
 Invariants: the output is a pure function of the requests, the script and the sequence of
 calls (no randomness); ``token_versions`` records the batch version at each token, exactly
@@ -66,7 +66,7 @@ class FakeBatch:
         self.rows: list[_FakeRow] = []
         self.version = engine.version
         self.recomputes = 0
-        self.kept: dict[Any, _FakeRow] = {}  # finished rows with Request.keep, by key (KeepBatch)
+        self.kept: dict[Any, tuple[Request, list[int]]] = {}  # key -> (request, every token so far)
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -92,14 +92,13 @@ class FakeBatch:
             row.versions.append(self.version)
             limit = row.req.max_new_tokens or self.sampling.max_new_tokens
             eos = tok == self.engine.eos_id
-            stop = tok in row.req.stop_ids
+            stop = not eos and tok in row.req.stop_ids and len(row.out) > row.req.min_new_tokens
             if eos or stop or len(row.out) >= min(limit, len(row.answer)):
-                reason = "eos" if eos else "stop" if stop else "length"
-                done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs,
-                                       row.version, eos, row.versions, reason))
+                done.append(Completion(row.req.key, row.req.prompt_ids, row.out, row.logprobs, row.version, eos,
+                                       row.versions, "eos" if eos else "stop" if stop else "length"))
                 ended.add(id(row))
                 if row.req.keep:
-                    self.kept[row.req.key] = row
+                    self.kept[row.req.key] = (row.req, row.req.prompt_ids + row.out)
         if ended:
             self.rows = [r for r in self.rows if id(r) not in ended]
         return done
@@ -131,20 +130,35 @@ class FakeBatch:
 
 
 class FakeKeepBatch(FakeBatch):
-    """A :class:`FakeBatch` with the multi-turn capability (``extend``/``release``)."""
+    """A :class:`FakeBatch` with the multi-turn capability (``extend``/``release``,
+    :class:`~asyncflow.engines.types.MultiTurnBatch`); ``FakeEngine(keep=False)`` makes a
+    plain :class:`FakeBatch` instead, like an engine that cannot keep a row's cache."""
+
+    extended = 0  # extend calls (tests check which path a driver took)
 
     def extend(self, key: Any, append_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[Completion]:
-        """Continue the kept row ``key``: its history plus ``append_ids`` is the next turn's prompt."""
-        row = self.kept.pop(key)  # (KeyError for an unknown key, as the protocol says)
-        req = Request(key, list(row.req.prompt_ids) + row.out + list(append_ids), max_new_tokens, min_new_tokens,
-                      stop_ids=row.req.stop_ids, keep=row.req.keep)
+        """Continue a kept row: a new turn scripted by ``answer`` for a request whose prompt is the
+        whole history plus ``append_ids`` (``MultiTurnBatch``)."""
+        if key not in self.kept:
+            raise KeyError(f"extend: no kept row with key {key!r} (not added with keep=True, released, "
+                           f"or still generating)")
+        old, history = self.kept.pop(key)
         self.extended += 1
+        req = Request(key, history + list(append_ids), max_new_tokens, min_new_tokens, stop_ids=old.stop_ids,
+                      keep=True)
         return self.add([req])
 
     def release(self, key: Any) -> None:
-        del self.kept[key]
-
-    extended = 0  # extend calls (tests check which path a runner took)
+        """Forget a kept row (a live one is not kept when it finishes)."""
+        if key in self.kept:
+            del self.kept[key]
+            return
+        for r in self.rows:
+            if r.req.key == key:
+                r.req = Request(r.req.key, r.req.prompt_ids, r.req.max_new_tokens, r.req.min_new_tokens,
+                                r.req.version, r.req.stop_ids, keep=False)
+                return
+        raise KeyError(f"release: no kept or live row with key {key!r}")
 
 
 class FakeEngine:
@@ -152,7 +166,7 @@ class FakeEngine:
 
     def __init__(self, answer: Callable[[Request, SamplingParams], Sequence[int]] | None = None,
                  logprob: float | Callable[[int, int], float] = -1.0, eos_id: int = EOS, max_batch: int = 64,
-                 keep: bool = False):
+                 keep: bool = True):
         self.eos_id, self.max_batch, self.keep = eos_id, max_batch, keep
         self.answer = answer or (lambda req, sp: default_answer(req, sp, eos_id))
         self.logprob = logprob if callable(logprob) else (lambda version, pos, _v=float(logprob): _v)

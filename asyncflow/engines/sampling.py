@@ -39,10 +39,41 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch
     out = torch.empty(rows, dtype=torch.long, device=probs.device)
     step = max(1, CHUNK_ELEMENTS // vocab)
     for i in range(0, rows, step):
-        cdf = torch.cumsum(probs[i:i + step], -1, dtype=torch.float64)
-        total = cdf[:, -1:]
-        if not bool(torch.isfinite(total).all()) or bool((total <= 0).any()):
-            raise ValueError("sampling: a row's probabilities are not finite or sum to 0 (NaN/inf logits?)")
-        x = torch.minimum(u[i:i + step] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
-        out[i:i + step] = torch.searchsorted(cdf, x, right=True)[:, 0]
+        tok, ok = inverse_cdf(probs[i:i + step], u[i:i + step, 0])
+        if not bool(ok.all()):
+            raise ValueError(BROKEN_ROW)
+        out[i:i + step] = tok
     return out
+
+
+BROKEN_ROW = "sampling: a row's probabilities are not finite or sum to 0 (NaN/inf logits?)"
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One index per row of ``probs`` (B, V) for the uniform numbers ``u`` (B, float64): the first
+    index whose running sum (float64) exceeds ``u`` times the row's total; and whether each row's
+    total is finite and positive (else its index is garbage). No host synchronisation: this is
+    :func:`draw`'s rule for large vocabularies, and the sampler of the built-in engine's captured
+    decode step (:mod:`asyncflow.engines.slot_step`), whose uniforms are drawn by :func:`uniforms`."""
+    cdf = torch.cumsum(probs, -1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))  # < total
+    ok = torch.isfinite(total[:, 0]) & (total[:, 0] > 0)
+    return torch.searchsorted(cdf, x, right=True)[:, 0], ok
+
+
+def uniforms(rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """The ``rows`` uniform numbers (float64, on the generator's device) that :func:`draw` takes
+    from ``generator`` for ``rows`` rows of a large vocabulary: the same stream, drawn ahead."""
+    device = generator.device if generator is not None else "cpu"
+    return torch.rand((rows, 1), generator=generator, dtype=torch.float64, device=device)[:, 0]
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``probs`` (rows summing to 1) with every entry outside the row's top-``p`` nucleus set to 0
+    (the smallest set of the largest entries whose mass reaches ``top_p``; not renormalised)."""
+    sorted_p, order = probs.sort(-1, descending=True)
+    cut = sorted_p.cumsum(-1) - sorted_p > top_p
+    sorted_p = sorted_p.masked_fill(cut, 0.0)
+    return torch.zeros_like(probs).scatter(1, order, sorted_p)
+

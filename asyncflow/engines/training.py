@@ -53,6 +53,10 @@ Precision (``dtype``): ``float32``, or ``bfloat16`` as mixed precision: the para
 their gradients and the AdamW states stay float32 (master weights), the forward runs under
 ``torch.autocast(bfloat16)``, and log-softmax is taken in float32. Exported weights are
 float32; an inference engine casts them to its own precision.
+
+Memory (``logprob_chunk_mib``): a pass whose float32 logits ``[B, R, V]`` would exceed that
+many MiB runs the LM head in chunks of that size, recomputed in backward
+(:mod:`asyncflow.engines.logprobs`), so its peak does not grow with ``tokens x vocabulary``.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ import torch.nn.functional as F
 
 from asyncflow.engines.collective import Collective, all_reduce_buckets
 from asyncflow.engines.device import model_device
+from asyncflow.engines.logprobs import chunked_pass
 from asyncflow.engines.passes import length_sorted_split, merge_metrics, padding_split, take_rows, token_budget_split
 
 
@@ -126,14 +131,21 @@ class TokenBatch:
 
 
 def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float = 1.0,
-                   entropy: bool = False) -> torch.Tensor:
+                   entropy: bool = False, chunk_mib: float = 0.0) -> torch.Tensor:
     """Per response token log-probs ``[B, R]`` (0 where masked). With ``entropy``, also sets
     ``batch.entropy``: the entropy ``-sum_v p_v log p_v`` of each position's (tempered)
     next-token distribution, differentiable, 0 where masked.
 
-    Only the positions from the shortest prompt's last token on get logits (the model's
+    With ``chunk_mib``, a pass whose float32 ``[B, R, V]`` logits would pass that many MiB
+    goes through the LM head in chunks of that size instead, recomputed in backward
+    (:mod:`asyncflow.engines.logprobs`; same values and gradients). Otherwise only the
+    positions from the shortest prompt's last token on get logits (the model's
     ``logits_to_keep``, where its ``forward`` takes it): the LM head and its backward skip
     the prompt positions, whose logits no loss reads."""
+    if chunk_mib > 0:
+        got = chunked_pass(model, batch, temperature, entropy, chunk_mib)
+        if got is not None:
+            return got
     L = batch.input_ids.shape[1]
     kw: dict[str, Any] = {}
     keep = L - min(batch.prompt_lens, default=1) + 1
@@ -142,6 +154,10 @@ def token_logprobs(model: torch.nn.Module, batch: TokenBatch, temperature: float
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False, **kw)
     logits = out.logits
     idx = (batch.gather_index() - (L - logits.shape[1])).clamp(min=0)  # into the kept positions
+    if hasattr(logits, "to_local"):  # train.tp: logits sharded by vocabulary (a DTensor), never gathered
+        # lazy: only with train.tp > 1 (torch.distributed.tensor takes seconds to import)
+        from asyncflow.engines.vocab_parallel import sharded_logprobs
+        return sharded_logprobs(logits, idx, batch, temperature, entropy)
     picked = logits.gather(1, idx[:, :, None].expand(-1, -1, logits.shape[-1]))  # [B, R, V]
     if temperature > 0 and temperature != 1.0:
         picked = picked / temperature
@@ -266,19 +282,24 @@ class TrainEngine:
                  grad_clip: float = 1.0, temperature: float = 1.0, betas: tuple[float, float] = (0.9, 0.99),
                  schedule: Callable[[int], float] | None = None, max_tokens_per_micro: int | None = None,
                  dtype: str = "float32", fsdp: bool = False, collective: Collective | None = None,
-                 split_padding: int = 0, rows_per_pass: int | None = None):
+                 split_padding: int = 0, rows_per_pass: int | None = None, logprob_chunk_mib: float = 256.0,
+                 tensor_parallel: Any = None):
         autocast(dtype)  # validates the name
         self.model = model.float()  # master weights stay float32 (bfloat16 = autocast)
         self.device = model_device(model)  # batches are built there (resources.device)
         self.fsdp, self.collective = fsdp, collective
         if fsdp:
             shard(self.model)
+        if tensor_parallel is not None:  # train.tp: every parameter a DTensor (engines/tensor_parallel.py)
+            tensor_parallel.apply(self.model)
+        self.gathers = fsdp or tensor_parallel is not None  # sharded weights: every rank joins each all-gather
         self.dtype = dtype
         self.max_tokens_per_micro = max_tokens_per_micro
         self.split_padding = 0 if fsdp else split_padding  # FSDP: every rank runs the same passes
         self.rows_per_pass = None if fsdp else rows_per_pass
         self.pad_id = pad_id
         self.temperature = temperature if temperature > 0 else 1.0
+        self.logprob_chunk_mib = logprob_chunk_mib  # (see token_logprobs; 0 = never chunk)
         self.grad_clip = grad_clip
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=betas)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, schedule) if schedule else None
@@ -293,7 +314,7 @@ class TrainEngine:
         for idx in self._chunks(prompts, responses):
             batch = TokenBatch.build(take_rows(prompts, idx), take_rows(responses, idx), self.pad_id, self.device)
             with autocast(self.dtype, self.device):
-                logp = token_logprobs(self.model, batch, self.temperature).float().cpu()
+                logp = token_logprobs(self.model, batch, self.temperature, chunk_mib=self.logprob_chunk_mib).cpu()
             for j, i in enumerate(idx):
                 out[i] = logp[j, : batch.response_lens[j]].float().numpy().astype(np.float32)
         self.model.train(was_training)
@@ -309,7 +330,7 @@ class TrainEngine:
 
     def _forward(self, batch: TokenBatch, entropy: bool = False) -> torch.Tensor:
         """The per-token ``[B, R]`` quantity the loss sees: log-probs here (a critic: values)."""
-        return token_logprobs(self.model, batch, self.temperature, entropy)
+        return token_logprobs(self.model, batch, self.temperature, entropy, self.logprob_chunk_mib)
 
     def forward_backward(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]], extras: dict,
                          loss_fn: LossFn) -> dict:

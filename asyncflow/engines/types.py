@@ -7,17 +7,9 @@ The rollout role talks to an engine only through these: ``engine.version``,
 ``recompute_cache()``, ``drop_all() -> [Request]`` and ``drop(which) -> [Request]``, the
 live rows whose request ``which(req)`` is true: over-provisioned stragglers); and
 ``engine.load_weights(version, tensors)``. Completions carry one log-prob and one policy
-version per generated token.
-
-Multi-turn (optional capabilities): ``Request.stop_ids`` end a row at any of those tokens
-besides EOS (the token is kept; ``Completion.stop_reason`` says which of ``eos``, ``stop``,
-``length`` ended it; an engine that ignores them runs on, and the caller cuts the answer at
-the first stop token); a batch with ``extend(key, append_ids, max_new_tokens,
-min_new_tokens=0) -> [Completion]`` continues a finished row kept by ``Request.keep`` (its
-KV cache kept under ``key``): the appended ids are prefilled onto it and the next turn is
-generated (``response_ids``: the new turn's tokens only); ``release(key)`` frees it, and an
-unknown key raises ``KeyError``. Without ``extend`` the caller sends the whole history as a
-new request's ``prompt_ids``.
+version per generated token, and why they stopped (``stop_reason``). Optional capabilities:
+``partials``/``resume`` (continue answers across a restart, :class:`Partial`) and
+:class:`MultiTurnBatch` (``extend``/``release``: continue a finished answer on its KV cache).
 
 Implementations (one contract test, ``tests/test_contracts_inference.py``, runs against
 each): the built-in :class:`asyncflow.engines.inference.InferenceEngine`, the test double
@@ -44,20 +36,31 @@ class SamplingParams:
 
 @dataclass
 class Request:
-    """One sequence to generate. ``key`` is opaque to the engine (the caller's id)."""
+    """One sequence to generate. ``key`` is opaque to the engine (the caller's id).
+
+    ``stop_ids`` and ``keep`` are for multi-turn callers (:class:`MultiTurnBatch`): extra token
+    ids that end the answer besides EOS (the stopping token is part of the answer; like EOS,
+    barred before ``min_new_tokens``), and whether the engine keeps the row's KV cache when it
+    finishes, to continue it with ``extend``. An engine without the capability ignores ``keep``."""
 
     key: Any
     prompt_ids: list[int]
     max_new_tokens: int | None = None  # overrides SamplingParams.max_new_tokens
     min_new_tokens: int = 0
     version: int = 0  # policy version when the request was admitted (filled by the engine)
-    stop_ids: tuple[int, ...] = ()  # token ids that end it besides EOS (the stopping token is kept)
-    keep: bool = False  # keep the finished row's KV cache under ``key`` (for ``batch.extend``)
+    stop_ids: tuple[int, ...] = ()
+    keep: bool = False
+
+
+STOP_REASONS = ("eos", "stop", "length")
 
 
 @dataclass
 class Completion:
-    """A finished sequence: generated ids (EOS included when it stopped on EOS)."""
+    """A finished sequence: generated ids (EOS or the stop id included when it stopped on one).
+
+    ``stop_reason`` is ``"eos"``, ``"stop"`` (one of the request's ``stop_ids``) or ``"length"``
+    (``max_new_tokens``); left empty by an engine, it is derived from ``finished_on_eos``."""
 
     key: Any
     prompt_ids: list[int]
@@ -66,7 +69,11 @@ class Completion:
     version: int  # oldest policy version that produced any of its tokens
     finished_on_eos: bool
     token_versions: list[int] = field(default_factory=list)  # policy version that sampled each token
-    stop_reason: str = ""  # "eos", "stop" (one of the request's stop_ids) or "length"; "" = not told
+    stop_reason: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.stop_reason:
+            self.stop_reason = "eos" if self.finished_on_eos else "length"
 
 
 @dataclass
@@ -122,6 +129,39 @@ class EngineBatch(Protocol):
 
     def drop(self, which: Callable[[Request], bool]) -> list[Request]:
         """Remove the live requests for which ``which(req)`` is true; return them."""
+
+
+@runtime_checkable
+class MultiTurnBatch(EngineBatch, Protocol):
+    """An :class:`EngineBatch` that continues finished answers on their KV cache (multi-turn
+    rollouts, token in / token out): an optional capability; a caller checks
+    ``isinstance(batch, MultiTurnBatch)`` and otherwise starts each turn as a new
+    :class:`Request` whose ``prompt_ids`` are the whole token history.
+
+    * A request added with ``keep=True`` is *kept* when it finishes: its completion is returned
+      as usual, and the engine holds its tokens (and, while it has room, its KV cache) under the
+      request's ``key``. A kept row is not live (``len(batch)`` does not count it).
+    * ``extend(key, append_ids, max_new_tokens, min_new_tokens=0)`` appends ``append_ids`` (an
+      observation's tokens, never re-tokenised) after the kept row's last token, prefills only
+      what its cache lacks, and generates the next turn as a live row again (``keep`` still
+      holds): it comes back once, from ``extend`` or a later ``step``, as a :class:`Completion`
+      whose ``prompt_ids`` are the whole history before the turn (all earlier tokens plus
+      ``append_ids``) and whose ``response_ids``, log-probs and versions are the new turn's only.
+      The caller counts it against ``max_batch`` like an ``add``.
+    * ``release(key)`` forgets a kept row (a live one is simply not kept when it finishes).
+    * ``extend``/``release`` of a key that is not kept (never was, released, still live) raise
+      ``KeyError`` naming the key.
+    * After a weight swap (``recompute_cache``, or ``version`` moved) a kept row's cache is
+      stale: ``extend`` rebuilds it from the token history under the current weights. When
+      slots run out, kept rows may lose their cache the same way (rebuilt on ``extend``).
+    """
+
+    def extend(self, key: Any, append_ids: list[int], max_new_tokens: int,
+               min_new_tokens: int = 0) -> list[Completion]:
+        """Continue the kept row ``key`` after ``append_ids``; the turn if it finished at once."""
+
+    def release(self, key: Any) -> None:
+        """Forget the kept row ``key``."""
 
 
 @runtime_checkable

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -98,6 +99,7 @@ class RayLauncher:
             if address:
                 ray.init(address=address, **kwargs)
             else:
+                _own_token()
                 ray.init(num_cpus=self._num_cpus or os.cpu_count() or 1, _system_config={"worker_niceness": 0},
                          **kwargs)
                 self._owns_host = True
@@ -204,3 +206,22 @@ class RayLauncher:
         if self._reaper is not None:  # (it sweeps what the shutdown left, then ends)
             self._reaper.stdin.close()
             self._reaper = None
+
+
+def _own_token() -> None:
+    """A local Ray instance authenticates with a fresh token of its own (Ray's token mode, set
+    explicitly, so Ray prints no warning and writes no ``~/.ray/auth_token``). The token is in
+    this process's environment, which Ray's processes inherit: readable by this OS user only.
+    A user's own ``RAY_AUTH_MODE`` (``disabled`` included) is respected."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    import ray._raylet as raylet  # Ray reads its auth settings once per process: refresh them after setting ours
+
+    config, loader = getattr(raylet, "Config", None), getattr(raylet, "AuthenticationTokenLoader", None)
+    if config is None or loader is None:  # another Ray: leave its defaults (token mode, with its warning)
+        return
+    os.environ["RAY_AUTH_MODE"] = "token"
+    if not (os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH")):
+        os.environ["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    config.initialize("")
+    loader.instance().reset_cache()

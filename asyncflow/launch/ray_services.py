@@ -137,11 +137,20 @@ class RayWeightStore:
     def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> None:
         self.handle.publish.remote(version, {"ref": [ray.put(dict(buffers))]})  # a list: not resolved
 
+    def publish_part(self, version: int, index: int, buffers: Mapping[str, np.ndarray],
+                     total: int | None = None) -> None:
+        """One part into the object store now (the caller frees its copy at once); the store keeps
+        its reference under a key of its own, so the parts' union holds every reference."""
+        self.handle.publish_part.remote(version, index, {f"ref.{index}": [ray.put(dict(buffers))]}, total)
+
     def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None:
         got = ray_get(self.handle.wait_newer.remote(version, timeout))
         if got is None:
             return None
-        return got[0], ray_get(got[1]["ref"][0])
+        out: dict = {}
+        for part in ray_get([refs[0] for _, refs in sorted(got[1].items())]):  # (a whole set, or its parts)
+            out.update(part)
+        return got[0], out
 
     def latest_version(self) -> int:
         return ray_get(self.handle.latest_version.remote())

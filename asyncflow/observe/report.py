@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from asyncflow.observe.episodes import episode_counts, episode_line
+
 if TYPE_CHECKING:
     from asyncflow.config import RunConfig
 
@@ -51,6 +53,7 @@ class Progress:
         self.steps, self.enabled, self.bar, self._ws = steps, enabled, None, None
         self.metric = metric
         self._acc: float | None = None
+        self._ws_acc: tuple[int, float] | None = None  # (SFT step, held-out metric) of the last evaluation
         self.tty = sys.stderr.isatty() if tty is None else tty
         self.every_s, self._last = every_s, -every_s
 
@@ -61,19 +64,35 @@ class Progress:
             print(text, file=sys.stderr, flush=True)
 
     def warmstart(self, step: int, acc: float | None, loss: float) -> None:
+        """SFT step ``step`` (the model's count: it goes back at a landing rewind, see :meth:`note`)."""
         if not self.enabled:
             return
+        if acc is not None:
+            self._ws_acc = (step, acc)
         if not self.tty:
-            held = f", held-out {acc:.1%}" if acc is not None else ""
-            self._line(f"warm-start (SFT) step {step}: loss {loss:.3f}{held}")
+            held = ""
+            if self._ws_acc is not None:
+                at, last = self._ws_acc
+                held = f", held-out {self.metric} {fmt_metric(self.metric, last)}" + (f" (at step {at})" if at != step
+                                                                                        else "")
+            self._line(f"warm-start (SFT) step {step}: loss {loss:.3f}{held}", force=acc is not None)
             return
         if self._ws is None:
             self._ws = tqdm(desc="warm-start (SFT)", unit="step", leave=False, file=sys.stderr)
         self._ws.update(step - self._ws.n)
         post = {"loss": f"{loss:.3f}"}
-        if acc is not None:
-            post["heldout"] = f"{acc:.1%}"
+        if self._ws_acc is not None:
+            post["heldout"] = fmt_metric(self.metric, self._ws_acc[1])
         self._ws.set_postfix(post)
+
+    def note(self, text: str) -> None:
+        """One line that explains a jump (a warm-start rewind), above the bars on a terminal."""
+        if not self.enabled:
+            return
+        if self.tty and (self._ws is not None or self.bar is not None):
+            tqdm.write(text, file=sys.stderr)
+        else:
+            self._line(text, force=True)
 
     def start(self, acc0: float | None) -> None:
         if self._ws is not None:
@@ -284,46 +303,6 @@ def reward_counts(stats: dict) -> dict:
             "reward_first_error": first[:200] if first else None, "reward_fn": fn}
 
 
-ENV_ERRORS = ("env_exception", "env_timeout", "env_bad_return", "env_template")
-
-
-def episode_stats(stats: dict) -> dict:
-    """The episode counters of every rollout worker (data-parallel ``sync``: one per rank), summed;
-    their first failures, in rank order."""
-    out: dict = {}
-    for name, s in sorted(stats.items()):
-        if name.split(".")[0] != "rollout" or "episodes" not in s:
-            continue
-        for k in ("episodes", "turns", "env_calls", "turns_cut_at_stop", "env_errors", *ENV_ERRORS):
-            out[k] = out.get(k, 0) + s.get(k, 0)
-        out["env_failures"] = out.get("env_failures", []) + s.get("env_failures", [])
-    return out
-
-
-def episode_counts(stats: dict) -> dict:
-    """Multi-turn runs: ``episodes`` (finished, turns, environment calls, errors by kind) and
-    ``env_errors`` / ``env_first_error`` (one line) beside it; nothing for a single-turn run."""
-    rollout = episode_stats(stats)
-    if not rollout:
-        return {}
-    fails = rollout["env_failures"]
-    first = next((ln.strip() for ln in reversed(fails[0].splitlines()) if ln.strip()), None) if fails else None
-    return {"episodes": {k: rollout.get(k, 0) for k in ("episodes", "turns", "env_calls", "turns_cut_at_stop",
-                                                        *ENV_ERRORS)},
-            "env_errors": rollout.get("env_errors", 0), "env_first_error": first[:200] if first else None}
-
-
-def env_error_line(s: dict, log: Path | None) -> str | None:
-    """One line on the episodes an environment error ended (None when none did)."""
-    n = s.get("env_errors", 0)
-    if not n:
-        return None
-    first = f"; first: {s['env_first_error']}" if s.get("env_first_error") else ""
-    where = f" (tracebacks of the first few: {log})" if log is not None else ""
-    return (f"asyncflow: warning: an environment error ended {n} of {s['episodes']['episodes']} episodes, "
-            f"scored as env.on_error{first}{where}")
-
-
 def reward_failures(stats: dict) -> list[str]:
     """The first few failures of a configured reward.fn: each a traceback, or what went wrong."""
     return list(_reward_source(stats).get("failures", []))
@@ -351,10 +330,7 @@ def format_summary(s: dict) -> str:
         e = s["heldout_evals"]
         acc += (f"evaluations        {e['done']} beside training ({e.get('skipped', 0)} skipped while one ran, "
                 f"{e.get('late', 0)} late, {e['failed']} failed, {e['abandoned']} unfinished at the end)\n")
-    if s.get("episodes"):  # (multi-turn)
-        e = s["episodes"]
-        acc += (f"episodes           {e['episodes']} ({e['turns']} turns, {e['env_calls']} environment calls), "
-                f"{s['env_errors']} ended by an environment error\n")
+    acc += episode_line(s)  # (multi-turn)
     if s.get("skipped_rows"):
         acc += f"bad rows skipped   {s['skipped_rows']} (task.on_bad_row=skip); first: {s['skipped_first']}\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())
@@ -371,7 +347,10 @@ def format_summary(s: dict) -> str:
     init = ""
     if ws.get("source") == "warmstart":
         how = "cached" if ws["cached"] else f"{ws['seconds']:.0f} s"
-        init = f"warm-start         SFT to {ws['accuracy']:.1%} in {ws['steps']} steps ({how})\n"
+        name = s.get("heldout_metric") or "accuracy"  # the same metric, in the same unit, as the held-out line
+        again = f", {ws['replayed']} more replayed to land near the target" if ws.get("replayed") else ""
+        init = (f"warm-start         SFT to held-out {name} {fmt_metric(name, ws['accuracy'])} in {ws['steps']} steps"
+                f"{again} ({how})\n")
     if "dynamic_sampling" in s:
         d = s["dynamic_sampling"]
         acc += (f"dynamic sampling   dropped {d['groups_dropped']} of {d['groups_scored']} groups "
@@ -385,6 +364,11 @@ def format_summary(s: dict) -> str:
         acc += (f"checkpoints        {len(s.get('checkpoint_pause_s') or [])} resumable written (checkpoints/), "
                 f"median pause {p[len(p) // 2] * 1e3:.0f} ms"
                 + (f"; resumed after step {s['resumed_from']}" if s.get("resumed_from") else "") + "\n")
+    if (k := s.get("checkpoint_kept")) and k["kept"] == "best":  # train.keep_best
+        name = s.get("heldout_metric") or "accuracy"
+        acc += (f"checkpoint/        the best evaluated weights: after step {k['version']}, held-out "
+                f"{fmt_metric(name, k['heldout_acc'])} (the last, {fmt_metric(name, k['last_heldout_acc'])}, "
+                f"is in checkpoint-last/)\n")
     on = f" on {s['device']}" if s.get("device", "cpu") != "cpu" else ""
     return (f"\n== asyncflow {s['mode']} (staleness bound {s['staleness_bound']}){on} ==\n" + init + acc +
             f"throughput         {s['samples_per_s']:.1f} samples/s, {s['tokens_per_s']:.0f} response tokens/s "

@@ -29,6 +29,15 @@ sheet. Every number in it is an **assumption**, listed in :data:`ASSUMPTIONS` an
 repeated in ``docs/planner.md``: FLOPs ``2P`` per generated token and ``6P`` per trained
 token (+ ``2P`` each for the old-policy and reference log-prob passes of a verl-style
 step), decode bound by ``max(compute, weight + KV bytes / bandwidth)``, utilisations fixed.
+
+Tensor parallelism of the trainer (``train.tp``; :func:`tp_pass_s`, kept simple): a training pass
+split over ``tp`` ranks costs ``1 / tp`` of its compute on each (the matmuls divide evenly; the
+norms and the vocabulary-parallel log-prob's small all-reduces are left out) plus Megatron's four
+all-reduces a decoder layer (two forward, two backward) of the pass's activations
+(``tokens x hidden`` float32 values), each a ring all-reduce: ``2 (tp - 1) / tp x bytes /
+bandwidth + 2 (tp - 1) x latency`` (:meth:`allreduce_s`). The link is an assumption for every
+model: gloo over loopback on a CPU (:data:`CPU_LINK`), an NVLink-class bus for the analytic
+accelerators (``tp_link_gbs``, ``tp_latency_s`` in :data:`ASSUMPTIONS`).
 """
 
 from __future__ import annotations
@@ -37,6 +46,27 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+CPU_LINK = (2.0, 50e-6)  # assumed gloo all-reduce on one host: GB/s, seconds a hop (not measured)
+
+
+def ring_allreduce_s(nbytes: float, ranks: int, gbs: float, latency_s: float) -> float:
+    """Seconds of a ring all-reduce of ``nbytes`` over ``ranks`` (0 for one rank).
+
+    >>> round(ring_allreduce_s(1e9, 2, 1.0, 0.0), 3)  # half the bytes sent and half received, twice
+    1.0
+    """
+    if ranks <= 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / (gbs * 1e9) + 2 * (ranks - 1) * latency_s
+
+
+def tp_pass_s(cost: Any, compute_s: float, tokens: int, tp: int, wl: Any) -> float:
+    """A training pass of ``tokens`` (padded) split over ``tp`` tensor-parallel ranks (module doc):
+    ``compute_s / tp`` plus ``4 x wl.layers`` all-reduces of ``tokens x wl.hidden`` float32 values."""
+    if tp <= 1:
+        return compute_s
+    return compute_s / tp + 4 * wl.layers * cost.allreduce_s(tokens * wl.hidden * 4.0, tp)
 
 
 # ---------------------------------------------------------------------------- profiled
@@ -105,6 +135,9 @@ class ProfiledCost:
     def reward_s(self, n: int) -> float:
         return self.reward_per_sample_s * n
 
+    def allreduce_s(self, nbytes: float, ranks: int) -> float:
+        return ring_allreduce_s(nbytes, ranks, *CPU_LINK)
+
     def step_overhead_s(self) -> float:
         return self.pipeline.get("step_overhead_s", 0.0)
 
@@ -168,6 +201,8 @@ ASSUMPTIONS = {
     "opt_bytes_per_param": (16.0, "optimizer step reads/writes (fp32 master, Adam m, v, grads)"),
     "step_overhead_s": (1.0, "per training step: driver, scheduling, logging, data-plane round trips"),
     "reward_s_per_sample": (0.0, "rule-based maths reward: negligible"),
+    "tp_link_gbs": (300.0, "train.tp: all-reduce bus bandwidth per device within a node (NVLink-class), GB/s"),
+    "tp_latency_s": (1e-5, "train.tp: latency of one hop of a ring all-reduce"),
 }
 
 
@@ -226,6 +261,9 @@ class AnalyticCost:
     def reward_s(self, n: int) -> float:
         return self.a["reward_s_per_sample"] * n
 
+    def allreduce_s(self, nbytes: float, ranks: int) -> float:
+        return ring_allreduce_s(nbytes, ranks, self.a["tp_link_gbs"], self.a["tp_latency_s"])
+
 
 @dataclass
 class ConstantCost:
@@ -243,6 +281,7 @@ class ConstantCost:
     overhead: float = 0.0
     pieces: tuple[float, float, float] | None = None  # stream/async overheads (rollout, data, actor); None: split
     interference: float = 1.0
+    allreduce: float = 0.0  # seconds of one all-reduce (train.tp)
 
     def decode_s(self, n: int, ctx: float, res: int) -> float:
         return self.decode + self.decode_per_row * n
@@ -267,6 +306,9 @@ class ConstantCost:
 
     def reward_s(self, n: int) -> float:
         return self.reward * n
+
+    def allreduce_s(self, nbytes: float, ranks: int) -> float:
+        return self.allreduce if ranks > 1 else 0.0
 
     def step_overhead_s(self) -> float:
         return self.overhead

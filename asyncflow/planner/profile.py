@@ -2,9 +2,9 @@
 
 For each torch thread count (1, 2, 4, ... up to the cores), on the job's own model:
 
-* decode seconds per round vs live rows ``n`` and context length (``GenerationBatch.step``
+* decode seconds per round vs live rows ``n`` and context length (the built-in engine's ``batch.step``
   at several batch sizes while the context grows), fitted as ``a + b*n + c*n*ctx``;
-* prefill seconds vs ``rows * prompt_len`` (``GenerationBatch.add``);
+* prefill seconds vs ``rows * prompt_len`` (``batch.add``);
 * training seconds per micro-batch vs ``rows * padded_len`` (``forward_backward`` with the
   GRPO loss), and the optimizer step;
 * once: weight export and load (the swap), reward seconds per sample, the natural
@@ -44,7 +44,6 @@ from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.bench.solo import measure_roles
 from asyncflow.config import RunConfig
 from asyncflow.engines.inference import (
-    GenerationBatch,
     InferenceEngine,  # lazy: torch, profiling only
     Request,
     SamplingParams,
@@ -108,7 +107,7 @@ def _curves(model: Any, tok: Any, prompt_ids: list[list[int]], cfg: RunConfig, q
         for _ in range(2):  # elementwise min of two sweeps: other load on a shared machine only adds time
             reqs = [Request(key=i, prompt_ids=prompt_ids[i % len(prompt_ids)], max_new_tokens=max_new,
                             min_new_tokens=max_new) for i in range(n)]
-            batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
+            batch = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=n, seed=0).new_batch(sp)
             t = time.perf_counter()
             batch.add(reqs)
             times = [time.perf_counter() - t]
@@ -148,7 +147,7 @@ def _lengths(model: Any, tok: Any, prompt_ids: list[list[int]], cfg: RunConfig) 
     if r.gen_len == "longtail":
         return {r.longtail_short: 1 - r.longtail_frac, r.longtail_long: r.longtail_frac}
     sp = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens)
-    batch = GenerationBatch(model, tok.eos_token_id, tok.pad_token_id, sp, torch.Generator().manual_seed(0))
+    batch = InferenceEngine(model, tok.eos_token_id, tok.pad_token_id, max_batch=128, seed=0).new_batch(sp)
     done = batch.add([Request(key=i, prompt_ids=p) for i, p in enumerate(prompt_ids[:128])])
     while len(batch):
         done += batch.step()
@@ -209,7 +208,7 @@ def _pipeline(cfg: RunConfig, prof: dict, ncpu: int, steps: int = 8) -> dict:
     def run_cfg(**kw: Any) -> RunConfig:
         data = cfg.model_dump()
         data.update(plan="off", progress=False, run_dir=tempfile.mkdtemp(prefix="asyncflow-profile-run-"), **kw)
-        data["train"].update(steps=steps, eval_every=0)
+        data["train"].update(steps=steps, eval_every=0, tp=1)  # (one process's costs: the simulator adds tp's)
         data["resources"].update(sync_threads=1, threads_per_role=1)
         return RunConfig.model_validate(data)
 

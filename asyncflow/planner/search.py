@@ -4,7 +4,8 @@ Candidates on a CPU budget of ``cpus`` cores (what the real launcher can run):
 
 * ``sync``: one colocated worker on ``t`` threads, ``t`` in 1 .. cpus;
 * ``stream`` / ``async``: one process per role with ``t`` threads each
-  (``resources.threads_per_role``), ``2t <= cpus``: rollout and actor together never ask
+  (``resources.threads_per_role``), ``2t <= cpus`` (``train.tp``: ``(1 + tp) t``, the trainer's
+  ``tp`` ranks kept as the config has them; ``sync`` refuses tp): rollout and actor together never ask
   for more threads than cores (oversubscribed OpenMP teams spin-wait for each other far
   worse than the simulator's proportional sharing: 2 threads per role on 2 cores was
   predicted 1081 samples/s and measured 275), staleness ``k`` in 1 .. 3 for async;
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from asyncflow.config import RunConfig
 from asyncflow.observe.trace import write_gantt, write_sim_trace
@@ -43,18 +45,33 @@ TIE = 0.03  # candidates within 3% of the best simulated samples/s count as equa
 
 def workload_from(cfg: RunConfig, prof: dict, steps: int | None = None, micro: int | None = None) -> Workload:
     """The simulator's workload for ``cfg``, with lengths and prompt length from a profile."""
+    layers, hidden = model_dims(cfg) if cfg.train.tp > 1 else (0, 0)
     return Workload(prompts_per_step=cfg.train.prompts_per_step, group_size=cfg.rollout.group_size,
                     prompt_len=prof["prompt_len"], lengths={int(k): v for k, v in prof["lengths"].items()},
                     steps=steps or cfg.train.steps, reward_latency_s=cfg.reward.latency_ms and
                     (cfg.reward.latency_ms[0] / 1e3, cfg.reward.latency_ms[1] / 1e3),
-                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True)
+                    reward_concurrency=cfg.reward.concurrency, seed=cfg.seed, prefill_token=True,
+                    layers=layers, hidden=hidden)
+
+
+def model_dims(cfg: RunConfig) -> tuple[int, int]:
+    """(decoder layers, hidden size) of the policy: the built-in model's, or its folder's ``config.json``
+    ((0, 0) when unreadable: the tensor-parallel all-reduces are then not counted)."""
+    if not cfg.model.path:
+        return cfg.model.num_layers, cfg.model.hidden_size
+    try:
+        d = json.loads((Path(cfg.model.path) / "config.json").read_text())
+        d = d.get("text_config", d)
+        return int(d["num_hidden_layers"]), int(d["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0, 0
 
 
 def allocation_for(cfg: RunConfig, cpus: int) -> Allocation:
     """The allocation ``cfg`` runs with today (what ``asyncflow train`` would do)."""
     r = cfg.resources
     t = (r.sync_threads or cpus) if cfg.mode == "sync" else r.threads_per_role
-    return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch)
+    return Allocation(cfg.mode, t, t, cfg.train.micro_prompts, cfg.staleness, cfg.rollout.max_batch, cfg.train.tp)
 
 
 def predict(cfg: RunConfig, cost: CostModel, prof: dict, cpus: int, steps: int | None = None,
@@ -83,18 +100,18 @@ def team_limit(cpus: int) -> int:
 
 def candidates(cfg: RunConfig, cpus: int, modes: Sequence[str] = MODES, max_staleness: int = 3,
                max_rows: int | None = None, max_threads: int | None = None) -> list[Allocation]:
-    P, slots, G = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size
+    P, slots, G, tp = cfg.train.prompts_per_step, cfg.rollout.max_batch, cfg.rollout.group_size, cfg.train.tp
     micros = [m for m in range(1, P + 1) if P % m == 0 and (max_rows is None or m * G <= max_rows)] or [1]
     out = []
     for m in micros:
-        if "sync" in modes:
+        if "sync" in modes and tp == 1:  # (sync refuses train.tp)
             out += [Allocation("sync", t, t, m, 0, slots) for t in range(1, (max_threads or cpus) + 1)]
-        # two role processes: never more threads than cores
-        for t in range(1, max(1, min(cpus // 2, max_threads or cpus)) + 1):
+        # rollout's process and the trainer's tp: never more threads than cores
+        for t in range(1, max(1, min(cpus // (1 + tp), max_threads or cpus)) + 1):
             if "stream" in modes:
-                out.append(Allocation("stream", t, t, m, 0, slots))
+                out.append(Allocation("stream", t, t, m, 0, slots, tp))
             if "async" in modes:
-                out += [Allocation("async", t, t, m, k, slots) for k in range(1, max_staleness + 1)]
+                out += [Allocation("async", t, t, m, k, slots, tp) for k in range(1, max_staleness + 1)]
     return out
 
 

@@ -6,7 +6,7 @@ The simulated job mirrors the real roles (``asyncflow/workflow``):
   step's worth at a time and admitted a whole group at a time into free slots, while
   fewer than ``(version + staleness + 1) * prompts_per_step`` groups have started
   (admission control); every decode round costs ``cost.decode_s(live rows, mean context)``.
-  With ``Workload.prefill_token`` (every profiled workload: the real ``GenerationBatch``,
+  With ``Workload.prefill_token`` (every profiled workload: the built-in engine's real batch,
   like vLLM, samples an answer's first token in its prefill) an answer of ``L`` tokens
   takes ``L - 1`` decode rounds after its prefill; without it (hand-set tests, the analytic
   what-if) ``L``. At the built-in example's 3-4 token answers the difference is a third of
@@ -23,6 +23,9 @@ The simulated job mirrors the real roles (``asyncflow/workflow``):
 * **actor**: trains partition ``v`` as micro-batches of whole rewarded groups
   (``cost.train_s(rows, padded length)`` each), then one optimizer step + weight export
   (``cost.step_s``, ``cost.export_s``), then publishes ``v + 1`` (visible to rollout ``cost.transfer_s`` later).
+  With ``Allocation.tp`` tensor-parallel ranks each pass is split among them and pays its
+  all-reduces (:func:`~asyncflow.planner.costs.tp_pass_s`), the step is ``1 / tp`` of the
+  parameters a rank, and the actor keeps ``tp x actor_res`` threads busy.
 
 ``sync`` runs the same pieces as whole-batch phases on one colocated worker (generate all,
 score all, train, no weight transfer); ``stream`` is ``async`` with staleness 0.
@@ -59,6 +62,7 @@ from typing import Protocol
 
 import numpy as np
 
+from asyncflow.planner.costs import tp_pass_s
 from asyncflow.planner.des import Env, Signal
 from asyncflow.workflow.placement import GroupPlacer
 
@@ -80,6 +84,7 @@ class CostModel(Protocol):
     def step_overhead_s(self) -> float: ...
     def pipeline_overheads_s(self) -> tuple[float, float, float]: ...  # stream/async: rollout, data, actor
     def reward_s(self, n: int) -> float: ...
+    def allreduce_s(self, nbytes: float, ranks: int) -> float: ...  # train.tp: one all-reduce (costs.tp_pass_s)
 
 
 @dataclass
@@ -100,6 +105,8 @@ class Workload:
     length_seq: list[int] | None = None  # answer lengths in start order, cycled (tests, replays); None = draw
     # the prefill samples each answer's first token (the real engines); False: every token is a decode round
     prefill_token: bool = False
+    layers: int = 0  # the model's decoder layers and hidden size: train.tp's all-reduces (0: not counted)
+    hidden: int = 0
 
     @property
     def batch(self) -> int:
@@ -125,6 +132,7 @@ class Allocation:
     micro_prompts: int = 4
     staleness: int = 1
     slots: int = 64  # continuous-batching slots of the rollout worker (all instances together)
+    tp: int = 1  # tensor-parallel ranks of the trainer, actor_res each (costs.tp_pass_s)
 
     @property
     def k(self) -> int:
@@ -134,7 +142,8 @@ class Allocation:
         if self.mode == "sync":
             return f"sync: colocated worker on {self.rollout_res}, micro {self.micro_prompts} prompts"
         k = f", staleness {self.staleness}" if self.mode == "async" else ""
-        return (f"{self.mode}: rollout {self.rollout_res}, actor {self.actor_res}, "
+        tp = f" x tp {self.tp}" if self.tp > 1 else ""
+        return (f"{self.mode}: rollout {self.rollout_res}, actor {self.actor_res}{tp}, "
                 f"micro {self.micro_prompts} prompts{k}")
 
 
@@ -330,15 +339,16 @@ class _Job:
                 self.max_staleness = max(self.max_staleness, v - x.version)
             longest = (sum(x.length for x in rows) / len(rows)) if wl.packed else max(x.length for x in rows)
             padded = int(wl.prompt_len + longest)
-            yield from self.work("actor", "train", self.cost.train_s(len(rows), padded, threads), threads)
+            secs = tp_pass_s(self.cost, self.cost.train_s(len(rows), padded, threads), len(rows) * padded, a.tp, wl)
+            yield from self.work("actor", "train", secs, threads * a.tp)  # (tp ranks of `threads` each)
             seen += len(rows)
-        yield from self.work("actor", "optimizer step", self.cost.step_s(threads), threads)
+        yield from self.work("actor", "optimizer step", self.cost.step_s(threads) / a.tp, threads * a.tp)
 
     def actor(self) -> Iterator:
         for v in range(self.wl.steps):
             yield self.overheads[2]  # driver round trip, its own gets, clear
             yield from self.train(v, self.a.actor_res)
-            yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res)
+            yield from self.work("actor", "export weights", self.cost.export_s(), self.a.actor_res * self.a.tp)
             self.step_end.append(self.env.now)
             self.env.at(self.env.now + self.cost.transfer_s(), functools.partial(self.publish, v + 1))
 

@@ -82,7 +82,8 @@ def _warmstart_device(cfg: RunConfig) -> str:
     return dev if dev != "cpu" and torch.cuda.is_available() else "cpu"
 
 
-def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = None) -> tuple[str, dict[str, Any]]:
+def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = None,
+                  note: Callable[[str], None] | None = None) -> tuple[str, dict[str, Any]]:
     """Return the folder every worker loads the initial policy from, and how it was made.
 
     ``model.path`` set: that folder (warm-started first with ``warmstart.model_folder``).
@@ -101,9 +102,10 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = Non
         _, _, info = warmstart.load_or_warm_start(
             Path(w.cache_dir).expanduser(), task=task, model_dims=cfg.model.dims(), target_acc=w.target_acc,
             warmup_steps=w.warmup_steps, near_every=w.near_every, land_every=w.land_every, seed=cfg.seed,
-            progress=progress, device=_warmstart_device(cfg), model_dir=folder, spec=eval_spec(cfg, task),
+            progress=progress, note=note, device=_warmstart_device(cfg), model_dir=folder, spec=eval_spec(cfg, task),
             lr=warmstart.LR if w.lr is None else w.lr, **_traces(cfg, task))
-        return info["path"], {"source": "warmstart", **{k: info[k] for k in ("accuracy", "steps", "seconds", "cached")}}
+        keep = ("accuracy", "steps", "seconds", "cached", "replayed")
+        return info["path"], {"source": "warmstart", **{k: info[k] for k in keep if k in info}}
     if folder is not None:
         return folder, {"source": "path"}
     tok = build_char_tokenizer()

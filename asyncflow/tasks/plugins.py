@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncflow.config import ConfigError
+from asyncflow.config.files import missing_code_file
 
 
 def load_callable(spec: str, what: str) -> Callable[..., Any]:
@@ -40,8 +41,7 @@ def load_callable(spec: str, what: str) -> Callable[..., Any]:
 
 def _import_file(path: Path, spec: str, what: str) -> Any:
     if not path.is_file():
-        raise ConfigError(f"{what} = '{spec}': no such file '{path}' (a relative path is relative to the folder "
-                          "of the YAML file that gives it, or on the command line to the directory asyncflow runs in)")
+        raise ConfigError(missing_code_file(what, spec, path))
     key = "asyncflow_user_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
     if key in sys.modules:
         return sys.modules[key]

@@ -130,26 +130,26 @@ def sft(
     spec: EvalSpec = EvalSpec(),
     land_every: int | None = LAND_EVERY,
     land_tol: float = LAND_TOL,
+    note: Callable[[str], None] | None = None,
     data: tuple[torch.Tensor, torch.Tensor] | None = None,  # (ids, labels) instead of task.train's
 ) -> SFTResult:
     """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
-    The metric is ``spec``'s: by default exact match, or ``task.eval_score`` where the task
-    has one (countdown: any correct expression counts, not only the reference answer).
+    The metric is ``spec``'s: exact match, or ``task.eval_score`` where the task has one (countdown).
 
     Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` every
     ``eval_every`` steps (``near_every``: every that many once an evaluation reached half
     the target) and after the last step. Stops at the target, else after ``max_steps``.
     With ``land_every``, an evaluation more than ``land_tol`` past the target rewinds to the
     one before and replays, checking every ``land_every`` steps (``warmstart_landing``).
-    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` counts
-    every step run, replayed ones too. The model is left in train mode.
+    ``warmup_steps`` > 0 ramps the learning rate linearly up to ``lr``. ``progress`` is told the
+    model's step (back at a rewind, which ``note`` announces). The model is left in train mode.
     """
     started = time.perf_counter()
     eval_set = task.heldout[:eval_n]
     measure = _measure(model, tokenizer, task, eval_set, spec)
     batches = epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
-    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress, data)
+    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress, note, data)
     snap = Snapshot.take(model, trainer.optimizer, 0) if land_every else None
     acc, step, overshot = 0.0, 0, None
     while step < max_steps:
@@ -158,7 +158,7 @@ def sft(
         step_acc = None
         if eval_due(step, acc, target_acc, eval_every, near_every) or step == max_steps:
             acc = step_acc = measure(None)
-        trainer.report(step_acc, loss)
+        trainer.report(step, step_acc, loss)
         if step_acc is None:
             continue
         if step_acc >= target_acc:
@@ -176,7 +176,7 @@ def sft(
 
 
 def _trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, chat: bool, lr: float,
-             warmup_steps: int, progress: ProgressFn | None,
+             warmup_steps: int, progress: ProgressFn | None, note: Callable[[str], None] | None = None,
              data: tuple[torch.Tensor, torch.Tensor] | None = None) -> Trainer:
     """AdamW on teacher-forced ``task.train`` or ``data`` (the model is put in train mode)."""
     ids, labels = data if data is not None else sft_tensors(tokenizer, task.train, chat)
@@ -184,7 +184,7 @@ def _trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
     return Trainer(model, optimizer, lambda rows: _sft_step(model, optimizer, ids, labels, rows),
-                   lambda step: warmup_lr(lr, step, warmup_steps), progress)
+                   lambda step: warmup_lr(lr, step, warmup_steps), progress, note)
 
 
 def _measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, eval_set: Sequence[Any],
@@ -258,6 +258,7 @@ def load_or_warm_start(
     near_every: int | None = NEAR_EVERY,
     land_every: int | None = LAND_EVERY,
     progress: ProgressFn | None = None,
+    note: Callable[[str], None] | None = None,
     device: str = "cpu",
     model_dir: str | None = None,
     spec: EvalSpec = EvalSpec(),
@@ -272,9 +273,7 @@ def load_or_warm_start(
     serves CPU runs too, and the other way round.
 
     ``traces(tokenizer) -> (ids, labels)``: multi-turn SFT rows instead of the task's answers,
-    named in the cache key by ``traces_key``.
-
-    ``info`` holds ``accuracy``, ``steps``, ``seconds`` (of the original SFT run), the
+    named in the cache key by ``traces_key``. ``info`` holds ``accuracy``, ``steps``, ``seconds`` (of the original SFT run), the
     cache ``key`` and ``path``, and ``cached`` (True when loaded from disk).
     """
     sft_keys = {"target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
@@ -293,7 +292,7 @@ def load_or_warm_start(
     result = sft(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,
-        warmup_steps=warmup_steps, near_every=near_every, spec=spec, land_every=land_every,
+        warmup_steps=warmup_steps, near_every=near_every, spec=spec, land_every=land_every, note=note,
         data=traces(tokenizer) if traces is not None else None,
     )
     info = {**asdict(result), "key": folder.name, "recipe": recipe}

@@ -74,6 +74,7 @@ class Trainer:
     step_fn: Callable[[np.ndarray], float]
     lr_at: Callable[[int], float]
     progress: ProgressFn | None = None
+    note: Callable[[str], None] | None = None  # one line to the user (a rewind)
     ran: int = 0
     since: list[np.ndarray] = field(default_factory=list)
 
@@ -85,9 +86,11 @@ class Trainer:
         self.ran += 1
         return self.step_fn(rows)
 
-    def report(self, acc: float | None, loss: float) -> None:
+    def report(self, step: int, acc: float | None, loss: float) -> None:
+        """Tell ``progress`` the model's step count (it goes back at a rewind), the held-out metric
+        if measured at this step, and the loss."""
         if self.progress is not None:
-            self.progress(self.ran, acc, loss)
+            self.progress(step, acc, loss)
 
 
 def land(trainer: Trainer, snap: Snapshot, measure: Callable[[int | None], float], target: float,
@@ -95,8 +98,14 @@ def land(trainer: Trainer, snap: Snapshot, measure: Callable[[int | None], float
     """Replay the steps since ``snap`` with a check every ``every`` steps; returns the
     (full held-out metric, step) of the first full evaluation that reaches ``target``, or
     of the last replayed step. ``measure(n)`` evaluates on the first ``n`` held-out
-    problems (None: all of them); ``screen_n`` None: every check is a full one."""
+    problems (None: all of them); ``screen_n`` None: every check is a full one. The rewind
+    is announced through ``trainer.note`` (the progress line's step and loss go back)."""
     rows_since, trainer.since = trainer.since, []
+    if trainer.note is not None:
+        trainer.note(f"warm-start: the held-out metric passed the target {target:.3g} by more than the landing "
+                     f"tolerance at step {snap.step + len(rows_since)}; rewinding to step {snap.step} and replaying "
+                     f"its {len(rows_since)} steps with a check every {every} (warmstart.land_every) to stop closer "
+                     "to the target")
     snap.restore(trainer.model, trainer.optimizer)
     trainer.model.train()
     acc, step = 0.0, snap.step
@@ -108,7 +117,7 @@ def land(trainer: Trainer, snap: Snapshot, measure: Callable[[int | None], float
         if last or (i + 1) % every == 0:
             if last or screen_n is None or measure(screen_n) >= target - SCREEN_MARGIN:
                 acc = acc_now = measure(None)
-        trainer.report(acc_now, loss)
+        trainer.report(step, acc_now, loss)
         if acc_now is not None and acc_now >= target:
             break
     return acc, step

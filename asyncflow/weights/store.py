@@ -15,16 +15,24 @@ Invariants
   local copy before staging it, and a corrupted or partial set is rejected (logged and
   counted in ``rejected``) while the weights in use stay.
 
+Weights published in parts (:func:`publish_parts`; a sharded trainer gathers its whole weights
+bucket by bucket and hands each on before gathering the next): ``publish_part(version, index,
+buffers, total)`` keeps each part of a version aside, and the version becomes visible, whole,
+only once all ``total`` parts have arrived (in any order: a remote store may take them out of
+order); the last part carries the CRC-32s of every tensor of every part, so the whole set
+verifies as if :func:`seal` had sealed it at once.
+
 The store is a plain class; the Ray launcher wraps it in an actor with the same methods.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -37,11 +45,33 @@ class WeightTransferError(ValueError):
     """Received weights do not match what the trainer sealed (corrupted or partial)."""
 
 
+def _crc(t: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(t).view(np.uint8).data)
+
+
 def seal(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
     """``buffers`` plus a CRC-32 of every tensor under :data:`CHECKSUMS` (names in sorted order)."""
-    names = sorted(buffers)
-    crc = np.asarray([zlib.crc32(np.ascontiguousarray(buffers[n]).view(np.uint8).data) for n in names], dtype=np.uint64)
+    crc = np.asarray([_crc(buffers[n]) for n in sorted(buffers)], dtype=np.uint64)
     return {**buffers, CHECKSUMS: crc}
+
+
+def publish_parts(store: WeightSource, version: int, parts: Iterable[Mapping[str, np.ndarray]]) -> None:
+    """Publish ``version`` from ``parts`` (dicts of tensors by name, taken one at a time), sealed as a
+    whole: one part is one :meth:`~WeightSource.publish` of it sealed; several are one
+    :meth:`~WeightSource.publish_part` each, then a last part of the checksums of them all."""
+    it = iter(parts)
+    first, second = next(it, None), next(it, None)
+    if first is None or second is None:  # (one part: as a whole)
+        store.publish(version, seal(first or {}))
+        return
+    crc: dict[str, int] = {}
+    index = 0
+    for part in itertools.chain((first, second), it):  # (each part leaves before the next is gathered)
+        crc.update((name, _crc(t)) for name, t in part.items())
+        store.publish_part(version, index, part)
+        index += 1
+    store.publish_part(version, index, {CHECKSUMS: np.asarray([crc[n] for n in sorted(crc)], dtype=np.uint64)},
+                       total=index + 1)
 
 
 def verify(buffers: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -75,13 +105,20 @@ class WeightSource(Protocol):
     * ``wait_newer(v, timeout)`` returns ``(version, buffers)`` of the newest version once it
       is ``> v`` (at once if it already is), or ``None`` when ``timeout`` passes or the store
       is closed first;
-    * the buffers come back as published (a sealed set, :func:`seal`, still verifies);
+    * the buffers come back as published (a sealed set, :func:`seal`, still verifies); a version
+      published in parts comes back as one set, the union of its parts, once every part arrived;
     * ``publish`` may return before the version is visible (a remote store does not wait);
       ``close`` wakes every waiter.
     """
 
     def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> bool | None:
         """Keep ``buffers`` as ``version`` if it is newer than every version so far."""
+
+    def publish_part(self, version: int, index: int, buffers: Mapping[str, np.ndarray],
+                     total: int | None = None) -> bool | None:
+        """Keep part ``index`` of ``version`` aside; ``total`` (given with any part, usually the last):
+        how many parts it has. Once all have arrived the version is published whole, as by
+        :meth:`publish` (ignored if not newer than every version so far)."""
 
     def wait_newer(self, version: int, timeout: float) -> tuple[int, dict] | None:
         """The newest ``(version, buffers)`` once newer than ``version``; ``None`` on timeout or close."""
@@ -100,6 +137,8 @@ class WeightStore:
         self._cond = threading.Condition()
         self._version = -1
         self._buffers: dict[str, np.ndarray] = {}
+        self._parts: dict[int, dict[int, Mapping[str, np.ndarray]]] = {}  # version -> index -> part
+        self._totals: dict[int, int] = {}
         self._closed = False
 
     def publish(self, version: int, buffers: Mapping[str, np.ndarray]) -> bool:
@@ -109,6 +148,33 @@ class WeightStore:
             if version <= self._version:
                 return False
             self._version, self._buffers = version, dict(buffers)
+            self._drop_parts(version)
+            self._cond.notify_all()
+            return True
+
+    def _drop_parts(self, upto: int) -> None:
+        for v in [v for v in self._parts if v <= upto]:
+            self._parts.pop(v)
+            self._totals.pop(v, None)
+
+    def publish_part(self, version: int, index: int, buffers: Mapping[str, np.ndarray],
+                     total: int | None = None) -> bool:
+        """Part ``index`` of ``version``; publishes the union once all ``total`` parts are here (and
+        drops the parts of that version and older ones); a part of an old version is ignored."""
+        with self._cond:
+            if version <= self._version:
+                return False
+            parts = self._parts.setdefault(version, {})
+            parts[index] = buffers
+            if total is not None:
+                self._totals[version] = total
+            if len(parts) != self._totals.get(version):
+                return False
+            whole: dict[str, np.ndarray] = {}
+            for i in sorted(parts):
+                whole.update(parts[i])
+            self._drop_parts(version)
+            self._version, self._buffers = version, whole
             self._cond.notify_all()
             return True
 

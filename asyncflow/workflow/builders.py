@@ -8,7 +8,8 @@ worker plan (:mod:`asyncflow.workflow.plan`).
 
 Sharing rules (why the order matters): the actor is built first and trains ``ctx.model``
 itself; the rollout engine of a colocated (``sync``) worker decodes with that same model (no
-weight copy); reference and critic take copies (a critic hosted alone takes the model).
+weight copy); reference and critic take copies (a critic hosted alone takes the model). A
+rollout worker that owns its model on a GPU with ``model.dtype=bfloat16`` holds it in bf16.
 Only the actor of rank 0 publishes weights, and only outside ``sync``. In ``sync`` (without
 FSDP) the actor fetches a step's rows in one request (the rows are all ready by then) and its
 engine trains them in length-sorted passes of ``train.micro_prompts`` groups' rows
@@ -28,23 +29,29 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import torch
+
 from asyncflow.agents.calls import EnvCalls
 from asyncflow.agents.episode import EpisodeRunner
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.config import RunConfig
 from asyncflow.dataplane import ShardSampler
-from asyncflow.engines.collective import Collective
+from asyncflow.engines.collective import Collective, TorchGroup
 from asyncflow.engines.critic import CriticEngine
+from asyncflow.engines.device import model_device
+from asyncflow.engines.hf_paged import HFPagedEngine
 from asyncflow.engines.inference import InferenceEngine, SamplingParams
 from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
 from asyncflow.tasks.base import Task
 from asyncflow.tasks.environments import env_factory, episode_limits
+from asyncflow.tasks.plugins import load_callable
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
+from asyncflow.weights.store import publish_parts
 from asyncflow.weights.subscriber import WeightSubscriber
 from asyncflow.workflow.feeder import PromptFeeder
-from asyncflow.workflow.plan import rewards_in_rollout, sync_ranks, sync_share
+from asyncflow.workflow.plan import rewards_in_rollout, sync_ranks, sync_share, trainer_ranks
 from asyncflow.workflow.roles.actor import ActorRole
 from asyncflow.workflow.roles.base import Role
 from asyncflow.workflow.roles.critic import CriticRole
@@ -87,7 +94,7 @@ def passes(cfg: RunConfig) -> dict:
     """How every training engine (actor, reference, critic) runs its forward/backward passes."""
     t = cfg.train
     return {"max_tokens_per_micro": t.max_tokens_per_micro, "split_padding": t.split_padding,
-            "dtype": cfg.model.dtype}
+            "dtype": cfg.model.dtype, "logprob_chunk_mib": t.logprob_chunk_mib}
 
 
 def lr_schedule(cfg: RunConfig) -> Callable[[int], float]:
@@ -101,6 +108,20 @@ def algorithm(cfg: RunConfig) -> Algorithm:
     return Algorithm.from_config(cfg.algorithm, cfg.rollout.max_new_tokens)
 
 
+def _tensor_parallel(ctx: RoleContext) -> Any:
+    """``train.tp > 1``: the trainer's group on a ``(dp, tp)`` mesh, and the engine's plan (a user's by import path)."""
+    # lazy: only with train.tp > 1 (torch.distributed.tensor takes seconds to import)
+    from asyncflow.engines.tensor_parallel import MeshGroup, TensorParallel
+
+    t = ctx.cfg.train
+    if not isinstance(ctx.group, TorchGroup):
+        raise ValueError(f"train.tp={t.tp} needs the trainer's ranks as processes (torch.distributed): "
+                         "set launcher=ray")
+    ctx.group = MeshGroup(ctx.group, t.dp, t.tp, ctx.cfg.resources.device.split(":")[0])
+    plan = load_callable(t.tp_plan, "train.tp_plan") if t.tp_plan else None
+    return TensorParallel(ctx.group.tp_mesh, plan)
+
+
 def build_actor(ctx: RoleContext) -> Role:
     cfg, r, t = ctx.cfg, ctx.cfg.rollout, ctx.cfg.train
     fsdp = t.dp > 1 and t.strategy == "fsdp"
@@ -108,12 +129,14 @@ def build_actor(ctx: RoleContext) -> Role:
     # share in one go and the engine cuts it into length-sorted passes of micro_prompts groups' rows
     whole = cfg.mode == "sync" and not fsdp
     # a lone trainer outside sync: greedy fetches (every ready group) trained in the same sorted passes
-    greedy = not whole and t.dp == 1
+    greedy = not whole and trainer_ranks(cfg) == 1
+    tp = _tensor_parallel(ctx) if t.tp > 1 else None
     engine = TrainEngine(ctx.model, ctx.tokenizer.pad_token_id, lr=t.lr, weight_decay=t.weight_decay,
                          grad_clip=t.grad_clip, temperature=r.temperature, schedule=lr_schedule(cfg),
-                         collective=ctx.group, fsdp=fsdp,
+                         collective=ctx.group, fsdp=fsdp, tensor_parallel=tp,
                          rows_per_pass=t.micro_prompts * r.group_size if whole or greedy else None, **passes(cfg))
-    publish = ctx.weights.publish if (ctx.weights is not None and cfg.mode != "sync" and ctx.rank == 0) else None
+    publish = partial(publish_parts, ctx.weights) if (ctx.weights is not None and cfg.mode != "sync"
+                                                      and ctx.rank == 0) else None
     fetch_prompts = -(-t.prompts_per_step // t.dp) if whole else t.micro_prompts
     # data-parallel sync: each rank trains the rows of its own shard (those it generated and scored)
     own = sync_share(cfg, ctx.rank) * r.group_size if whole and sync_ranks(cfg) > 1 else None
@@ -123,12 +146,21 @@ def build_actor(ctx: RoleContext) -> Role:
 
 
 def _inference_engine(ctx: RoleContext) -> Any:
-    """The built-in engine on ``ctx.model``, or (``rollout.engine=vllm|sglang``) the adapter
-    loading the same model folder on the GPU."""
+    """The built-in engine on ``ctx.model``, transformers' continuous batching on it
+    (``rollout.engine=hf_paged``: stream/async, where the rollout worker owns its model), or
+    (``rollout.engine=vllm|sglang``) the adapter loading the same model folder on the GPU."""
     cfg, r, tok = ctx.cfg, ctx.cfg.rollout, ctx.tokenizer
     if r.engine == "builtin":
+        if cfg.model.dtype == "bfloat16" and set(ctx.hosted) <= {"rollout", "reward"} \
+                and model_device(ctx.model).type == "cuda":
+            # rollout owns this copy: hold it in bf16 (half the bytes a decode step reads, no
+            # autocast casts; the weight swap converts in place); shared with a trainer it stays float32
+            ctx.model.to(torch.bfloat16)
         return InferenceEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
-                               dtype=cfg.model.dtype)
+                               dtype=cfg.model.dtype, cuda_graphs=r.cuda_graphs)
+    if r.engine == "hf_paged":
+        return HFPagedEngine(ctx.model, tok.eos_token_id, tok.pad_token_id, r.max_batch, cfg.seed,
+                             dtype=cfg.model.dtype)
     dtype = "float32" if cfg.model.dtype == "float32" else "bfloat16"
     adapter = VLLMEngine if r.engine == "vllm" else SGLangEngine
     return adapter(ctx.model_dir, tok.eos_token_id, r.max_batch, dtype, cfg.seed)

@@ -38,8 +38,9 @@ sampling's self-feeding rollout saves its prompt position (the ids it fed, dropp
 an untrained one is fed once; both features' counters continue (JSON ``rollout.counters``).
 With ``train.dp = N`` (``ddp``) rank 0's weights and AdamW state are saved once (every rank
 holds the same) with every rank's own RNGs (:func:`merge_ranks`, :func:`rank_part`).
-``fsdp``: every rank saves its own shards of the weights and AdamW's state beside its RNGs
-(rank ``r``'s under ``rank<r>/``) and restores them in place, so a resume keeps ``train.dp``
+``fsdp`` and ``train.tp > 1``: every rank saves its own shards of the weights and AdamW's state beside
+its RNGs (rank ``r``'s under ``rank<r>/``; with ``dp x tp`` the ``dp`` copies of a ``tp`` shard are each
+saved) and restores them in place, so a resume keeps ``train.dp`` and ``train.tp``
 (:func:`check_resume` refuses any change but ``train.steps``); :mod:`asyncflow.workflow.shards`
 says why shards rather than a full state dict gathered into rank 0. PPO: the
 critic (value model, AdamW, LR schedule, version; JSON ``critic``) is saved under ``critic/``
@@ -155,13 +156,14 @@ def rank_part(snap: Snapshot, r: int) -> Snapshot:
 def restore(model: torch.nn.Module, engine: Any, generator: torch.Generator | None, snap: Snapshot) -> None:
     """Put a :func:`capture` back (into a trainer built from the same config)."""
     tensors, meta = snap
-    weights = {k[6:]: torch.from_numpy(v) for k, v in tensors.items() if k.startswith("model/")}
+    # (a loaded file's arrays are read-only views; torch wants writable ones: copy them)
+    weights = {k[6:]: torch.from_numpy(np.array(v)) for k, v in tensors.items() if k.startswith("model/")}
     state: dict[int, dict[str, Any]] = {int(i): dict(s) for i, s in meta["optim_scalars"].items()}
     for k, v in tensors.items():
         if k.startswith("optim/"):
             _, idx, key = k.split("/", 2)
             state.setdefault(int(idx), {})[key] = torch.from_numpy(v.copy())
-    if getattr(engine, "fsdp", False):
+    if getattr(engine, "gathers", False):  # (FSDP, TP: this rank's shards)
         load_shards(model, engine.opt, weights, state)
     else:
         model.load_state_dict(weights)

@@ -38,11 +38,10 @@ from pathlib import Path
 
 from asyncflow.agents.episode import KEEP_FAILURES
 from asyncflow.config import ConfigError, RunConfig, dump_config
+from asyncflow.observe.episodes import env_error_line, episode_stats
 from asyncflow.observe.report import (
     Progress,
     RunMeter,
-    env_error_line,
-    episode_stats,
     reward_error_line,
     reward_failures,
     summarize,
@@ -53,6 +52,7 @@ from asyncflow.tasks.base import Task
 from asyncflow.tasks.models import load_tokenizer, prepare_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import load_reward_fn
+from asyncflow.workflow.best import BestKeeper
 from asyncflow.workflow.checkpoint import CKPT_DIR, Checkpoints, Snapshot, complete, latest, read
 from asyncflow.workflow.failure import (
     describe,
@@ -60,6 +60,7 @@ from asyncflow.workflow.failure import (
     one_line,
     origin,
     recoverable,
+    restart_cause,
     root_cause,
     write_error_log,
 )
@@ -123,8 +124,8 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
             found = complete(run_dir / CKPT_DIR)
             resume = bool(found)
             print(f"asyncflow: restart {history['restarts']}/{cfg.train.max_restarts} from "
-                  f"{f'checkpoint {found[-1].name}' if found else 'the start (no checkpoint yet)'} after: {what}",
-                  file=sys.stderr, flush=True)
+                  f"{f'checkpoint {found[-1].name}' if found else 'the start (no checkpoint yet)'} after "
+                  f"{restart_cause(e)}: {what}", file=sys.stderr, flush=True)
 
 
 def check_reward_fn(cfg: RunConfig) -> None:
@@ -144,9 +145,10 @@ def check_reward_fn(cfg: RunConfig) -> None:
 def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task: Task, metric: str,
          snap: Snapshot | None, history: dict) -> dict:
     progress = Progress(cfg.train.steps, enabled=cfg.progress, metric=metric)
-    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart)  # checks model.path's folder
+    model_dir, init = prepare_model(cfg, run_dir, progress.warmstart, progress.note)  # checks model.path's folder
     beside = evaluate and _beside(cfg)  # (its evaluator is built beside the before-evaluation)
-    job, trackers = Job(cfg, launcher, model_dir, evaluator=beside), Trackers([])
+    keeper = BestKeeper(run_dir) if cfg.train.keep_best and evaluate else None
+    job, trackers = Job(cfg, launcher, model_dir, evaluator=beside, keeper=keeper), Trackers([])
     ckpt = Checkpoints(cfg, job, run_dir)
     try:
         evals = BesideEvals(job) if beside else None
@@ -175,12 +177,13 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         write_run_trace(job.spans(), run_dir / "trace.json")
         acc1 = job.evaluate() if evaluate else None
         saved = job.save(str(run_dir / "checkpoint"))
+        kept = keeper.finish(run_dir, cfg.train.steps, acc1) if keeper is not None else None
         progress.close()
         ckpt.close()
         summary = {**summarize(cfg, init, acc0, acc1, totals, run_dir, saved), "resumed_from": start or None,
                    "checkpoint_pause_s": ckpt.pauses, "restarts": history["restarts"],
                    "in_flight_answers": {"continued": history["continued"], "restarted": history["restarted"]},
-                   "heldout_evals": evals.summary() if evals is not None else None}
+                   "heldout_evals": evals.summary() if evals is not None else None, "checkpoint_kept": kept}
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
@@ -222,6 +225,8 @@ def _rl_steps(cfg: RunConfig, job: Job, feeder: PromptFeeder, meter: RunMeter, l
             evals.step(m, v + 1 if eval_now else None, steps)
         elif eval_now:
             m["heldout_acc"] = job.evaluate()  # counted in the wall time: nothing is hidden
+            if job.keeper is not None:  # (train.keep_best; beside training, the evaluator offers its own)
+                job.keeper.offer(v + 1, m["heldout_acc"], job.save)
             if evals is not None:
                 evals.paused()
         log(m)  # (before the checkpoint: a checkpoint of step n means n metrics lines)

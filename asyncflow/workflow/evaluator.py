@@ -66,6 +66,7 @@ from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 from asyncflow.tasks.warmstart import evaluate
 from asyncflow.weights.store import WeightSource, verify
+from asyncflow.workflow.best import BestKeeper
 from asyncflow.workflow.failure import one_line, tag
 
 EVAL_BATCH = 512  # problems per greedy batch (as the trainer's own evaluation)
@@ -98,8 +99,9 @@ class Evaluator:
     """Held-out evaluations of published weight versions, one at a time, at nice 19."""
 
     def __init__(self, cfg: RunConfig, model_dir: str, weights: WeightSource, timeout_s: float = 60.0,
-                 cores: tuple[int, ...] = ()):
+                 cores: tuple[int, ...] = (), keeper: BestKeeper | None = None):
         self.cfg, self.weights, self.timeout_s, self.cores = cfg, weights, timeout_s, cores
+        self.keeper = keeper  # train.keep_best: a new best figure is saved from this thread
         self._lock = threading.Lock()
         self._running = False
         self._closed = False
@@ -165,6 +167,8 @@ class Evaluator:
             else:
                 out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
                                               self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
+            if self.keeper is not None:
+                self.keeper.offer(out["version"], out["heldout_acc"], self._save)
         except Exception as e:
             out["error"] = one_line(tag(e, f"evaluating weight version {out['version'] or version}"))
         out["eval_s"] = time.time() - t0
@@ -174,6 +178,11 @@ class Evaluator:
             self.late += int((out["version"] or version) > version)
             self._done.append(out)
             self._running = False
+
+    def _save(self, path: str) -> None:
+        """The weights just evaluated, as a model folder (``train.keep_best``)."""
+        self.model.save_pretrained(path)
+        self.tokenizer.save_pretrained(path)
 
     def poll(self) -> dict:
         """``done``: the evaluations finished since the last poll (``requested`` and ``version``

@@ -30,11 +30,26 @@ MACHINERY = ("DataPlaneUnavailable", "QueueClosed")  # root causes that are a de
 
 
 class WorkerLost(RuntimeError):
-    """A worker's process died, or it did not answer a call within its deadline."""
+    """A worker's process died, or it did not answer a call within its deadline (``DeadlineMissed``)."""
+
+
+class DeadlineMissed(WorkerLost):
+    """A worker did not answer a call within its deadline: it may be alive and only slow (a loaded
+    machine), which a restart says apart from a fault (:func:`restart_cause`)."""
 
 
 class StepStalled(RuntimeError):
     """The trainer's step made no progress for ``train.step_timeout_s`` seconds."""
+
+
+def restart_cause(exc: BaseException) -> str:
+    """What a restart is after, for its one line: a missed deadline (with the setting that sets
+    it) or a fault (a process died, a data-plane process went away)."""
+    if isinstance(exc, DeadlineMissed):
+        return "a missed deadline (the worker may only be slow: raise its timeout if the machine is loaded)"
+    if isinstance(exc, StepStalled):
+        return "a missed deadline (no progress: raise train.step_timeout_s if the machine is loaded)"
+    return "a fault"
 
 
 def root_cause(exc: BaseException) -> BaseException:

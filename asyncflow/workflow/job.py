@@ -13,8 +13,9 @@ returns rank 0's metrics (data-parallel ``sync``, where each rank trains its own
 checkpoint and publishes weights): the driver's per-step protocol does not change. In
 ``sync`` the ranks are colocated workers (``colocated``, ``colocated.1``, ...) and ``submit(v)``
 queues ``sync_step(v)`` on each. With
-``train.strategy=fsdp`` each rank holds a shard, so ``evaluate`` and ``save`` first have
-every rank gather the whole weights into rank 0's full copy (``gather_full``).
+``train.strategy=fsdp`` or ``train.tp > 1`` each rank holds a shard, so ``evaluate`` and ``save`` first have
+every rank gather the whole weights into rank 0's full copy (``gather_full``). With ``train.tp = T`` the
+trainer is ``dp x T`` ranks (:mod:`asyncflow.engines.tensor_parallel`); everything above holds for them.
 
 Evaluation beside training (``Job(..., evaluator=True)``, outside ``sync``): an
 :class:`~asyncflow.workflow.evaluator.Evaluator`, an object of the driver's process with either launcher
@@ -36,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncflow.config import RunConfig
+from asyncflow.workflow.best import BestKeeper
 from asyncflow.workflow.checkpoint import Snapshot, merge_ranks, rank_part
 from asyncflow.workflow.cores import pinnable_cores
 from asyncflow.workflow.evaluator import Evaluator
@@ -51,8 +53,9 @@ RESUME_TIMEOUT_S = 60.0  # rollout waits this long for the weights the restored 
 
 
 class Job:
-    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str, evaluator: bool = False):
-        self.cfg, self.launcher = cfg, launcher
+    def __init__(self, cfg: RunConfig, launcher: Launcher, model_dir: str, evaluator: bool = False,
+                 keeper: BestKeeper | None = None):
+        self.cfg, self.launcher, self.keeper = cfg, launcher, keeper  # keeper: train.keep_best
         if cfg.resources.device != "cpu":
             launcher.check_device(cfg.resources.device)
         r = cfg.resources
@@ -89,8 +92,7 @@ class Job:
         # the trainer's workers, rank 0 first (sync: the colocated workers, every one an actor rank)
         self.ranks = [s.name for s in sorted(self.specs, key=lambda s: s.rank) if "actor" in s.roles]
         self.watch.waiting("building the workers")
-        for name in self.workers:  # wait for every worker to be built (errors surface here)
-            self.watch.ask(name, "health")
+        self.watch.wait_built(self.cfg.train.build_timeout_s)  # (errors surface here)
         if len(self.ranks) > 1:
             rdv = launcher.dp_rendezvous(self.workers[self.ranks[0]], len(self.ranks))
             self._all([launcher.submit(self.workers[n], "join_dp", rdv) for n in self.ranks],
@@ -180,7 +182,8 @@ class Job:
     def _build_evaluator(self, model_dir: str) -> None:
         handle: Evaluator | None = None
         try:  # (an object of this process, with either launcher: asyncflow.workflow.evaluator says why)
-            handle = Evaluator(self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6, self._evaluator_cores())
+            handle = Evaluator(self.cfg, model_dir, self.weights, HEALTH_TIMEOUT_S * 6, self._evaluator_cores(),
+                               self.keeper)
             handle.health()
         except Exception as e:
             self._eval_error = self.watch.blame("evaluator", e, "health")
@@ -315,8 +318,8 @@ class Job:
         return max(0, started - done * self.cfg.train.prompts_per_step) * self.cfg.rollout.group_size
 
     def _gather(self) -> None:
-        """FSDP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
-        if len(self.ranks) > 1 and self.cfg.train.strategy == "fsdp":
+        """FSDP, TP: rank 0's parameters are a shard; gather whole ones (every rank at once) first."""
+        if len(self.ranks) > 1 and (self.cfg.train.strategy == "fsdp" or self.cfg.train.tp > 1):
             self._all([self.launcher.submit(self.workers[n], "gather_full") for n in self.ranks])
 
     def stats(self) -> dict:

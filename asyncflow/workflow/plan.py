@@ -13,7 +13,9 @@
   default), or by a reward worker of their own that requests no CPU (``separate``).
 
 ``train.dp = N`` gives the actor N workers (``actor``, ``actor.1``, ...: one rank each,
-counted as N compute roles; more compute roles than CPUs is warned about, not refused).
+counted as N compute roles; more compute roles than CPUs is warned about, not refused);
+``train.tp = T`` multiplies them: ``N x T`` ranks, rank ``r`` at ``(dp, tp) = (r // T, r % T)``
+of the trainer's device mesh (:class:`~asyncflow.engines.tensor_parallel.MeshGroup`).
 Pure data: no torch, nothing started here.
 """
 
@@ -32,7 +34,7 @@ class WorkerSpec:
     roles: list[str]
     threads: int
     cpus: float  # resource request for the launcher (may be fractional)
-    rank: int = 0  # the actor's data-parallel rank (train.dp > 1)
+    rank: int = 0  # the actor's rank among its train.dp x train.tp processes
     cores: tuple[int, ...] = ()  # pinned to these CPU cores (empty: not pinned)
     gpus: float = 0.0  # GPU request for the launcher (resources.device=cuda on Ray)
 
@@ -50,10 +52,15 @@ def plan_workers(cfg: RunConfig, ncpu: int | None = None, cores: list[int] | Non
     CPUs; a vLLM / SGLang rollout worker gets its share whatever the device."""
     specs = _plan(cfg, ncpu or os.cpu_count() or 1)
     on_gpu = [s for s in specs if s.cpus > 0 and (cfg.resources.device != "cpu" or
-                                                  ("rollout" in s.roles and cfg.rollout.engine != "builtin"))]
+                                                  ("rollout" in s.roles and cfg.rollout.engine in ("vllm", "sglang")))]
     for s in on_gpu if ngpu else []:
         s.gpus = min(1.0, round(ngpu / len(on_gpu), 4))  # Ray's fractional GPUs: 4 decimals
     return assign_cores(specs, cores) if cores and cfg.mode != "sync" else specs
+
+
+def trainer_ranks(cfg: RunConfig) -> int:
+    """The trainer's processes: ``train.dp x train.tp``."""
+    return cfg.train.dp * cfg.train.tp
 
 
 def sync_ranks(cfg: RunConfig) -> int:
@@ -76,15 +83,17 @@ def _plan(cfg: RunConfig, ncpu: int) -> list[WorkerSpec]:
         return [WorkerSpec(f"colocated.{i}" if i else "colocated",
                            ["rollout"] + reward + [x for x in extra if i == 0 or x != "critic"] + ["actor"],
                            threads, round(ncpu / n, 4) if n > 1 else float(ncpu), rank=i) for i in range(n)]
-    n_compute = 1 + cfg.train.dp + len(extra)  # rollout, the actor's ranks and the extras
+    ranks = trainer_ranks(cfg)
+    n_compute = 1 + ranks + len(extra)  # rollout, the actor's ranks and the extras
     share = min(1.0, ncpu / n_compute)
     t = cfg.resources.threads_per_role
-    if n_compute * t > ncpu and cfg.train.dp > 1:
-        warnings.warn(f"train.dp={cfg.train.dp}: {n_compute} compute roles x {t} thread(s) on {ncpu} CPUs "
-                      f"oversubscribe them (each asks for {share:.2f} CPU); expect no speed-up", stacklevel=2)
+    if n_compute * t > ncpu and ranks > 1:
+        warnings.warn(f"train.dp={cfg.train.dp} x train.tp={cfg.train.tp}: {n_compute} compute roles x {t} thread(s) "
+                      f"on {ncpu} CPUs oversubscribe them (each asks for {share:.2f} CPU); expect no speed-up",
+                      stacklevel=2)
     specs = [WorkerSpec("rollout", ["rollout"], t, share)] + [WorkerSpec(n, [n], 1, 0.0) for n in reward]
     specs += [WorkerSpec(name, [name], t, share) for name in extra]
-    specs += [WorkerSpec(f"actor.{i}" if i else "actor", ["actor"], t, share, rank=i) for i in range(cfg.train.dp)]
+    specs += [WorkerSpec(f"actor.{i}" if i else "actor", ["actor"], t, share, rank=i) for i in range(ranks)]
     return specs
 
 

@@ -2,7 +2,7 @@
 
 ``stream``/``async``: the trainer's worker holds the actor alone (rollout restarts from the
 prompts or continues its saved groups: :mod:`asyncflow.workflow.rollout.inflight`); a restore
-republishes the weights (FSDP: an all-gather every rank joins, so the job restores its ranks
+republishes the weights (FSDP, TP: all-gathers every rank joins, so the job restores its ranks
 at once; each restores its own shards: :mod:`asyncflow.workflow.shards`). PPO's critic is a
 worker of its own there (:func:`critic_parts`): it snapshots itself on its own thread right
 after its update of step ``done - 1`` (before it reports that step's metrics, so the driver,
@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from asyncflow.config import ConfigError
-from asyncflow.weights.store import seal
 from asyncflow.workflow.checkpoint import Snapshot, capture_parts, host_all, restore
+from asyncflow.workflow.roles.actor import publish_weights
 from asyncflow.workflow.roles.critic import CriticRole
 from asyncflow.workflow.rollout import inflight
 from asyncflow.workflow.rollout.role import RolloutRole
@@ -102,10 +102,7 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
     if "rollout" not in roles:  # stream/async: the trainer; rollout takes the weights it republishes
         actor = roles["actor"]
         restore(model, actor.engine, None, snap)
-        if actor.publish is not None:
-            actor.publish(actor.engine.version, seal(actor.engine.export_weights()))
-        elif getattr(actor.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
-            actor.engine.export_weights()
+        publish_weights(actor.engine, actor.publish)  # (sharded: all-gathers every rank joins)
         return []
     rollout: RolloutRole = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)

@@ -35,7 +35,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def _check(name: str, got: torch.Tensor, want: torch.Size) -> None:
     if got.shape != want:
         raise ValueError(f"checkpoint: {name} is a shard of shape {tuple(got.shape)} but this rank holds "
-                         f"{tuple(want)}; resume with the train.dp and train.strategy it was saved with")
+                         f"{tuple(want)}; resume with the train.dp, train.tp and train.strategy it was saved with")
 
 
 def load_shards(model: torch.nn.Module, opt: torch.optim.Optimizer, weights: dict[str, torch.Tensor],

@@ -17,10 +17,11 @@
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import Any
 
-from asyncflow.workflow.failure import CAUSE, STACKS, WHERE, StepStalled, WorkerLost, tag
+from asyncflow.workflow.failure import CAUSE, STACKS, WHERE, DeadlineMissed, StepStalled, WorkerLost, tag
 
 HEALTH_TIMEOUT_S = 10.0  # a worker that does not answer a heartbeat (or a stop) within this is lost
 STACKS_TIMEOUT_S = 5.0
@@ -41,11 +42,34 @@ class Watchdog:
         except Exception as e:
             raise self.blame(name, e, method, timeout) from None
 
+    def wait_built(self, limit: float) -> None:
+        """Wait for every worker's build up to ``limit`` seconds (``train.build_timeout_s``): a build
+        is not a stall, so one slower than the step timeout (a loaded machine) says so in one line and
+        goes on; a worker whose process dies while building fails at once (the launcher's result)."""
+        t0, told = time.monotonic(), False
+        futs = {name: self.launcher.submit(w, "health") for name, w in self.workers.items()}
+        for name, fut in futs.items():
+            while True:
+                left = limit - (time.monotonic() - t0)
+                try:
+                    self.launcher.result(fut, max(0.0, min(left, self.step_timeout_s)))
+                    break
+                except TimeoutError as e:
+                    if left <= self.step_timeout_s:
+                        raise self.blame(name, e, "health", limit) from None
+                    if not told:
+                        told = True
+                        print(f"asyncflow: building the workers takes longer than train.step_timeout_s = "
+                              f"{self.step_timeout_s:g} s (a loaded machine?); waiting up to train.build_timeout_s "
+                              f"= {limit:g} s", file=sys.stderr, flush=True)
+                except Exception as e:
+                    raise self.blame(name, e, "health") from None
+
     def blame(self, name: str, e: Exception, method: str | None = None, timeout: float | None = None) -> Exception:
         """``e`` (raised by a call of ``method`` on worker ``name``) as the error to report."""
         during = f"{method}(), {self.what}" if method else self.what
         if isinstance(e, TimeoutError):
-            return WorkerLost(f"worker '{name}' did not answer within {timeout:.0f} s ({during})")
+            return DeadlineMissed(f"worker '{name}' did not answer within {timeout:.0f} s ({during})")
         if isinstance(e, WorkerLost) and getattr(e, WHERE, None) is None:
             return tag(WorkerLost(f"worker '{name}' was lost ({during}): {e}"), f"worker '{name}'")
         return self._name_servers(tag(e, f"worker '{name}'"))

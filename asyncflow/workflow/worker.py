@@ -31,9 +31,8 @@ from transformers import PreTrainedModel
 from asyncflow.config import RunConfig
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.engines.allocator import keep_heap
-from asyncflow.engines.collective import Collective, ThreadRendezvous, TorchGroup, free_address, join
+from asyncflow.engines.collective import Collective, ThreadRendezvous, TorchGroup, free_address, full_buckets, join
 from asyncflow.engines.device import resolve_device
-from asyncflow.engines.inference import load_named_weights
 from asyncflow.tasks.environments import heldout_episodes
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
@@ -44,6 +43,7 @@ from asyncflow.workflow.checkpoint import Snapshot, checkpoint_due
 from asyncflow.workflow.cores import pin_thread, run_pinned
 from asyncflow.workflow.failure import tag
 from asyncflow.workflow.hostcopy import HostCopy
+from asyncflow.workflow.plan import trainer_ranks
 from asyncflow.workflow.role_state import critic_parts, restore_roles, snapshot_parts, snapshot_roles
 
 _T = TypeVar("_T")
@@ -66,7 +66,7 @@ class Worker:
         self.roles: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._stop = threading.Event()
-        self._full: PreTrainedModel | None = None  # FSDP: rank 0's gathered copy of the whole weights
+        self._full: PreTrainedModel | None = None  # FSDP, TP: rank 0's gathered copy of the whole weights
         self.ctx: RoleContext | None = None
         self.started = time.perf_counter()
         self._copies: dict[int, HostCopy] = {}  # checkpoint snapshots by steps done (see train_step)
@@ -98,7 +98,7 @@ class Worker:
         self.ctx = RoleContext(cfg, self.plane, weights, self.model, self.tokenizer, self.task, model_dir, roles,
                                self.rank)
         for name in BUILD_ORDER:
-            if name in roles and not (name == "actor" and cfg.train.dp > 1):  # dp > 1: built by join_dp
+            if name in roles and not (name == "actor" and trainer_ranks(cfg) > 1):  # several ranks: built by join_dp
                 self.roles[name] = BUILDERS[name](self.ctx)
         link_local(cfg, self.roles)
         if roles == ["critic"]:  # stream/async PPO: the critic snapshots itself at each due step's update
@@ -109,12 +109,14 @@ class Worker:
         return self.ctx.group if self.ctx is not None else None
 
     def _build_actor(self) -> None:
-        """The actor role on the joined data-parallel group (FSDP: rank 0 also keeps a whole copy)."""
-        if self.cfg.train.dp > 1 and self.cfg.train.strategy == "fsdp":
+        """The actor role on the joined group (FSDP, TP: rank 0 also keeps a whole copy)."""
+        t = self.cfg.train
+        if t.tp > 1 or (t.dp > 1 and t.strategy == "fsdp"):
             if not isinstance(self.group, TorchGroup):
-                raise ValueError("train.strategy=fsdp needs the trainer's ranks as processes (torch.distributed): "
-                                 "set launcher=ray, or train.strategy=ddp")
-            self._full = copy.deepcopy(self.model)  # rank 0 evaluates and saves this gathered copy
+                raise ValueError(f"train.{'tp' if t.tp > 1 else 'strategy=fsdp'} needs the trainer's ranks as "
+                                 "processes (torch.distributed): set launcher=ray")
+            if self.rank == 0:  # rank 0 evaluates and saves this gathered copy (gather_full)
+                self._full = copy.deepcopy(self.model)
         self.roles["actor"] = BUILDERS["actor"](self._context())
         link_local(self.cfg, self.roles)
 
@@ -128,11 +130,11 @@ class Worker:
         return free_address(host)
 
     def join_dp(self, rendezvous: str | ThreadRendezvous) -> None:
-        """Join the trainer's ``train.dp`` ranks (blocks until every rank joins), then build
+        """Join the trainer's ``train.dp x train.tp`` ranks (blocks until every rank joins), then build
         the actor role on the group. ``rendezvous``: a ``tcp://`` address (processes) or a
         :class:`~asyncflow.engines.collective.ThreadRendezvous` (threads of this process)."""
         def build() -> None:
-            self._context().group = join(rendezvous, self.rank, self.cfg.train.dp)
+            self._context().group = join(rendezvous, self.rank, trainer_ranks(self.cfg))
             self._build_actor()
 
         self._on_compute(build)
@@ -142,13 +144,15 @@ class Worker:
         return self._full if self._full is not None else self.model
 
     def gather_full(self) -> None:
-        """``train.strategy=fsdp``: every rank calls this at once; rank 0's ``_full`` copy then
-        holds the whole current weights (what ``evaluate`` and ``save`` use)."""
+        """``train.strategy=fsdp``, ``train.tp > 1``: every rank calls this at once; rank 0's ``_full``
+        copy then holds the whole current weights (what ``evaluate`` and ``save`` use), gathered
+        bucket by bucket."""
+        @torch.no_grad()
         def gather() -> None:
-            weights = self.roles["actor"].engine.export_weights()  # an all-gather: every rank joins
-            if self.rank == 0:
-                assert self._full is not None  # rank 0 made the copy in _build_actor
-                load_named_weights(self._full, weights)
+            whole = dict(self._full.named_parameters()) if self._full is not None else {}  # (rank 0)
+            for bucket in full_buckets(self.roles["actor"].engine.model):  # all-gathers: every rank joins
+                for name, w in bucket.items() if whole else ():
+                    whole[name].copy_(torch.from_numpy(w))
 
         self._on_compute(gather)
 
@@ -206,7 +210,7 @@ class Worker:
         out = fn(v, *args)
         if snapshot:  # (the compute thread, at the boundary: nothing runs between the step and this)
             # (rank 0 saves the weights and AdamW's state; FSDP: every rank its own shards)
-            full = self.rank == 0 or getattr(self.roles["actor"].engine, "fsdp", False)
+            full = self.rank == 0 or getattr(self.roles["actor"].engine, "gathers", False)
             live, snap, engines = snapshot_parts(self.model, self.roles, full)
             self._copies[v + 1] = HostCopy(live, snap, engines, self.cfg.train.step_timeout_s)
         return out

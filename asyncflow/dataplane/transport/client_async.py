@@ -27,7 +27,10 @@ Invariants:
 
 * ``put`` validates the whole write against the schema before anything is sent
   (all-or-nothing, errors name field and row); rows become ready only at ``commit``,
-  after every storage unit acknowledged its slice.
+  after every storage unit acknowledged its slice, and the commit carries the units' write
+  receipts (:mod:`~.receipts`: the controller refuses fields no unit acknowledged). A
+  unit's slice goes as messages under the servers' ``max_msg_bytes`` (told by ``hello``;
+  :mod:`~.split`); a row that alone passes it is refused before anything is sent.
 * ``put_nowait`` validates and copies the data, starts the put and returns without any
   round trip; the first error among sent puts is raised by the client's next call
   (``flush`` waits for all and raises it too). Closing the core flushes first.
@@ -77,8 +80,16 @@ from asyncflow.dataplane.transport.protocol import (
     sampler_to_msg,
 )
 from asyncflow.dataplane.transport.sealed import Sealed
+from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES
+from asyncflow.dataplane.transport.split import SLACK, check_rows, split_spans
 
 __all__ = ["AsyncZmqDataPlane"]
+
+
+def _receipt(result: Any) -> bytes | None:
+    """The receipt in a unit's answer to a write (receipts.py), ``None`` if it gives none."""
+    return result.get("receipt") if isinstance(result, dict) else None
+
 
 class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
     """Asyncio client of the distributed data plane; methods as in ``DataPlane``, awaited."""
@@ -104,6 +115,7 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
         self._unit_endpoints: list[str] = []
         self._shm_prefix: list[str | None] = []  # per unit: its segment prefix, if shared memory works
         self._schema: Schema | None = None
+        self._max_msg = MAX_MSG_BYTES  # the servers' limit per message (hello): puts are split below it
         self._hello: asyncio.Task | None = None
         self._sent: set[asyncio.Task] = set()
         self._errors: list[BaseException] = []
@@ -160,6 +172,7 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
             if bulk is not None:
                 bulk.who = f"storage unit {i} (bulk port {bulk.endpoint})"
         self._unit_endpoints, self._units = list(hello["storage"]), units
+        self._max_msg = int(hello.get("max_msg_bytes", MAX_MSG_BYTES))
         self._schema = schema_from_msg(hello["schema"])  # last: marks the core connected
 
     def _link(self, endpoint: str, loop: asyncio.AbstractEventLoop, who: str | None = None) -> _Link:
@@ -211,6 +224,10 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
             return []
         fields, ctrl = list(columns), self._ctrl
         assert ctrl is not None  # connected by _enter
+        total = sum(v.nbytes if isinstance(v, np.ndarray) else sum(r.nbytes for r in v) for v in columns.values())
+        frames = total < self.shm_min_bytes or None in self._shm_prefix  # (some unit gets frames)
+        if frames and total > self._max_msg - SLACK:  # (frames are split below the servers' limit: split.py)
+            check_rows(columns, n_rows, self._max_msg)
         if rows is None:
             rows = (await ctrl.call("alloc", {"partition": partition, "n": n_rows, "timeout": timeout},
                                     deadline=self._wait_limit(timeout)))[0]
@@ -220,21 +237,23 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
         by_unit: dict[int, list[tuple[int, int]]] = {}
         for unit, i, j in runs(rows, len(self._units)):
             by_unit.setdefault(unit, []).append((i, j))
-        big = sum(v.nbytes if isinstance(v, np.ndarray) else sum(r.nbytes for r in v)
-                  for v in columns.values()) >= self.shm_min_bytes  # else frames for every unit
+        big = total >= self.shm_min_bytes  # else frames for every unit
         try:
-            await gather_all([self._write(unit, rows, columns, spans, big) for unit, spans in by_unit.items()])
+            written = await gather_all([self._write(unit, rows, columns, spans, big, total)
+                                        for unit, spans in by_unit.items()])
         except BaseException:
             await ctrl.call("commit", {**commit, "abort": True})
             raise
+        commit["receipts"] = [r for per_unit in written for r in per_unit]  # what the units acknowledged
         await ctrl.call("commit", commit)
         return list(rows)
 
     async def _write(self, unit: int, rows: list[int], columns: dict, spans: list[tuple[int, int]],
-                     big: bool) -> None:
+                     big: bool, total: int) -> list[list]:
         """One unit's rows (``spans`` of ``rows``): on one host and big enough, one
         shared-memory segment written on a worker thread (the unit adopts it, else it is
-        unlinked here); else frames, one message per span."""
+        unlinked here); else frames, one message per span (cut below the servers' limit).
+        Returns the unit's receipts: ``[unit, spans, receipt]`` per message."""
         link, prefix = self._units[unit], self._shm_prefix[unit]
         if prefix is not None and big:
             mine = [r for i, j in spans for r in rows[i:j]]
@@ -247,17 +266,22 @@ class AsyncZmqDataPlane(ControllerCalls, ClientAcks):
                 assert self._loop is not None  # connected by _enter
                 name, refs = await self._loop.run_in_executor(None, shm.write_segment, prefix, "c", buffers, leased)
                 try:
-                    await link.call("write", {"rows": mine, "cols": spec, "shm": refs})
+                    got = (await link.call("write", {"rows": mine, "cols": spec, "shm": refs}))[0]
                 finally:
                     shm.unlink(name)  # a no-op once the unit adopted (renamed) it
-                return
+                return [[unit, [list(s) for s in spans], _receipt(got)]]
+        if total > self._max_msg - SLACK:
+            spans = split_spans(columns, spans, self._max_msg)
         if (sealed := self._bulk[unit]) is not None:  # spans in flight: seal, carry, open overlap
-            await sealed.pipeline(("write", {"rows": rows[i:j], "cols": s[0]}, s[1]) for i, j in spans
-                                  for s in [encode_columns({k: v[i:j] for k, v in columns.items()})])
-            return
+            got = await sealed.pipeline(("write", {"rows": rows[i:j], "cols": s[0]}, s[1]) for i, j in spans
+                                        for s in [encode_columns({k: v[i:j] for k, v in columns.items()})])
+            return [[unit, [[i, j]], _receipt(r)] for (i, j), r in zip(spans, got)]
+        out = []
         for i, j in spans:
             spec, buffers = encode_columns({k: v[i:j] for k, v in columns.items()})
-            await link.call("write", {"rows": rows[i:j], "cols": spec}, buffers)
+            got = (await link.call("write", {"rows": rows[i:j], "cols": spec}, buffers))[0]
+            out.append([unit, [[i, j]], _receipt(got)])
+        return out
 
     async def put_nowait(self, data: Mapping[str, Any], partition: Hashable = 0, rows: Sequence[int] | None = None,
                          tags: Mapping[str, Sequence[int]] | None = None) -> None:

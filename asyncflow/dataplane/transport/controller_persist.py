@@ -52,6 +52,7 @@ class ControllerPersistence:
         def reply(self, ident: bytes, rid: Any, result: Any = None, buffers: Any = (),
                   error: BaseException | None = None) -> bool: ...
         def _wake(self) -> None: ...
+        def loaded(self) -> None: ...
 
     # -- persistence (waits for the units without blocking the loop) -----------------
     def save(self, header: dict, frames: list, ident: bytes) -> Any:
@@ -79,6 +80,7 @@ class ControllerPersistence:
             self.index, self.reserved = RowIndex.from_state(state), set()
             self.leases = Leases(LEASE_TTL_S)  # the units' bytes were replaced
             self.handouts = Handouts(self.handouts.ttl)
+            self.loaded()  # (a controller restarted without state serves again: controller_start)
             self._wake()
 
         n = len(self.units)

@@ -45,7 +45,13 @@ back to the task when it expires (``handout_ttl``, checked every idle turn), is 
 (``nack``) or its parked answer bounces off a client that is gone.
 
 ``save``/``load``: a consistent snapshot, the units awaited without blocking the loop
-(:mod:`asyncflow.dataplane.transport.controller_persist`).
+(:mod:`asyncflow.dataplane.transport.controller_persist`). Start: the controller asks every
+unit its id and what it holds before it serves, and refuses to serve (until a ``load``)
+when it starts without state while units hold rows: a controller restarted on its port
+(:mod:`asyncflow.dataplane.transport.controller_start`). Commits: accepted only with the
+units' write receipts covering every committed ``(row, field)``
+(:mod:`asyncflow.dataplane.transport.receipts`), so a client cannot commit what it did not
+write.
 
 Atomic ``get_batch`` across processes: the client's ``get_batch`` is ``get_meta`` then
 fetches from the units, so a ``clear`` in between would free bytes it is about to read.
@@ -83,7 +89,9 @@ from asyncflow.dataplane.core.rules import (
 from asyncflow.dataplane.core.schema import Schema, schema_to_msg, validate_tags
 from asyncflow.dataplane.transport.auth import Credentials
 from asyncflow.dataplane.transport.controller_persist import LEASE_TTL_S, ControllerPersistence
+from asyncflow.dataplane.transport.controller_start import ControllerStart
 from asyncflow.dataplane.transport.protocol import meta_to_msg, sampler_from_msg
+from asyncflow.dataplane.transport.receipts import check_receipts, receipt_key
 from asyncflow.dataplane.transport.server_base import _PARKED, MAX_MSG_BYTES, _args, _Server
 from asyncflow.dataplane.transport.unit_links import AdminOp, UnitLinks
 
@@ -103,15 +111,16 @@ class _Parked:
     timeout_msg: str = field(default="")
 
 
-class ControllerServer(ControllerPersistence, _Server):
+class ControllerServer(ControllerStart, ControllerPersistence, _Server):
     """The control plane: row ids, produced/consumed state, parked waiters."""
 
     def __init__(self, schema: Schema, storage: Sequence[str], bind: str = "tcp://127.0.0.1:0",
                  token: str | None = None, capacity: int | None = None, creds: Credentials | None = None,
                  state_dir: str | None = None, max_rows: int = MAX_ROWS,
                  max_msg_bytes: int = MAX_MSG_BYTES, handout_ttl: float = HANDOUT_TTL_S,
-                 unit_deadline: float = UNIT_DEADLINE_S) -> None:
+                 unit_deadline: float = UNIT_DEADLINE_S, receipts: bytes | None = None) -> None:
         super().__init__(bind, token, creds, max_msg_bytes)
+        self.receipts = receipts if receipts is not None else receipt_key(creds)  # None: commits unchecked
         if capacity is not None and capacity < 1:
             raise ValueError(f"capacity must be >= 1 or None, got {capacity}")
         self.schema, self.storage_endpoints, self.capacity = schema, list(storage), capacity
@@ -130,12 +139,19 @@ class ControllerServer(ControllerPersistence, _Server):
         self.handouts = Handouts(handout_ttl)
         self.parking_ops = frozenset({"alloc", "get_meta", "save", "load"})
         self.ops.update(
-            hello=lambda h, f: {"schema": schema_to_msg(self.schema), "storage": self.storage_endpoints},
+            hello=lambda h, f: {"schema": schema_to_msg(self.schema), "storage": self.storage_endpoints,
+                                "max_msg_bytes": self.max_msg_bytes},
             alloc=self.alloc, check_write=self.check_write, commit=self.commit, get_meta=self.get_meta,
             seal=self.seal, clear=self.clear, clear_rows=self.clear_rows, close=self.close,
             reset_consumption=self.reset_consumption, tags=self.tags, stats=self.stats,
             save=self.save, load=self.load, unpin=self.unpin, ack=self.ack, nack=self.nack,
         )
+        self.start_probe()  # (requests wait for the units' answers: controller_start)
+
+    def handle(self, frames: list) -> None:
+        if self.gated and self.held_back(frames):  # (starting, or refusing to serve)
+            return
+        super().handle(frames)
 
     # -- writes ------------------------------------------------------------------------
     def alloc(self, header: dict, frames: list, ident: bytes) -> Any:
@@ -181,6 +197,8 @@ class ControllerServer(ControllerPersistence, _Server):
         if abort:
             return
         tag_lists = validate_tags(tags, len(rows))
+        if self.receipts is not None:  # only what the units acknowledged storing (receipts.py)
+            check_receipts(self.receipts, self.unit_ids, rows, fields, header["a"].get("receipts"))
         try:
             self.index.check_write(partition, rows, fields)
         except ValueError:
@@ -284,6 +302,7 @@ class ControllerServer(ControllerPersistence, _Server):
             "puts": self.puts, "gets": self.gets, "rows_allocated": self.index.rows_allocated,
             "storage_units": len(self.units), "waiting": len(self.parked), "in_flight": self.handouts.in_flight(),
             "pinned": self.leases.pinned, "deferred_drops": self.leases.deferred, "refused": self.refused,
+            "not_serving": self.refusal or "",
         }
 
     # -- internals ---------------------------------------------------------------------
@@ -343,6 +362,7 @@ class ControllerServer(ControllerPersistence, _Server):
         now = time.monotonic()
         self.units.flush()
         self._poll_units(now)
+        self.check_start(now)
         self._send_drops(self.leases.expire(now))
         returned = self.handouts.expire(now)
         for h in returned:

@@ -8,9 +8,14 @@ the endpoint it bound.
 
 Secure by default: every launch makes fresh CURVE :class:`~asyncflow.dataplane.transport.auth.Credentials`
 (passed to the children over the pipe, never argv or environment) and a job folder
-``<tmp>/asyncflow-plane-XXXX`` of mode 0700: ``ipc`` sockets live in it (another user
+``<tmp>/asyncflow-plane-<pid>-XXXX`` of mode 0700: ``ipc`` sockets live in it (another user
 cannot even reach them), and its ``state`` subfolder (or ``state_dir``) is the only place
-``save``/``load`` touch. ``Deployment.client()`` carries the client keys; a client made
+``save``/``load`` touch. Nothing is left behind: ``Deployment.shutdown`` stops the servers and
+removes the folder (but a saved state) and any segment a killed unit left; a process that
+exits without it gets the same at exit (``atexit``); one killed with ``kill -9`` has its
+servers stop and clean up by themselves (``watch_owner``), and a folder whose servers were
+killed too (``<pid>`` is the launching process) is cleared by the next launch on the machine.
+``Deployment.client()`` carries the client keys; a client made
 without them is refused. ``secure=False`` (tests of the bare protocol only) starts the
 servers without CURVE. For servers started by hand (or by another launcher)::
 
@@ -34,7 +39,9 @@ under a session key handed out over CURVE: :mod:`asyncflow.dataplane.transport.s
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
+import glob
 import json
 import multiprocessing as mp
 import os
@@ -43,7 +50,7 @@ import sys
 import tempfile
 import types
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -51,23 +58,27 @@ import zmq
 from asyncflow.dataplane.core.handouts import HANDOUT_TTL_S
 from asyncflow.dataplane.core.schema import Schema, schema_from_msg, schema_to_msg
 from asyncflow.dataplane.transport.auth import Credentials
+from asyncflow.dataplane.transport.bulk import MAX_SESSIONS
 from asyncflow.dataplane.transport.client import ZmqDataPlane
 from asyncflow.dataplane.transport.controller_server import UNIT_DEADLINE_S, ControllerServer
 from asyncflow.dataplane.transport.heap import keep_freed_pages
 from asyncflow.dataplane.transport.link import DEADLINE_S
+from asyncflow.dataplane.transport.receipts import receipt_key
 from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _Server, check_bind, tcp_bind
 from asyncflow.dataplane.transport.shm import sweep_pids
 from asyncflow.dataplane.transport.storage_server import StorageServer
 
-__all__ = ["Deployment", "launch", "main", "read_keys", "write_keys"]
+__all__ = ["Deployment", "launch", "main", "read_keys", "sweep_job_folders", "write_keys"]
+
+FOLDER_PREFIX = "asyncflow-plane-"  # the job folder: <tmp>/asyncflow-plane-<launching pid>-XXXX
 
 
 def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | None, state_dir: str,
-                 max_msg_bytes: int, owner: int, conn: Any) -> None:
+                 limits: dict, owner: int, conn: Any) -> None:
     keep_freed_pages()  # before the ZeroMQ context's I/O thread allocates anything
     creds = None if keys is None else Credentials.from_msg(keys)
     server = StorageServer(schema_from_msg(schema_msg), bind, token, creds=creds, state_dir=state_dir,
-                           max_msg_bytes=max_msg_bytes)
+                           **limits)
     server.watch_owner(owner)  # (launch's process gone, even by kill -9: the unit ends, its memory freed)
     conn.send(server.endpoint)
     conn.close()
@@ -75,11 +86,11 @@ def _run_storage(schema_msg: list, bind: str, token: str | None, keys: list | No
 
 
 def _run_controller(schema_msg: list, storage: list[str], bind: str, token: str | None,
-                    capacity: int | None, keys: list | None, state_dir: str, max_msg_bytes: int,
+                    capacity: int | None, keys: list | None, state_dir: str,
                     limits: dict, owner: int, folder: str, conn: Any) -> None:
     creds = None if keys is None else Credentials.from_msg(keys)
     server = ControllerServer(schema_from_msg(schema_msg), storage, bind, token, capacity, creds=creds,
-                              state_dir=state_dir, max_msg_bytes=max_msg_bytes, **limits)
+                              state_dir=state_dir, **limits)
     server.watch_owner(owner)
     conn.send(server.endpoint)
     conn.close()
@@ -102,6 +113,7 @@ class Deployment:
     folder: str | None = None
     state_dir: str | None = None
     labels: list[str] | None = None  # what each of ``processes`` is, for error lines
+    owner: int = field(default_factory=os.getpid)  # the launching process (its exit shuts this down)
 
     def lost(self) -> str | None:
         """The first server process of this deployment that is gone, in words, or ``None``."""
@@ -119,9 +131,12 @@ class Deployment:
         return ZmqDataPlane(self.endpoint, token=self.token, use_shm=use_shm, credentials=self.credentials,
                             deadline=DEADLINE_S if deadline is None else deadline, sealed=sealed)
 
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Stop every server process (asks them, then terminates stragglers)."""
-        polite = all(p.is_alive() for p in self.processes)  # (a dead unit would never answer)
+    def shutdown(self, timeout: float = 5.0, polite: bool = True) -> None:
+        """Stop every server process (asks them, then terminates stragglers, then kills what a
+        terminate did not end), sweep the segments of units that did not unlink theirs and remove
+        the job folder. ``polite=False`` skips the request (at interpreter exit)."""
+        atexit.unregister(self._at_exit)
+        polite = polite and all(p.is_alive() for p in self.processes)  # (a dead unit would never answer)
         if polite:
             try:
                 self.client(deadline=timeout).shutdown_servers()
@@ -129,11 +144,20 @@ class Deployment:
                 pass
         for p in self.processes:
             p.join(timeout if polite else 0)  # (without the request the others never exit by themselves)
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout)
+            for end in (p.terminate, p.kill):
+                if p.is_alive():
+                    end()
+                    p.join(timeout)
         sweep_pids([p.pid for p in self.processes if not p.is_alive()])  # segments of a killed unit
         self._remove_folder()
+
+    def _at_exit(self) -> None:
+        """The launching process exits without :meth:`shutdown`: without this, ``multiprocessing``
+        would terminate the servers (SIGTERM: no clean-up of theirs runs) and leave the job folder
+        in the temp dir and every unit's segments in /dev/shm. (Not in a forked child that exits:
+        the servers are its parent's.)"""
+        if os.getpid() == self.owner:
+            self.shutdown(timeout=2.0, polite=False)
 
     def _remove_folder(self) -> None:
         if self.folder is not None:
@@ -145,15 +169,16 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
            secure: bool = True, state_dir: str | os.PathLike | None = None,
            max_msg_bytes: int = MAX_MSG_BYTES, credentials: Credentials | None = None,
            storage: Sequence[str] = (), handout_ttl: float = HANDOUT_TTL_S,
-           unit_deadline: float = UNIT_DEADLINE_S) -> Deployment:
+           unit_deadline: float = UNIT_DEADLINE_S, max_sessions: int = MAX_SESSIONS) -> Deployment:
     """Start ``n_storage`` storage units and a controller as processes; return their handle.
 
     Each binds ``tcp://<host>:<free port>``, or with ``transport="ipc"`` a Unix socket in
     the job's 0700 folder (one machine only; skips the TCP stack). ``secure`` (default):
     fresh CURVE keys for this job (see the module docstring). ``state_dir``: the folder
     ``save``/``load`` names are relative to (default: ``state`` in the job folder).
-    ``max_msg_bytes``: the largest message a server reads (bigger ones are dropped). The
-    child processes get only plain data (the schema as lists, endpoints, keys, token).
+    ``max_msg_bytes``: the largest message a server reads (clients split their puts below it);
+    ``max_sessions``: sealed bulk sessions per storage unit (:mod:`~asyncflow.dataplane.transport.bulk`).
+    The child processes get only plain data (the schema as lists, endpoints, keys, token).
 
     Across hosts: ``host`` is the address this machine's servers bind and advertise
     (``tcp://<host>:<port>``; a non-loopback one needs ``secure``, a wildcard is refused);
@@ -164,10 +189,7 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
     """
     creds = credentials if credentials is not None else Credentials.generate() if secure else None
     _check_launch(transport, n_storage + len(storage), host, creds)
-    folder = tempfile.mkdtemp(prefix="asyncflow-plane-")  # mode 0700: this user only
-    os.mkdir(os.path.join(folder, "sock"), 0o700)
-    state = os.path.join(folder, "state") if state_dir is None else os.path.abspath(state_dir)
-    os.makedirs(state, 0o700, exist_ok=True)
+    folder, state = _job_folder(state_dir)
     bind = (lambda k: f"ipc://{folder}/sock/{k}") if transport == "ipc" else (lambda k: tcp_bind(host))
     keys = None if creds is None else creds.to_msg()
     ctx = mp.get_context(start_method)
@@ -182,23 +204,45 @@ def launch(schema: Schema, n_storage: int = 2, capacity: int | None = None, toke
         procs.append(p)
         return parent
 
+    # write receipts (receipts.py): keyed by the CURVE keys, else a key only these processes get
+    rkey = receipt_key(creds) or (None if storage else os.urandom(32))
     try:
-        pipes = [start(_run_storage, msg, bind(k), token, keys, state, max_msg_bytes, os.getpid())  # all at once
+        unit_limits = {"max_msg_bytes": max_msg_bytes, "max_sessions": max_sessions, "receipts": rkey}
+        pipes = [start(_run_storage, msg, bind(k), token, keys, state, unit_limits, os.getpid())  # all at once
                  for k in range(n_storage)]
         endpoints = [_endpoint_of(pipe, f"storage unit {k}") for k, pipe in enumerate(pipes)] + list(storage)
-        limits = {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline}
+        limits = {"handout_ttl": handout_ttl, "unit_deadline": unit_deadline, "max_msg_bytes": max_msg_bytes,
+                  "receipts": rkey}
         endpoint = _endpoint_of(start(_run_controller, msg, endpoints, bind("ctl"), token, capacity, keys, state,
-                                     max_msg_bytes, limits, os.getpid(), folder), "controller")
+                                     limits, os.getpid(), folder), "controller")
     except BaseException:
-        for p in procs:  # none is left behind by a launch that failed
-            p.terminate()
-            p.join(5)
-        sweep_pids([p.pid for p in procs])
-        shutil.rmtree(folder, ignore_errors=True)
+        _undo(procs, folder)  # none is left behind by a launch that failed
         raise
     labels = [f"storage unit {k} ({endpoints[k]})" for k in range(n_storage)] + [
         f"the data plane's controller {endpoint}"]
-    return Deployment(endpoint, token, procs, creds, folder, state, labels)
+    dep = Deployment(endpoint, token, procs, creds, folder, state, labels)
+    atexit.register(dep._at_exit)  # (runs before multiprocessing's own exit hook, registered at its import)
+    return dep
+
+
+def _undo(procs: list, folder: str) -> None:
+    """Stop the processes a failed launch started and remove its job folder."""
+    for p in procs:
+        p.terminate()
+        p.join(5)
+    sweep_pids([p.pid for p in procs])
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _job_folder(state_dir: str | os.PathLike | None) -> tuple[str, str]:
+    """A new job folder (mode 0700, its ``sock`` subfolder) and the state folder; stale job
+    folders of killed jobs are cleared first (:func:`sweep_job_folders`)."""
+    sweep_job_folders()
+    folder = tempfile.mkdtemp(prefix=f"{FOLDER_PREFIX}{os.getpid()}-")  # mode 0700: this user only
+    os.mkdir(os.path.join(folder, "sock"), 0o700)
+    state = os.path.join(folder, "state") if state_dir is None else os.path.abspath(state_dir)
+    os.makedirs(state, 0o700, exist_ok=True)
+    return folder, state
 
 
 def remove_job_folder(folder: str) -> None:
@@ -208,6 +252,32 @@ def remove_job_folder(folder: str) -> None:
     for path in (os.path.join(folder, "state"), folder):  # each only if empty (no state there with a state_dir)
         with contextlib.suppress(OSError):
             os.rmdir(path)
+
+
+def sweep_job_folders(root: str | None = None) -> None:
+    """Remove what :func:`remove_job_folder` would of every job folder in ``root`` (the temp dir)
+    whose launching process is gone and that belongs to this user: a job whose servers were
+    killed with it at once (``kill -9`` of its process group) leaves its folder, and the next
+    launch on this machine clears it. Folders of live processes and of other users stay."""
+    root = tempfile.gettempdir() if root is None else root
+    for folder in glob.glob(os.path.join(glob.escape(root), f"{FOLDER_PREFIX}*-*")):
+        pid = os.path.basename(folder)[len(FOLDER_PREFIX):].split("-", 1)[0]
+        try:
+            if not pid.isdigit() or os.lstat(folder).st_uid != os.getuid() or _alive(int(pid)):
+                continue
+        except OSError:
+            continue
+        remove_job_folder(folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's process)
+        return True
+    return True
 
 
 def _endpoint_of(parent: Any, what: str) -> str:
@@ -283,6 +353,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--capacity", type=int, default=None)
     ap.add_argument("--handout-ttl", type=float, default=HANDOUT_TTL_S, help="controller: seconds before rows "
                     "handed out by get_meta and not acknowledged go back to their task")
+    ap.add_argument("--max-sessions", type=int, default=MAX_SESSIONS, help="storage: sealed bulk sessions held "
+                    "(past it the least recently used is forgotten; its client makes a new one)")
     args = ap.parse_args(argv)
     if args.role == "keys":
         if not args.file:
@@ -300,7 +372,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if args.role == "storage":
             keep_freed_pages()  # before the ZeroMQ context's I/O thread allocates anything
             server: _Server = StorageServer(schema, tcp_bind(args.bind), token, creds=creds,
-                                            state_dir=args.state_dir)
+                                            state_dir=args.state_dir, max_sessions=args.max_sessions)
         else:
             server = ControllerServer(schema, args.storage, tcp_bind(args.bind), token, args.capacity, creds=creds,
                                       state_dir=args.state_dir, handout_ttl=args.handout_ttl)

@@ -9,9 +9,13 @@ Failures never hang a caller: each call has a deadline (``deadline`` seconds by 
 ``None`` only for a request that waits server-side on purpose, bounded by its own
 timeout plus a margin when it has one). A socket monitor, read by the same loop, fails
 every waiting call at once with :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable`
-when the server refuses this client's credentials (``HANDSHAKE_FAILED_AUTH``) or an
-established connection is lost (its replies can no longer arrive), naming the server as ``who`` says (a client's
-storage-unit links: ``storage unit <i> (<endpoint>)``); ZMTP heartbeats
+when the server refuses this client's credentials (``HANDSHAKE_FAILED_AUTH``), a connect is
+refused or times out (``CONNECT_RETRIED``: a dead server, or nothing at that address; a TCP
+connect gets :data:`CONNECT_TIMEOUT_MS`), or an established connection is lost (its replies can
+no longer arrive), naming the server as ``who`` says (a client's storage-unit links:
+``storage unit <i> (<endpoint>)``); until a handshake succeeds again, every new call fails at
+once with the same reason (a client made while a server is dead fails in milliseconds, not
+at its deadline). ZMTP heartbeats
 notice a peer that went away silently. While the connection is lost (a disconnect and no
 handshake since), a request waits at most ``LOST_GRACE_S`` (ZeroMQ reconnects a live peer
 within a fraction of that; a dead server is never reconnected, so no later event would
@@ -41,8 +45,10 @@ _ZERO_COPY_BYTES = 65536  # below this, copying into the message is cheaper than
 DEADLINE_S = 30.0  # a request not answered by then raises DataPlaneUnavailable
 LOST_GRACE_S = 5.0  # a request sent while the connection is lost waits this long for a reconnect at most
 _HEARTBEAT_MS = 2000  # ZMTP ping interval; a peer silent for 5 of them is gone
+CONNECT_TIMEOUT_MS = 2000  # a TCP connect not established by then fails (a host that drops it: no refusal comes)
 _EVENTS = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED)
+           | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
+_REFUSED = " refused the connection or cannot be reached (nothing listens at that address: is it running?)"
 
 
 class Link:
@@ -63,6 +69,7 @@ class Link:
         self.sock.setsockopt(zmq.SNDHWM, 0)  # never block a send: the caller bounds what it sends
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_MS)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5 * _HEARTBEAT_MS)
+        self.sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         if creds is not None:
             secure_client(self.sock, creds)
         self.monitor: zmq.Socket = self.sock.get_monitor_socket(_EVENTS)
@@ -115,12 +122,16 @@ class Link:
                 f"{self.trouble or ''}; is it running, and is this the job's client (Deployment.client())?"
             ) from None
         finally:
-            self.waiting.pop(rid, None)
+            self._forget(rid)
             if timer is not None:
                 timer.cancel()
         if not header.get("ok"):
             raise error_from_msg(header.get("err", {}))
         return header.get("r"), frames
+
+    def _forget(self, rid: int) -> None:
+        """Request ``rid`` is answered, failed or expired."""
+        self.waiting.pop(rid, None)
 
     def _watch(self) -> None:
         """Monitor events: a refused handshake or a lost connection fails every waiting call."""
@@ -135,6 +146,11 @@ class Link:
             self.lost = self.lost or event == zmq.EVENT_DISCONNECTED
             if event == zmq.EVENT_DISCONNECTED and not self.trouble:
                 self._fail(f"connection to {self.who} lost")
+                continue
+            if event == zmq.EVENT_CONNECT_RETRIED:  # a connect refused or timed out: fail now, not at the deadline
+                if not self.trouble:
+                    self.trouble = _REFUSED
+                    self._fail(f"{self.who}{self.trouble}")
                 continue
             self.trouble = (" (authentication refused: this client's key is not the job's; use Deployment.client())"
                             if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH else

@@ -26,7 +26,12 @@ Protocol:
    session in that direction; the header must open (its tag checks the envelope too). Only
    then is the counter recorded and the header decoded; the buffers are opened before use
    (the unit opens every one before its handler runs; the client opens each into its
-   destination). Anything else is refused: logged, counted, never decoded, no reply.
+   destination). Anything else is refused: logged, counted, never decoded, no reply, but
+   for one case: a message whose envelope names a session the unit does not hold gets a
+   *notice* back (:func:`notice`: ``AFS0``, that id, nothing else), as a unit holds at most
+   ``max_sessions`` and forgets the least recently used past that. The client then asks a
+   new session over CURVE and sends its request again (the unit never decoded it, so
+   nothing ran twice); a forged notice can only make a client do that.
 
 Invariants:
 
@@ -64,9 +69,11 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from asyncflow.dataplane.transport.protocol import ProtocolError
 
-__all__ = ["TAG", "TO_CLIENT", "TO_SERVER", "BufferPool", "SealError", "Sealed", "Session", "as_bytes"]
+__all__ = ["TAG", "TO_CLIENT", "TO_SERVER", "BufferPool", "SealError", "Sealed", "Session", "as_bytes", "notice",
+           "notice_of"]
 
 MAGIC = b"AFS1"
+FORGOTTEN = b"AFS0"  # a unit's notice: "I hold no session of this id" (clear, 24 bytes: see notice())
 ENVELOPE = struct.Struct("!4s8sQI")  # magic, session id, counter, frames after the envelope
 TAG = 16  # AES-GCM tag bytes at the end of every sealed frame
 TO_SERVER, TO_CLIENT = 0, 1
@@ -97,6 +104,24 @@ def envelope_of(frame: Any) -> tuple[bytes, int, int]:
     if magic != MAGIC:
         raise SealError("not a sealed message (bad magic)")
     return sid, counter, n
+
+
+def notice(sid: bytes) -> bytes:
+    """The unit's answer to a message under a session it does not hold (never handed out, or
+    forgotten: :mod:`~asyncflow.dataplane.transport.bulk`): an envelope with magic ``AFS0``, the
+    session id the message named, counter 0 and no frames. In clear, as the message's sender
+    may not hold a key; it carries nothing but the id the sender sent."""
+    return ENVELOPE.pack(FORGOTTEN, sid, 0, 0)
+
+
+def notice_of(frames: Sequence[Any]) -> bytes | None:
+    """The session id of a unit's :func:`notice`, or ``None`` if ``frames`` are not one."""
+    if len(frames) != 1:
+        return None
+    view = memoryview(frames[0])
+    if view.nbytes != ENVELOPE.size or bytes(view[:4]) != FORGOTTEN:
+        return None
+    return bytes(view[4:12])
 
 
 class Session:

@@ -9,9 +9,14 @@ server and this loop also answers the ZAP requests of its context (only the job'
 key is admitted), so an unauthenticated peer never gets a frame decoded. A monitor on the
 ROUTER counts every failed handshake (``refused``, logged). The token, if any, is checked
 on top; a server without a token refuses a request that carries one (both counted in
-``refused`` too). Limits: a message
-larger than ``max_msg_bytes`` (default :data:`MAX_MSG_BYTES`) is dropped by ZeroMQ before
-it is read (the peer is disconnected); ``ROUTER_MANDATORY`` makes a reply to a client
+``refused`` too). Limits, ``max_msg_bytes`` (default :data:`MAX_MSG_BYTES`): a *frame* larger
+than that is refused by ZeroMQ at its header, before its body is read (``MAXMSGSIZE``; the
+peer is disconnected, nothing of it is buffered or decrypted); a *message* of frames that
+are each under it but larger together (ZeroMQ hands over a multipart message only whole,
+so this is checked once it arrived) gets an error reply naming the limit before anything
+of it is decoded (:func:`over_limit`: the frames' lengths summed, no byte read). Clients
+split their puts below the limit (the controller's ``hello`` tells it), so only a broken or
+hostile peer meets either. ``ROUTER_MANDATORY`` makes a reply to a client
 that is gone fail at once (:meth:`_Server.gone` tells the controller to forget its
 waiters); ZMTP heartbeats drop connections of peers that vanished silently.
 
@@ -38,13 +43,14 @@ from zmq.utils.monitor import recv_monitor_message
 from asyncflow.dataplane.transport.auth import Credentials, ZapCheck, secure_server
 from asyncflow.dataplane.transport.protocol import ProtocolError, error_to_msg, pack_header, unpack_header
 
-__all__ = ["MAX_MSG_BYTES", "_PARKED", "_POLL_MS", "_Server", "_args", "check_bind", "tcp_bind"]
+__all__ = ["MAX_MSG_BYTES", "_PARKED", "_POLL_MS", "_Server", "_args", "check_bind", "over_limit", "tcp_bind"]
 
 log = logging.getLogger(__name__)
 
 _PARKED = object()
 _POLL_MS = 50
-MAX_MSG_BYTES = 1 << 30  # per message (all frames): a bigger one is dropped unread
+MAX_MSG_BYTES = 1 << 30  # per message (all frames); a bigger frame is refused at its header, unread
+_SMALL_HEADER = 1 << 16  # an oversized message's header is decoded (for its request id) only if this small
 _FAILED = zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 
 
@@ -58,6 +64,7 @@ class _Server:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.MAXMSGSIZE, int(max_msg_bytes))
+        self.max_msg_bytes = int(max_msg_bytes)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
         check_bind(bind, creds)
@@ -147,6 +154,9 @@ class _Server:
         try:
             if not rest:
                 raise ProtocolError("empty message")
+            if (too_big := over_limit(rest, self.max_msg_bytes)) is not None:
+                header = unpack_header(rest[0].buffer) if len(rest[0]) <= _SMALL_HEADER else {}  # (for its id)
+                raise ProtocolError(too_big)
             header = unpack_header(rest[0].buffer)
             self.check_token(header)
             op = self.ops.get(str(header.get("op", "")))
@@ -208,6 +218,16 @@ class _Server:
                 os.close(self._owner_fd)
             self.sock.disable_monitor()
             self.ctx.destroy(linger=0)  # closes every socket of this server
+
+
+def over_limit(frames: Sequence[Any], limit: int) -> str | None:
+    """Why a received message is refused for its size (its frames together over ``limit``
+    bytes), or ``None``. Only the frames' lengths are read (one addition per frame)."""
+    total = sum(len(f) for f in frames)
+    if total <= limit:
+        return None
+    return (f"message of {total} bytes refused: over this server's limit of {limit} bytes a message "
+            "(max_msg_bytes; nothing of it was read; a client splits its puts below it)")
 
 
 def tcp_bind(host: str) -> str:

@@ -31,6 +31,12 @@ are at least the client's threshold (sent with the request), else frames. ``save
 only the ``(row, field)`` pairs the controller's snapshot names as produced (``keep``;
 rows cleared while leased keep their bytes until ``unpin`` but are not part of the state,
 and a field written after the snapshot is not in it either).
+
+Receipts (:mod:`asyncflow.dataplane.transport.receipts`): a successful ``write`` answers
+``{"receipt": MAC}`` over this unit's random id, the written fields and rows, under the job's
+receipt key (which clients never hold); the controller accepts a commit only with receipts
+covering it. ``unit_info`` tells the controller this unit's id and how many values it holds
+(a controller that starts without state refuses to serve a unit that holds some).
 """
 
 from __future__ import annotations
@@ -46,8 +52,9 @@ from asyncflow.dataplane.core.schema import Schema
 from asyncflow.dataplane.core.storage import Storage, assemble
 from asyncflow.dataplane.transport import shm
 from asyncflow.dataplane.transport.auth import Credentials
-from asyncflow.dataplane.transport.bulk import BulkPort
+from asyncflow.dataplane.transport.bulk import MAX_SESSIONS, BulkPort
 from asyncflow.dataplane.transport.protocol import ProtocolError, decode_columns, encode_columns, shard_of
+from asyncflow.dataplane.transport.receipts import receipt_key, sign
 from asyncflow.dataplane.transport.server_base import MAX_MSG_BYTES, _args, _Server
 
 __all__ = ["StorageServer"]
@@ -58,9 +65,12 @@ class StorageServer(_Server):
 
     def __init__(self, schema: Schema, bind: str = "tcp://127.0.0.1:0", token: str | None = None,
                  use_shm: bool = True, creds: Credentials | None = None, state_dir: str | None = None,
-                 max_msg_bytes: int = MAX_MSG_BYTES) -> None:
+                 max_msg_bytes: int = MAX_MSG_BYTES, max_sessions: int = MAX_SESSIONS,
+                 receipts: bytes | None = None) -> None:
         super().__init__(bind, token, creds, max_msg_bytes)
         self.state_dir = state_dir
+        self.unit_id = os.urandom(16)  # names this unit in its receipts (the controller asks it: unit_info)
+        self.receipts = receipts if receipts is not None else receipt_key(creds)  # None: writes get no receipt
         self.schema, self.storage = schema, Storage(schema)
         # field -> row -> (block, index in block, (segment, byte offset of the block) or None)
         self.blocks: dict[str, dict[int, tuple[np.ndarray, int, tuple | None]]] = {}
@@ -70,10 +80,11 @@ class StorageServer(_Server):
                         nbytes=lambda h, f: self.storage.nbytes(),
                         shm_hello=lambda h, f: None if self.shm is None else self.shm.hello(),
                         shm_probe=lambda h, f: self._shm().probe(_args(h, "shm")[0]),
-                        shm_lease=lambda h, f: self._shm().lease(*_args(h, "n", "pid")))
+                        shm_lease=lambda h, f: self._shm().lease(*_args(h, "n", "pid")),
+                        unit_info=lambda h, f: {"id": self.unit_id, "held": self.held()})
         self.bulk: BulkPort | None = None  # the sealed bulk socket (sealed.py), with CURVE keys only
         if creds is not None:
-            self.bulk = BulkPort(self.ctx, bind, max_msg_bytes, self.ops, self.check_token)
+            self.bulk = BulkPort(self.ctx, bind, max_msg_bytes, self.ops, self.check_token, max_sessions)
             self.add_side(self.bulk.sock, self.bulk.drain)
             self.ops["bulk_session"] = self.bulk.new_session
 
@@ -82,7 +93,11 @@ class StorageServer(_Server):
             raise PermissionError("shared memory is disabled on this storage unit")
         return self.shm
 
-    def write(self, header: dict, frames: list) -> None:
+    def held(self) -> int:
+        """How many ``(row, field)`` values this unit stores."""
+        return sum(len(column) for column in self.storage._columns.values())
+
+    def write(self, header: dict, frames: list) -> dict:
         rows, spec = _args(header, "rows", "cols")
         if not (isinstance(rows, list) and all(isinstance(r, int) and 0 <= r < 1 << 62 for r in rows)):
             raise ProtocolError("write: rows must be a list of row ids (ints >= 0)")
@@ -117,6 +132,7 @@ class StorageServer(_Server):
                 mine = self.seg_of.setdefault(row, {})
                 for name in columns:
                     mine[name] = seg
+        return {"receipt": None if self.receipts is None else sign(self.receipts, self.unit_id, list(columns), rows)}
 
     def gather(self, header: dict, frames: list) -> tuple[Any, list]:
         rows, names = _args(header, "rows", "fields")

@@ -15,6 +15,11 @@ stop the controller, so:
   with :class:`~asyncflow.dataplane.core.rules.DataPlaneUnavailable` naming the first unit
   that did not answer within its deadline.
 
+* at start, :meth:`UnitLinks.probe` asks every unit ``unit_info`` (its id and how many
+  values it holds); :meth:`UnitLinks.poll` files the answers in ``info`` (per unit: the
+  reply's result, or ``{"error": ...}``), read by the controller's start
+  (:mod:`asyncflow.dataplane.transport.controller_start`).
+
 The unit sockets are registered in the controller's poller, so a reply wakes its loop.
 """
 
@@ -72,6 +77,8 @@ class UnitLinks:
             self.socks.append(s)
         self.outbox: list[deque[bytes]] = [deque() for _ in self.socks]
         self._rid, self._warned = 0, False
+        self.info: list[dict | None] = [None] * len(self.socks)  # per unit: its unit_info answer (probe)
+        self._probes: dict[int, int] = {}  # request id -> unit
 
     def __len__(self) -> int:
         return len(self.socks)
@@ -119,6 +126,13 @@ class UnitLinks:
             self.send(unit, {"op": op, "id": self._rid, "a": a})
         return AdminOp(ident, rid, op, waiting, time.monotonic() + timeout, done)
 
+    def probe(self) -> None:
+        """Ask every unit its ``unit_info`` (answers land in ``info``)."""
+        for unit in range(len(self.socks)):
+            self._rid += 1
+            self._probes[self._rid] = unit
+            self.send(unit, {"op": "unit_info", "id": self._rid, "a": {}})
+
     def poll(self, pending: AdminOp | None, now: float) -> bool:
         """Read every unit's replies into ``pending``; ``True`` once it is finished (all
         answered, one failed, or its deadline passed: then ``pending.error`` says why)."""
@@ -133,6 +147,11 @@ class UnitLinks:
                 except ProtocolError:
                     continue
                 rid = reply.get("id")
+                if isinstance(rid, int) and rid in self._probes:
+                    probed = self._probes.pop(rid)
+                    ok = reply.get("ok") and isinstance(reply.get("r"), dict)
+                    self.info[probed] = reply["r"] if ok else {"error": str((reply.get("err") or {}).get("msg"))}
+                    continue
                 unit = pending.waiting.pop(rid, None) if pending is not None and isinstance(rid, int) else None
                 if pending is not None and unit is not None and not reply.get("ok"):
                     err = reply.get("err") or {}

@@ -41,6 +41,12 @@ histogram, rewards and sample counts are over all rows on every rank (rank 0 rep
 them); loss metrics (``loss``, ``clip_frac``...) are over the reporting rank's rows.
 Control ops (broadcast, barrier) run on the prefetch thread, gradient sums on the
 compute thread, each in the same order on every rank.
+Tensor parallel (``train.tp``; the group is a :class:`~asyncflow.engines.tensor_parallel.MeshGroup`
+of ``dp x tp`` processes): ``rank`` / ``world`` count processes (rank 0 fetches, every process gets
+the broadcast and joins the barrier), while the rows are split over the group's ``shards`` (``dp``):
+the ``tp`` ranks of one ``dp`` index (``shard``) train the same rows, each its own shards of the
+weights; every rank joins the weights' all-gathers, bucket by bucket, and rank 0 publishes each
+bucket as a part (:func:`publish_weights`; FSDP's weights take the same path).
 Own rows (``shard_rows``: data-parallel ``sync``, not FSDP, a group-level estimator): each rank
 generated and scored whole groups of its own shard, so it trains exactly those
 (``ShardSampler(rank)``, one request a step, no rank-0 meta nor broadcast, and it starts as
@@ -60,13 +66,13 @@ bottleneck) trains big sorted calls with little padding, and one that waits stil
 the first micro-batch. FSDP (the engine's ``fsdp``)
 gathers and scatters inside every forward/backward and export: each rank runs one pass
 per micro-batch (config: ``dp <= group_size``, so a micro-batch of whole groups leaves
-no rank empty; no token-budget chunks) and joins rank 0's export each step.
+no rank empty; no token-budget chunks) and joins the weights' all-gathers each step.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -77,12 +83,27 @@ from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.dataplane import BatchMeta, GroupSampler, Sampler, ShardSampler, TokenBalancedSampler, chunk_sizes
 from asyncflow.dataplane.api import DataPlaneClient
 from asyncflow.dataplane.core.rules import Data
-from asyncflow.engines.collective import Collective
+from asyncflow.engines.collective import BUCKET_BYTES, Collective, full_buckets
 from asyncflow.engines.training import TrainEngine, take_rows
-from asyncflow.weights.store import seal
 from asyncflow.workflow.roles.base import Role
 
 FIELDS = ["prompt_ids", "response_ids", "logprobs", "reward", "group", "version"]
+
+
+def publish_weights(engine: Any, publish: Callable[[int, Iterable[dict]], None] | None,
+                    bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Publish the engine's weights as its version (``publish``: rank 0's; others pass ``None``).
+    Sharded weights (the engine's ``gathers``: FSDP, tensor parallel) are gathered in buckets of
+    ``bucket_bytes``, every rank joining each all-gather, and published as parts; whole ones as one part."""
+    if getattr(engine, "gathers", False):
+        parts = full_buckets(engine.model, bucket_bytes)
+        if publish is None:
+            for _ in parts:  # (this rank's share of each all-gather; rank 0 publishes)
+                pass
+            return
+        publish(engine.version, parts)
+    elif publish is not None:
+        publish(engine.version, [engine.export_weights()])
 
 
 class StalenessViolation(RuntimeError):
@@ -104,12 +125,14 @@ class ActorRole(Role):
 
     def __init__(self, engine: TrainEngine, plane: DataPlaneClient, batch_size: int, group_size: int,
                  micro_prompts: int, staleness: int, *, algorithm: Algorithm,
-                 publish: Callable[[int, dict], None] | None = None, wait_timeout_s: float = 600.0,
+                 publish: Callable[[int, Iterable[dict]], None] | None = None, wait_timeout_s: float = 600.0,
                  group: Collective | None = None, shard_rows: int | None = None, greedy: bool = False,
                  masked: bool = False):
         super().__init__()
         self.group = group  # data-parallel ranks (None: this role trains alone)
         self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
+        # the rows this rank trains: shard `shard` of `shards` (tensor parallel: the tp ranks of a dp index share one)
+        self.shard, self.shards = (group.shard, group.shards) if group is not None else (0, 1)
         # own rows: this rank trains the shard_rows rows of its own shard a step (see the module docstring)
         self.own = shard_rows is not None and self.world > 1 and not algorithm.batch_level
         self.rows = shard_rows if self.own and shard_rows is not None else batch_size
@@ -135,8 +158,8 @@ class ActorRole(Role):
         sampler: Sampler = GroupSampler(self.group_size)  # (no staleness filter: see _check_staleness)
         if self.own:
             sampler = ShardSampler(self.rank, inner=sampler)
-        elif self.world > 1:
-            sampler = TokenBalancedSampler(self.world, sampler)
+        elif self.shards > 1:
+            sampler = TokenBalancedSampler(self.shards, sampler)
 
         least = self.micro_prompts * self.group_size  # (greedy: a lone trainer's micro-batch)
 
@@ -175,9 +198,9 @@ class ActorRole(Role):
         """Positions, in a micro-batch of ``n`` rows, of the rows this rank trains."""
         if self.own:
             return list(range(n))
-        sizes = chunk_sizes(n, self.world)
-        start = sum(sizes[: self.rank])
-        return list(range(start, start + sizes[self.rank]))
+        sizes = chunk_sizes(n, self.shards)
+        start = sum(sizes[: self.shard])
+        return list(range(start, start + sizes[self.shard]))
 
     def train_step(self, v: int, prefetch_next: bool = False) -> dict:
         """Train version ``v`` on partition ``v`` (blocks until the partition is consumed).
@@ -185,7 +208,7 @@ class ActorRole(Role):
         clear ``v`` and fetch ``v + 1``'s first micro-batch on the prefetch thread, so the
         step boundary (back to the driver, its call, the first fetch) leaves no idle trainer."""
         # micro_prompts groups for each rank to train (own rows: of this rank's own; greedy: the rest of the step)
-        micro = self.micro_prompts * self.group_size * (1 if self.own else self.world)
+        micro = self.micro_prompts * self.group_size * (1 if self.own else self.shards)
         total = self.rows
         micro = total if self.greedy else micro
         submit, nxt = self._first(v, min(micro, total))
@@ -220,10 +243,7 @@ class ActorRole(Role):
             scale = 1.0 / max(tokens, 1) if self.loss.loss_agg == "token-mean" else 1.0
             # (an engine without grad_scale still serves every other aggregation)
             step = self.engine.optimizer_step(grad_scale=scale) if scale != 1.0 else self.engine.optimizer_step()
-            if self.publish is not None:
-                self.publish(self.engine.version, seal(self.engine.export_weights()))
-            elif getattr(self.engine, "fsdp", False):  # an all-gather: every rank joins rank 0's export
-                self.engine.export_weights()
+            publish_weights(self.engine, self.publish)
         if not prefetch_next:
             self._fetcher.submit(self._clear, v).result()
         self.items += seen

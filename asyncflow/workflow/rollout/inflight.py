@@ -189,11 +189,12 @@ def forget_trained(state: RolloutState, version: int) -> None:
 
 
 def _arrays(j: int, p: Partial) -> dict[str, np.ndarray]:
-    out = {f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
-           f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
-           f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
-           f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
-           f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
+    out: dict[str, np.ndarray] = {
+        f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
+        f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
+        f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
+        f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
+        f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
     if len(p.req.key) > 2:  # (multi-turn: the prompt's text, an environment's reset reads it)
         out[f"{PREFIX}{j}/text"] = np.asarray(p.req.key[2], dtype=np.uint8)
     return out
