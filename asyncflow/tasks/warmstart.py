@@ -273,8 +273,8 @@ def load_or_warm_start(
     serves CPU runs too, and the other way round.
 
     ``traces(tokenizer) -> (ids, labels)``: multi-turn SFT rows instead of the task's answers,
-    named in the cache key by ``traces_key``. ``info`` holds ``accuracy``, ``steps``, ``seconds`` (of the original SFT run), the
-    cache ``key`` and ``path``, and ``cached`` (True when loaded from disk).
+    named in the cache key by ``traces_key``. ``info`` holds ``accuracy``, ``steps``, ``seconds``
+    (of the original SFT run), the cache ``key`` and ``path``, and ``cached`` (True when loaded).
     """
     sft_keys = {"target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
                 "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps}
