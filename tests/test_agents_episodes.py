@@ -4,7 +4,8 @@ What the trajectory of an episode must be, checked against what the engine gener
 environment answered, token for token: its ids are exactly the concatenation of its turns and
 observations (no re-tokenisation), an observation token is never in the loss, every generated token
 keeps its log-prob and policy version; the limits end episodes where they say; an environment that
-raises, hangs or breaks the contract ends its episode, counted, never the runner.
+raises, hangs or breaks the contract ends its episode, counted, never the runner. One test runs the
+built-in slot engine: its kept rows continued with ``extend`` give the whole-history path's samples.
 """
 
 from __future__ import annotations
@@ -177,3 +178,56 @@ def test_a_failed_reset_keeps_the_group_whole_with_one_masked_token():
     (t,), runner = _run(FakeEngine(eos_id=EOS), NoReset, Limits(turn_tokens=3), _rows(1))
     assert t.prompt_ids == [1, 9] and t.response_ids == [EOS] and t.loss_mask == [0] and t.end == "error"
     assert runner.errors["exception"] == 1
+
+
+class _Plain:
+    """The built-in engine's batch seen without its multi-turn capability (no ``extend``/``release``):
+    the runner then sends every turn as a new request with the whole history as its prompt."""
+
+    def __init__(self, batch):
+        self.batch = batch
+
+    def __len__(self):
+        return len(self.batch)
+
+    def add(self, requests):
+        return self.batch.add(requests)
+
+    def step(self):
+        return self.batch.step()
+
+
+def test_the_built_in_engine_continues_a_kept_row_on_its_cache_to_the_whole_history_s_sample():
+    """On the real slot engine (tiny model, greedy): episodes whose turns continue kept rows with
+    ``extend`` (only the observation's ids prefilled onto the row's KV cache) give the samples of
+    episodes that prefill the whole history every turn: the same ids, mask and log-probs."""
+    from asyncflow.engines.inference import InferenceEngine
+    from asyncflow.engines.tiny import build_tiny_model
+
+    out, extends = {}, []
+    for keep in (True, False):
+        engine = InferenceEngine(build_tiny_model(TOK, seed=0), eos_id=EOS, pad_id=0, max_batch=4, seed=0)
+        if keep:
+            make = engine.new_batch
+
+            def counting(sp, make=make):
+                batch = make(sp)
+                inner = batch.extend
+                batch.extend = lambda *a, **k: extends.append(a[0]) or inner(*a, **k)
+                return batch
+
+            engine.new_batch = counting
+        else:
+            engine.new_batch = lambda sp, make=engine.new_batch: _Plain(make(sp))
+        calls = EnvCalls(4, 5.0)
+        runner = EpisodeRunner(TOK, lambda: Echo(obs=" ok, go on ", turns=3), Limits(3, 60, 8), calls)
+        try:
+            trajs = run_episodes(engine, SamplingParams(0.0, max_new_tokens=8), runner, _rows(3, "q7"))
+        finally:
+            calls.close()
+        out[keep] = sorted(trajs, key=lambda t: t.key)
+    assert len(extends) == 3 * 2  # two continued turns an episode
+    for a, b in zip(out[True], out[False], strict=True):
+        assert (a.prompt_ids, a.response_ids, a.loss_mask, a.turns) == (b.prompt_ids, b.response_ids, b.loss_mask, 3)
+        # float32 log-probs (|x| <= ~5) summed in other orders: measured differences <= 1e-6
+        assert a.logprobs == pytest.approx(b.logprobs, rel=1e-5, abs=2e-6)
