@@ -75,7 +75,7 @@ def put_samples(plane, reward: bool = True) -> None:
 def _rollout(plane):
     from asyncflow.engines.fake import FakeEngine
     from asyncflow.engines.types import SamplingParams
-    from asyncflow.workflow.roles.rollout import RolloutRole
+    from asyncflow.workflow.rollout import RolloutRole
 
     return RolloutRole(FakeEngine(max_batch=8), plane, SamplingParams(max_new_tokens=4), GROUP, PROMPTS,
                        staleness=0), put_prompts

@@ -19,7 +19,7 @@ import pytest
 
 from asyncflow.cli import main
 from asyncflow.workflow.job import Job
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 
 TINY = ["warmstart.enabled=false", "progress=false", "train.steps=3", "train.prompts_per_step=2",
         "rollout.group_size=2", "train.micro_prompts=1", "task.eval_n=2", "train.eval_every=0"]
@@ -110,7 +110,7 @@ from asyncflow.tasks.registry import FACTORIES
 
 def make(cfg):
     if os.getpid() != int(os.environ["ASYNCFLOW_TEST_DRIVER_PID"]):  # only inside the role processes
-        from asyncflow.workflow.roles.rollout import RolloutRole
+        from asyncflow.workflow.rollout import RolloutRole
 
         def poll(self, timeout):
             raise ZeroDivisionError("boom in a Ray worker")

@@ -18,7 +18,7 @@ from asyncflow.engines.types import Request, SamplingParams
 from asyncflow.dataplane import DataPlane
 from asyncflow.workflow.fields import SCHEMA, encode_text
 from asyncflow.workflow.roles.reward import RewardRole
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 
 
 def test_fake_generate_is_scripted_and_continuously_batched():
@@ -98,14 +98,14 @@ def test_rollout_swap_policy_with_the_fake_engine(on_swap):
     weights = StagedWeights(eng)
     role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=8), group_size=2, prompts_per_step=2,
                        staleness=1, weights=weights, on_swap=on_swap)
-    role.flush_s = 0.0  # send each placed group at once (the default batches for 20 ms)
-    _poll_until(role, lambda: role.produced[0] == 4 and role.produced[1] == 2)  # step 0 full, C placed
+    role.collector.flush_s = 0.0  # send each placed group at once (the default batches for 20 ms)
+    _poll_until(role, lambda: role.state.produced[0] == 4 and role.state.produced[1] == 2)  # step 0 full, C placed
     assert role.placer.started == 4 and len(role.batch) == 1  # D's long answer is still decoding
     live = role.batch.rows[0]
     n_old = len(live.out)
     assert 2 <= n_old < 6
     weights.stage(1)  # the trainer consumed step 0 and published version 1
-    _poll_until(role, lambda: role.produced[1] == 4)
+    _poll_until(role, lambda: role.state.produced[1] == 4)
     assert role.placer.started == 4  # a restart is not a new admission
     meta, data = plane.get_batch("check", ["group", "version", "token_versions", "logprobs", "response_ids"],
                               n=4, partition=1)
@@ -122,9 +122,9 @@ def test_rollout_swap_policy_with_the_fake_engine(on_swap):
     tv = data["token_versions"][long_row].tolist()
     if on_swap == "continue":
         assert tv == [0] * n_old + [1] * (6 - n_old)  # the continued answer shows both versions
-        assert data["version"][by_group[d_group]].tolist() == [0, 0] and role.discarded == 0
+        assert data["version"][by_group[d_group]].tolist() == [0, 0] and role.state.discarded == 0
     else:
-        assert role.discarded == 2  # the live answer and its finished sibling
+        assert role.state.discarded == 2  # the live answer and its finished sibling
     # Version tags stay within the staleness bound of the step they landed in (step 1, k = 1).
     assert all(0 <= 1 - v <= 1 for v in data["version"].tolist())
 

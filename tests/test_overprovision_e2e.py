@@ -21,7 +21,7 @@ from asyncflow.engines.types import SamplingParams
 from asyncflow.dataplane import DataPlane
 from asyncflow.api import train
 from asyncflow.workflow.fields import SCHEMA, encode_text
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 from test_fake_engine import StagedWeights
 from test_staleness import DelayLauncher, small_job, spy_in_memory
 
@@ -52,15 +52,15 @@ def run_role(steps: int, k: int, extra: int, sync: bool):
     weights = None if sync else StagedWeights(eng)
     role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=32), group_size=GROUP, prompts_per_step=P,
                        staleness=k, weights=weights, overprovision=extra)
-    role.flush_s = 0.0
+    role.collector.flush_s = 0.0
     rounds, trained = [], []
     for v in range(steps):
-        start = role.steps
+        start = role.state.steps
         for _ in range(1000):
-            if role.produced[v] >= P * GROUP:
+            if role.state.produced[v] >= P * GROUP:
                 break
             role.poll(0.001)
-        rounds.append(role.steps - start)
+        rounds.append(role.state.steps - start)
         _, data = plane.get_batch("actor", ["group", "version", "token_versions"], n=P * GROUP, partition=v)
         trained.append([(g, int(w), t.tolist()) for g, w, t in
                         zip(data["group"].tolist(), data["version"].tolist(), data["token_versions"])])

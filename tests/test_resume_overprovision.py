@@ -139,12 +139,12 @@ def _role(plane, k, extra, stalls):
 
     from asyncflow.engines.fake import FakeEngine
     from asyncflow.engines.types import SamplingParams
-    from asyncflow.workflow.roles.rollout import RolloutRole
+    from asyncflow.workflow.rollout import RolloutRole
 
     eng = FakeEngine(answer=_lengths, max_batch=64)
     role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=32), group_size=G, prompts_per_step=P, staleness=k,
                        weights=StagedWeights(eng), overprovision=extra, by_prompt_id=True)
-    role.flush_s = 0.0
+    role.collector.flush_s = 0.0
     stall = role.placer._stall
     role.placer._stall = lambda gid: (stalls.append(gid), stall(gid))[1]  # (every stall, of every incarnation)
     return role
@@ -154,7 +154,7 @@ def _train(role, plane, feeder, steps, rows, ahead, polls_after=0):
     for v in steps:
         feeder.fill(v + ahead)
         for _ in range(3000):
-            if role.produced[v] >= P * G:
+            if role.state.produced[v] >= P * G:
                 break
             role.poll(0.001)
         _, data = plane.get_batch("actor", ["group", "version", "token_versions"], n=P * G, partition=v)
@@ -174,7 +174,7 @@ def test_an_overprovisioned_rollout_resumed_at_random_boundaries_keeps_its_guara
     from asyncflow.dataplane import DataPlane
     from asyncflow.engines.tiny import build_char_tokenizer
     from asyncflow.tasks.registry import build_task
-    from asyncflow.workflow import inflight
+    from asyncflow.workflow.rollout import inflight
     from asyncflow.workflow.feeder import PromptFeeder
     from asyncflow.workflow.fields import SCHEMA
 
@@ -189,19 +189,19 @@ def test_an_overprovisioned_rollout_resumed_at_random_boundaries_keeps_its_guara
         _train(role, plane, feeder, range(done, kill), rows, ahead, polls_after=rng.randrange(0, 12))
         tensors, meta = inflight.capture(role, kill)
         counters = meta["counters"]
-        assert counters == {"discarded": role.discarded, "carried": role.placer.carried,
-                            "stalls": role.placer.stalls, "scored": 0, "dropped": 0, "decode_steps": role.steps}
+        assert counters == {"discarded": role.state.discarded, "carried": role.placer.carried,
+                            "stalls": role.placer.stalls, "scored": 0, "dropped": 0, "decode_steps": role.state.steps}
         stalled = {r["group"] for r in meta["answers"] if r.get("stalled")}
-        assert stalled == set(role.stale)
+        assert stalled == set(role.state.stale)
         soft += sum(1 for r in meta["answers"] if r.get("soft"))
         trained = {g for v in range(kill) for g, *_ in rows[v]}
         plane = DataPlane(SCHEMA)  # the restarted run: a fresh data plane, engine and role
         role = _role(plane, k, extra, stalls)
         role.weights.stage(kill)
         kept = role.resume(kill, kill, 1.0, (load(save(tensors)), json.loads(json.dumps(meta))))
-        assert not set(kept) & trained and stalled <= set(kept) and set(role.stale) >= stalled
+        assert not set(kept) & trained and stalled <= set(kept) and set(role.state.stale) >= stalled
         assert role.placer.stalled >= stalled and role.placer.started == kill * P + len(kept)
-        assert (role.discarded, role.placer.carried, role.placer.stalls) == \
+        assert (role.state.discarded, role.placer.carried, role.placer.stalls) == \
             (counters["discarded"], counters["carried"], counters["stalls"])  # the counters continue
         kept_stalled += len(stalled)
         feeder = PromptFeeder(cfg, tok, task, plane)
@@ -219,7 +219,7 @@ def test_an_overprovisioned_rollout_resumed_at_random_boundaries_keeps_its_guara
 
 def test_a_stalled_straggler_is_saved_and_stalled_again_and_soft_groups_rejoin_soft():
     from asyncflow.dataplane import DataPlane
-    from asyncflow.workflow import inflight
+    from asyncflow.workflow.rollout import inflight
     from asyncflow.workflow.fields import SCHEMA
     from asyncflow.workflow.placement import GroupPlacer
 
@@ -236,18 +236,18 @@ def test_a_stalled_straggler_is_saved_and_stalled_again_and_soft_groups_rejoin_s
 
     plane, stalls = DataPlane(SCHEMA), []
     role = _role(plane, 0, 2, stalls)
-    role.stale.append(5)  # (a straggler stalled at version 0: its requests kept for its restart)
+    role.state.stale.append(5)  # (a straggler stalled at version 0: its requests kept for its restart)
     role.placer.started, role.placer.stalled, role.placer.stalls = 1, {5}, 1
     from asyncflow.engines.types import Request
 
-    role.groups[5] = [Request((5, np.frombuffer(b"7", dtype=np.uint8)), [1, 5, 6], 9, 3) for _ in range(G)]
+    role.state.groups[5] = [Request((5, np.frombuffer(b"7", dtype=np.uint8)), [1, 5, 6], 9, 3) for _ in range(G)]
     tensors, meta = inflight.capture(role, 0)
     assert [(r["group"], r["stalled"], r["finished"]) for r in meta["answers"]] == [(5, True, False)] * G
     fresh = _role(DataPlane(SCHEMA), 0, 2, stalls)
     fresh.weights.stage(1)
     assert fresh.resume(1, 1, 1.0, (tensors, meta)) == [5]
-    assert list(fresh.stale) == [5] and fresh.placer.stalled == {5} and fresh.placer.stalls == 1
-    assert [(r.prompt_ids, r.max_new_tokens, r.min_new_tokens) for r in fresh.groups[5]] == [([1, 5, 6], 9, 3)] * G
+    assert list(fresh.state.stale) == [5] and fresh.placer.stalled == {5} and fresh.placer.stalls == 1
+    assert [(r.prompt_ids, r.max_new_tokens, r.min_new_tokens) for r in fresh.state.groups[5]] == [([1, 5, 6], 9, 3)] * G
     assert fresh.placer.retry(5, 1) and fresh.placer.running == {5: 1}  # firm now: it is trained by step 1
 
 
@@ -301,7 +301,7 @@ def _sampling_role(plane, k, fed):
     from asyncflow.engines.types import SamplingParams
     from asyncflow.tasks.registry import build_task
     from asyncflow.workflow.feeder import PromptFeeder
-    from asyncflow.workflow.roles.rollout import RolloutRole
+    from asyncflow.workflow.rollout import RolloutRole
 
     cfg = load_config(None, [f"train.steps={N}", f"train.prompts_per_step={P}", "train.micro_prompts=1", "seed=3"])
     feed = PromptFeeder(cfg, build_char_tokenizer(), build_task(cfg), Fed(plane, fed), unlimited=True)
@@ -309,7 +309,7 @@ def _sampling_role(plane, k, fed):
     role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=32), group_size=G, prompts_per_step=P, staleness=k,
                        weights=StagedWeights(eng), scorer=FlatScorer(), feed=feed, drop_flat=True,
                        by_prompt_id=True)
-    role.flush_s = 0.0
+    role.collector.flush_s = 0.0
     return role
 
 
@@ -318,7 +318,7 @@ def test_a_dynamic_sampling_rollout_resumed_at_random_boundaries_feeds_no_droppe
     from safetensors.numpy import load, save
 
     from asyncflow.dataplane import DataPlane
-    from asyncflow.workflow import inflight
+    from asyncflow.workflow.rollout import inflight
     from asyncflow.workflow.fields import SCHEMA
 
     rng = random.Random(seed)
@@ -331,7 +331,7 @@ def test_a_dynamic_sampling_rollout_resumed_at_random_boundaries_feeds_no_droppe
         dropped |= {q for q, s in role.feed.settled.items() if s is None}  # (before the position folds them)
         tensors, meta = inflight.capture(role, kill)
         counters, pos = meta["counters"], meta["prompts"]
-        assert (counters["scored"], counters["dropped"]) == (role.groups_scored, role.groups_dropped) != (0, 0)
+        assert (counters["scored"], counters["dropped"]) == (role.state.groups_scored, role.state.groups_dropped) != (0, 0)
         trained = {g for v in range(kill) for g, *_ in rows[v]}
         assert not set(pos["pending"]) & (trained | dropped) and all(q < pos["next"] for q in pos["pending"])
         assert trained | dropped >= set(range(pos["below"]))  # (folded: every id below settled)
@@ -339,7 +339,7 @@ def test_a_dynamic_sampling_rollout_resumed_at_random_boundaries_feeds_no_droppe
         role = _sampling_role(plane, k, fed)
         role.weights.stage(kill)
         kept = role.resume(kill, kill, 1.0, (load(save(tensors)), json.loads(json.dumps(meta))))
-        assert (role.groups_scored, role.groups_dropped) == (counters["scored"], counters["dropped"])
+        assert (role.state.groups_scored, role.state.groups_dropped) == (counters["scored"], counters["dropped"])
         runs.append((len(fed), set(pos["pending"]) - set(kept)))  # (neither trained, dropped nor continued)
         done = kill
     _train(role, plane, noop, range(done, N), rows, 0)
@@ -354,7 +354,7 @@ def test_a_dynamic_sampling_rollout_resumed_at_random_boundaries_feeds_no_droppe
     for v in range(N):
         for g, w, tv in rows[v]:
             assert 0 <= v - w <= k and min(tv) >= w and max(tv) <= v, (v, g, w, tv)
-    print(f"seed {seed}: k {k}: {len(set(fed))} prompts fed, {refed} fed again, {role.groups_dropped} dropped")
+    print(f"seed {seed}: k {k}: {len(set(fed))} prompts fed, {refed} fed again, {role.state.groups_dropped} dropped")
 
 
 # ---------------------------------------------------------------- end to end, kill -9 and --resume

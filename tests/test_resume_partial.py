@@ -1,5 +1,5 @@
 """Partial rollout across a restart: answers in flight at a checkpoint continue from their
-saved tokens (:mod:`asyncflow.workflow.inflight`).
+saved tokens (:mod:`asyncflow.workflow.rollout.inflight`).
 
 * the built-in engine: ``partials()`` then ``resume()`` in a fresh engine (another process's
   model, same weights) gives exactly the uninterrupted answers (greedy), with the log-probs a
@@ -31,10 +31,10 @@ from asyncflow.engines.inference import InferenceEngine, Request, SamplingParams
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.engines.training import TrainEngine
 from asyncflow.tasks.registry import build_task
-from asyncflow.workflow import inflight
+from asyncflow.workflow.rollout import inflight
 from asyncflow.workflow.feeder import PromptFeeder
 from asyncflow.workflow.fields import SCHEMA
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 
 torch.set_num_threads(1)
 PAD, BOS, EOS = 0, 1, 2
@@ -88,7 +88,7 @@ def new_role(plane, k, on_swap="continue"):
     eng = FakeEngine(answer=lengths, max_batch=64)
     role = RolloutRole(eng, plane, SamplingParams(max_new_tokens=32), group_size=G, prompts_per_step=P, staleness=k,
                        weights=StagedWeights(eng), on_swap=on_swap, by_prompt_id=True)
-    role.flush_s = 0.0
+    role.collector.flush_s = 0.0
     return role
 
 
@@ -98,7 +98,7 @@ def train_steps(role, plane, feeder, steps, rows, polls_after=0):
     for v in steps:
         feeder.fill(v + K + 3)
         for _ in range(2000):
-            if role.produced[v] >= P * G:
+            if role.state.produced[v] >= P * G:
                 break
             role.poll(0.001)
         _, data = plane.get_batch("actor", ["group", "version", "token_versions", "response_ids"], n=P * G,

@@ -104,7 +104,9 @@ class PolicyLoss:
     """Callable loss for :meth:`TrainEngine.forward_backward`.
 
     ``extras`` keys: ``logprobs`` (behaviour, per-token rows), ``advantages`` (``[B]`` or
-    per-token rows), ``ref_logprobs`` (when ``kl_coef > 0``), optional ``prox_logprobs``.
+    per-token rows), ``ref_logprobs`` (when ``kl_coef > 0``), optional ``prox_logprobs``, and
+    optional ``loss_mask`` (per-token rows of 0/1, multi-turn samples: a 0 token, an observation,
+    is left out of every term, the metrics and the normalisation, as padding is).
     """
 
     total_seqs: float  # sequences in the whole step
@@ -126,6 +128,8 @@ class PolicyLoss:
 
     def __call__(self, logp: torch.Tensor, batch: Any, extras: dict) -> tuple[torch.Tensor, dict]:
         mask = batch.mask
+        if "loss_mask" in extras:  # multi-turn: observation tokens (0) are in the response, never in the loss
+            mask = mask * pad_rows(extras["loss_mask"], mask)
         lengths = mask.sum(1)
         behav = pad_rows(extras["logprobs"], mask)
         prox = pad_rows(extras["prox_logprobs"], mask) if "prox_logprobs" in extras else None

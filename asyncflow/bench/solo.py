@@ -65,7 +65,7 @@ class _Solo:
         # continuous: prompts far enough ahead that rollout never idles waiting for the last
         # rewards of a step (its capacity, not the staleness bound's pacing, is measured)
         self.feeder.fill(v + (8 if self.continuous else 2))
-        while self.rollout.produced[v] < self.B:
+        while self.rollout.state.produced[v] < self.B:
             self.rollout.poll(0.05)
         if not self.continuous:
             self.rollout.set_version(v + 1)  # admits the next step's prompts, as sync_step does

@@ -55,6 +55,29 @@ def check_test_time(cfg: RunConfig) -> None:
                          f"evaluation problems: train.prompts_per_step ({cfg.train.prompts_per_step}) must be <= it")
 
 
+def check_env(cfg: RunConfig) -> None:
+    """The checks of a multi-turn run (``env.tools``, ``env.fn`` or ``env.agent``: :mod:`asyncflow.agents`)."""
+    which = "env.tools" if cfg.env.tools else "env.fn" if cfg.env.fn else "env.agent"
+    if cfg.algorithm.name == "ppo":
+        raise ValueError(f"{which} with algorithm.name=ppo: the critic's values over observation tokens are not "
+                         f"masked yet; use a critic-free algorithm (grpo, rloo, reinforce_pp, ...)")
+    if cfg.algorithm.kl_in_reward:
+        raise ValueError(f"{which} with algorithm.kl_in_reward: a per-token KL penalty would land on observation "
+                         f"tokens; use algorithm.kl_coef as a loss term (masked) instead")
+    if cfg.rollout.overprovision:
+        raise ValueError(f"{which} with rollout.overprovision: restarting episodes mid-way is not supported; "
+                         f"set rollout.overprovision=0")
+    if cfg.rollout.on_swap != "continue":
+        raise ValueError(f"{which} with rollout.on_swap={cfg.rollout.on_swap}: episodes continue across weight "
+                         f"swaps (every token keeps its version); set rollout.on_swap=continue")
+    if cfg.reward.placement != "rollout":
+        raise ValueError(f"{which}: an episode's reward comes from its environment, inside rollout; set "
+                         f"reward.placement=rollout")
+    if cfg.env.max_tokens < (cfg.env.turn_tokens or cfg.rollout.max_new_tokens) and cfg.env.max_turns > 1:
+        raise ValueError(f"env.max_tokens ({cfg.env.max_tokens}) leaves no room for a second turn of "
+                         f"{cfg.env.turn_tokens or cfg.rollout.max_new_tokens} tokens: raise env.max_tokens")
+
+
 def check_tp(cfg: RunConfig) -> None:
     """The checks of a tensor-parallel trainer (``train.tp > 1``)."""
     t = cfg.train

@@ -89,7 +89,8 @@ def _in(data: dict, dotted: str) -> bool:
 # file part of 'path/to/file.py:name' (a 'package.module:name' is left alone)
 _PATHS = (("task", "path", "path"), ("task", "heldout_path", "path"), ("model", "path", "path"),
           ("reward", "fn", "spec"), ("reward", "extractor", "spec"), ("task", "name", "spec"),
-          ("eval", "metric", "spec"))
+          ("eval", "metric", "spec"), ("env", "fn", "spec"), ("env", "agent", "spec"), ("env", "tools", "specs"),
+          ("warmstart", "traces", "spec"))
 
 
 def _relative_to(data: dict, base: Path) -> dict:
@@ -98,16 +99,24 @@ def _relative_to(data: dict, base: Path) -> dict:
     for section, key, what in _PATHS:
         node = data.get(section)
         value = node.get(key) if isinstance(node, dict) else None
+        if what == "specs" and isinstance(value, list):  # (a list of specs: each as one)
+            assert isinstance(node, dict)  # value came from it
+            node[key] = [_spec_relative(v, base) if isinstance(v, str) else v for v in value]
+            continue
         if not isinstance(value, str) or not value:
             continue
         assert isinstance(node, dict)  # value came from it
         if what == "spec":
-            target, sep, name = value.rpartition(":")
-            if sep and target.endswith(".py") and _relative(target):
-                node[key] = f"{base / target}:{name}"
+            node[key] = _spec_relative(value, base)
         elif _relative(value):
             node[key] = str(base / value)
     return data
+
+
+def _spec_relative(value: str, base: Path) -> str:
+    """'path/to/file.py:name' with a relative file resolved against ``base`` (a module path as it is)."""
+    target, sep, name = value.rpartition(":")
+    return f"{base / target}:{name}" if sep and target.endswith(".py") and _relative(target) else value
 
 
 def _relative(path: str) -> bool:

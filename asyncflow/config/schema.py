@@ -1,8 +1,8 @@
 """The typed configuration: the whole job (:class:`RunConfig`), validated at construction.
 
 Each section lives in a module of its own (``model.py``: model and task, ``rollout.py``:
-rollout and reward, ``algorithm.py``, ``train.py``: train and resources, ``warmstart.py``,
-``outputs.py``: eval and log); this module puts them together and checks what spans
+rollout and reward, ``env.py``: multi-turn episodes, ``algorithm.py``, ``train.py``: train and
+resources, ``warmstart.py``, ``outputs.py``: eval and log); this module puts them together and checks what spans
 sections. Every field is documented in its section and nowhere else; ``asyncflow train
 --dry-run`` prints the resolved config. User mistakes raise :class:`ConfigError` with one
 line that names the field, the bad value and the fix; the CLI prints it without a traceback.
@@ -19,7 +19,8 @@ from pydantic import Field, field_validator, model_validator
 
 from asyncflow.config.algorithm import AlgorithmConfig
 from asyncflow.config.base import ConfigError, Section
-from asyncflow.config.checks import check_dp, check_test_time, check_tp
+from asyncflow.config.checks import check_dp, check_env, check_test_time, check_tp
+from asyncflow.config.env import EnvConfig
 from asyncflow.config.lora import LoraConfig, check_lora
 from asyncflow.config.model import BUILTIN_TASKS, ModelConfig, TaskConfig
 from asyncflow.config.outputs import EvalConfig, LogConfig
@@ -27,7 +28,7 @@ from asyncflow.config.rollout import RewardConfig, RolloutConfig, engine_install
 from asyncflow.config.train import ResourcesConfig, TrainConfig
 from asyncflow.config.warmstart import WarmStartConfig
 
-__all__ = ["BUILTIN_TASKS", "AlgorithmConfig", "ConfigError", "EvalConfig", "LogConfig", "LoraConfig",
+__all__ = ["BUILTIN_TASKS", "AlgorithmConfig", "ConfigError", "EnvConfig", "EvalConfig", "LogConfig", "LoraConfig",
            "ModelConfig", "ResourcesConfig", "RewardConfig", "RolloutConfig", "RunConfig", "TaskConfig", "TrainConfig",
            "WarmStartConfig", "engine_installed"]
 
@@ -53,6 +54,7 @@ class RunConfig(Section):
     warmstart: WarmStartConfig = WarmStartConfig()
     rollout: RolloutConfig = RolloutConfig()
     reward: RewardConfig = RewardConfig()
+    env: EnvConfig = EnvConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
@@ -85,6 +87,10 @@ class RunConfig(Section):
             check_test_time(self)
         if self.train.dp > 1:
             check_dp(self)
+        if self.env.enabled:
+            check_env(self)
+        elif self.warmstart.traces:
+            raise ValueError("warmstart.traces is multi-turn SFT: it needs env.tools, env.fn or env.agent")
         if self.train.tp > 1:
             check_tp(self)
         if self.model.lora.on:

@@ -5,7 +5,7 @@ config package.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class _Section(BaseModel):
@@ -28,3 +28,15 @@ class WarmStartConfig(_Section):
     land_every: int | None = Field(1, gt=0, description="An evaluation > 3 points past the target rewinds to the one "
                                    "before and replays, checking every N steps (None = stop where it overshot).")
     lr: float | None = Field(None, gt=0, description="SFT learning rate (None = the built-in recipe's, 1e-3).")
+    traces: str | None = Field(None, description="Multi-turn SFT (with env): 'package.module:fn' or "
+                                                 "'path/to/file.py:fn', fn(prompt, answer) -> the conversation that "
+                                                 "solves a training problem (chat messages with tool calls and tool "
+                                                 "results, or {messages: ..., tools: ...}); SFT trains the "
+                                                 "assistant's tokens only, and the held-out metric runs episodes.")
+
+    @field_validator("traces")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        if v is not None and (v.count(":") != 1 or not all(v.split(":"))):
+            raise ValueError(f"traces = '{v}' is not an import path: write 'package.module:fn' or 'path/to/file.py:fn'")
+        return v

@@ -1,7 +1,7 @@
 """A deterministic fake inference engine for tests of the other roles (no torch, no model).
 
 It speaks the engine protocol of :mod:`asyncflow.engines.types` (what
-:class:`~asyncflow.workflow.roles.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
+:class:`~asyncflow.workflow.rollout.RolloutRole` uses): ``new_batch`` / ``add`` / ``step`` /
 ``drop_all`` / ``drop`` / ``recompute_cache`` / ``partials`` / ``resume``, the multi-turn
 ``extend`` / ``release`` (``stop_ids``, ``keep``), ``generate`` and ``load_weights``, with the same
 continuous-batching slot rules as the built-in engine, so a role test exercises the real
@@ -19,7 +19,9 @@ Scripted behaviour
   "produced" a token.
 * A request's ``stop_ids`` end its answer at the first scripted token among them (after
   ``min_new_tokens``); a ``keep`` request's tokens are kept for ``extend``, whose turn is
-  scripted by ``answer`` for a request whose prompt is the whole history.
+  scripted by ``answer`` for a request whose prompt is the whole history. ``FakeEngine(keep=False)``:
+  batches without ``extend``/``release``, like an engine without the capability (the caller sends
+  the whole history as a new request).
 * ``load_weights(version, tensors)`` only records the version (and the names it got);
   ``recompute_cache`` counts its calls.
 
@@ -101,29 +103,6 @@ class FakeBatch:
             self.rows = [r for r in self.rows if id(r) not in ended]
         return done
 
-    def extend(self, key: Any, append_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[Completion]:
-        """Continue a kept row: a new turn scripted by ``answer`` for a request whose prompt is the
-        whole history plus ``append_ids`` (``MultiTurnBatch``)."""
-        if key not in self.kept:
-            raise KeyError(f"extend: no kept row with key {key!r} (not added with keep=True, released, "
-                           f"or still generating)")
-        old, history = self.kept.pop(key)
-        req = Request(key, history + list(append_ids), max_new_tokens, min_new_tokens, stop_ids=old.stop_ids,
-                      keep=True)
-        return self.add([req])
-
-    def release(self, key: Any) -> None:
-        """Forget a kept row (a live one is not kept when it finishes)."""
-        if key in self.kept:
-            del self.kept[key]
-            return
-        for r in self.rows:
-            if r.req.key == key:
-                r.req = Request(r.req.key, r.req.prompt_ids, r.req.max_new_tokens, r.req.min_new_tokens,
-                                r.req.version, r.req.stop_ids, keep=False)
-                return
-        raise KeyError(f"release: no kept or live row with key {key!r}")
-
     def drop_all(self) -> list[Request]:
         reqs = [r.req for r in self.rows]
         self.rows = []
@@ -150,12 +129,45 @@ class FakeBatch:
         return []
 
 
+class FakeKeepBatch(FakeBatch):
+    """A :class:`FakeBatch` with the multi-turn capability (``extend``/``release``,
+    :class:`~asyncflow.engines.types.MultiTurnBatch`); ``FakeEngine(keep=False)`` makes a
+    plain :class:`FakeBatch` instead, like an engine that cannot keep a row's cache."""
+
+    extended = 0  # extend calls (tests check which path a driver took)
+
+    def extend(self, key: Any, append_ids: list[int], max_new_tokens: int, min_new_tokens: int = 0) -> list[Completion]:
+        """Continue a kept row: a new turn scripted by ``answer`` for a request whose prompt is the
+        whole history plus ``append_ids`` (``MultiTurnBatch``)."""
+        if key not in self.kept:
+            raise KeyError(f"extend: no kept row with key {key!r} (not added with keep=True, released, "
+                           f"or still generating)")
+        old, history = self.kept.pop(key)
+        self.extended += 1
+        req = Request(key, history + list(append_ids), max_new_tokens, min_new_tokens, stop_ids=old.stop_ids,
+                      keep=True)
+        return self.add([req])
+
+    def release(self, key: Any) -> None:
+        """Forget a kept row (a live one is not kept when it finishes)."""
+        if key in self.kept:
+            del self.kept[key]
+            return
+        for r in self.rows:
+            if r.req.key == key:
+                r.req = Request(r.req.key, r.req.prompt_ids, r.req.max_new_tokens, r.req.min_new_tokens,
+                                r.req.version, r.req.stop_ids, keep=False)
+                return
+        raise KeyError(f"release: no kept or live row with key {key!r}")
+
+
 class FakeEngine:
     """Drop-in for :class:`~asyncflow.engines.inference.InferenceEngine` in role tests."""
 
     def __init__(self, answer: Callable[[Request, SamplingParams], Sequence[int]] | None = None,
-                 logprob: float | Callable[[int, int], float] = -1.0, eos_id: int = EOS, max_batch: int = 64):
-        self.eos_id, self.max_batch = eos_id, max_batch
+                 logprob: float | Callable[[int, int], float] = -1.0, eos_id: int = EOS, max_batch: int = 64,
+                 keep: bool = True):
+        self.eos_id, self.max_batch, self.keep = eos_id, max_batch, keep
         self.answer = answer or (lambda req, sp: default_answer(req, sp, eos_id))
         self.logprob = logprob if callable(logprob) else (lambda version, pos, _v=float(logprob): _v)
         self.version = 0
@@ -164,7 +176,7 @@ class FakeEngine:
         self.total_slots = 0
 
     def new_batch(self, sampling: SamplingParams) -> FakeBatch:
-        return FakeBatch(self, sampling)
+        return FakeKeepBatch(self, sampling) if self.keep else FakeBatch(self, sampling)
 
     def generate(self, requests: Iterable[Request], sampling: SamplingParams,
                  on_done: Callable[[Completion], None] | None = None) -> list[Completion]:

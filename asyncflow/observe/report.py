@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from asyncflow.observe.drift import planner_line
+from asyncflow.observe.episodes import episode_counts, episode_line
 from asyncflow.observe.ttrl import VoteMeter, vote_line, vote_summary
 
 if TYPE_CHECKING:
@@ -194,7 +196,7 @@ class RunMeter:
     ``votes`` (``reward.mode=majority``) every step reports the majority-vote figures of
     :mod:`asyncflow.observe.ttrl` (``majority_ratio``, ``pseudo_label_acc``...). A
     resumed run's counters continue the checkpoint's: ``since`` (rollout's counters there, as
-    :func:`~asyncflow.workflow.inflight.capture` saved them) is where its first step counts from.
+    :func:`~asyncflow.workflow.rollout.inflight.capture` saved them) is where its first step counts from.
     """
 
     def __init__(self, stats: Callable[[], dict], drops: bool = False, stragglers: bool = False,
@@ -280,7 +282,7 @@ def summarize(cfg: RunConfig, init: dict, acc0: float | None, acc1: float | None
         "cpu": totals["cpu"], "max_staleness": actor.get("max_staleness", 0),
         "staleness_hist": actor.get("staleness_hist", {}), "dropped_stale": actor.get("dropped_stale", 0),
         "rollout_decode_steps": rollout.get("decode_steps", 0), "rollout_swaps": rollout.get("swaps", 0),
-        **reward_counts(totals["stats"]), **vote_summary(totals["stats"]),
+        **reward_counts(totals["stats"]), **vote_summary(totals["stats"]), **episode_counts(totals["stats"]),
         "run_dir": str(run_dir), "checkpoint": ckpt, "pinned": totals.get("pinned", {}), **dyn,
         # task.on_bad_row=skip: bad dataset rows skipped, and the first of them (file:line: what is wrong)
         "skipped_rows": totals.get("skipped_rows", 0), "skipped_first": totals.get("skipped_first"),
@@ -326,20 +328,6 @@ def reward_error_line(s: dict, log: Path | None) -> str | None:
     return f"asyncflow: warning: the reward failed on {n}{of} answers, scored as reward.on_error{first}{where}"
 
 
-def planner_line(s: dict) -> str:
-    """The simulator's prediction for the run's own config beside what it measured (the summary's
-    ``planner``, :mod:`asyncflow.planner.check`): a gap says the model has drifted from the code
-    (or the profile from the machine). Empty without one."""
-    p = s.get("planner")
-    if not p:
-        return ""
-    if p.get("predicted_samples_per_s") is None:
-        return f"planner            no prediction ({p.get('error_reason', 'unknown')})\n"
-    err = f"error {p['error']:+.1%}; " if p.get("error") is not None else ""
-    return (f"planner            predicted {p['predicted_samples_per_s']:.1f} samples/s, measured "
-            f"{p['measured_samples_per_s']:.1f} after step 1 ({err}{p['profile']})\n")
-
-
 def format_summary(s: dict) -> str:
     acc = ""
     if s["heldout_acc_before"] is not None:
@@ -350,6 +338,7 @@ def format_summary(s: dict) -> str:
         e = s["heldout_evals"]
         acc += (f"evaluations        {e['done']} beside training ({e.get('skipped', 0)} skipped while one ran, "
                 f"{e.get('late', 0)} late, {e['failed']} failed, {e['abandoned']} unfinished at the end)\n")
+    acc += episode_line(s)  # (multi-turn)
     if s.get("skipped_rows"):
         acc += f"bad rows skipped   {s['skipped_rows']} (task.on_bad_row=skip); first: {s['skipped_first']}\n"
     busy = "  ".join(f"{k} {v:.0%}" for k, v in s["busy"].items())

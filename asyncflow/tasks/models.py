@@ -31,7 +31,9 @@ from asyncflow.config import ConfigError, RunConfig
 from asyncflow.engines.tiny import build_char_tokenizer, build_tiny_model
 from asyncflow.tasks import warmstart  # called through the module: tests replace load_or_warm_start
 from asyncflow.tasks.base import Task
+from asyncflow.tasks.environments import heldout_episodes, tool_schemas, trace_tensors
 from asyncflow.tasks.layout import load_tokenizer  # re-exported: the driver loads the tokenizer from here
+from asyncflow.tasks.plugins import load_callable
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
 
@@ -101,7 +103,7 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = Non
             Path(w.cache_dir).expanduser(), task=task, model_dims=cfg.model.dims(), target_acc=w.target_acc,
             warmup_steps=w.warmup_steps, near_every=w.near_every, land_every=w.land_every, seed=cfg.seed,
             progress=progress, note=note, device=_warmstart_device(cfg), model_dir=folder, spec=eval_spec(cfg, task),
-            lr=warmstart.LR if w.lr is None else w.lr)
+            lr=warmstart.LR if w.lr is None else w.lr, **_traces(cfg, task))
         keep = ("accuracy", "steps", "seconds", "cached", "replayed")
         return info["path"], {"source": "warmstart", **{k: info[k] for k in keep if k in info}}
     if folder is not None:
@@ -112,6 +114,19 @@ def prepare_model(cfg: RunConfig, run_dir: Path, progress: Callable | None = Non
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return str(out), {"source": "random"}
+
+
+def _traces(cfg: RunConfig, task: Task) -> dict[str, Any]:
+    """``warmstart.traces``: the multi-turn SFT rows (made once the tokenizer is known) and their cache key."""
+    spec = cfg.warmstart.traces
+    if spec is None:
+        return {}
+    fn = load_callable(spec, "warmstart.traces")
+
+    def rows(tok: PreTrainedTokenizerBase) -> tuple[torch.Tensor, torch.Tensor]:
+        return trace_tensors(tok, task.train, fn, tool_schemas(cfg, tok))
+
+    return {"traces": rows, "traces_key": ",".join(_callable_key(x) for x in [spec, *cfg.env.tools])}
 
 
 def eval_spec(cfg: RunConfig, task: Task) -> warmstart.EvalSpec:
@@ -129,6 +144,10 @@ def eval_spec(cfg: RunConfig, task: Task) -> warmstart.EvalSpec:
         return RewardFunction(load_reward_fn(r.fn), r.timeout_s, r.on_error, r.key, batched=r.batched)
 
     chat = cfg.task.chat_template
+    if cfg.env.enabled:  # (multi-turn: greedy episodes in the run's environments)
+        name, run = heldout_episodes(cfg, task, reward)
+        specs = [*cfg.env.tools, cfg.env.fn or "", cfg.env.agent or "", cfg.eval.metric or r.fn or cfg.task.name]
+        return warmstart.EvalSpec(run=run, key=f"episodes:{name}:{','.join(_callable_key(x) for x in specs if x)}")
     if not task.greedy_eval_tokens and not cfg.eval.metric and not r.fn:
         return warmstart.EvalSpec(chat=chat)
     name, score = heldout_metric(cfg, task, reward)

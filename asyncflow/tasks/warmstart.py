@@ -102,6 +102,7 @@ class EvalSpec:
     max_new_tokens: int | None = None
     chat: bool = False
     key: str | None = None
+    run: Callable[[PreTrainedModel, PreTrainedTokenizerBase, Sequence[Any]], float] | None = None  # episodes
 
     def recipe(self) -> dict[str, Any]:
         """The fields that differ from the default (the cache key of a default spec is unchanged)."""
@@ -130,11 +131,11 @@ def sft(
     land_every: int | None = LAND_EVERY,
     land_tol: float = LAND_TOL,
     note: Callable[[str], None] | None = None,
+    data: tuple[torch.Tensor, torch.Tensor] | None = None,  # (ids, labels) instead of task.train's
 ) -> SFTResult:
     """Teacher-forced SFT on ``task.train`` until the held-out greedy metric >= ``target_acc``.
 
-    The metric is ``spec``'s: by default exact match, or ``task.eval_score`` where the task
-    has one (countdown: any correct expression counts).
+    The metric is ``spec``'s: exact match, or ``task.eval_score`` where the task has one (countdown).
 
     Accuracy is measured on the first ``eval_n`` problems of ``task.heldout`` every
     ``eval_every`` steps (``near_every``: every that many once an evaluation reached half
@@ -148,7 +149,7 @@ def sft(
     eval_set = task.heldout[:eval_n]
     measure = _measure(model, tokenizer, task, eval_set, spec)
     batches = epoch_batches(len(task.train), batch_size, np.random.default_rng(seed))
-    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress, note)
+    trainer = _trainer(model, tokenizer, task, spec.chat, lr, warmup_steps, progress, note, data)
     snap = Snapshot.take(model, trainer.optimizer, 0) if land_every else None
     acc, step, overshot = 0.0, 0, None
     while step < max_steps:
@@ -175,9 +176,10 @@ def sft(
 
 
 def _trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, chat: bool, lr: float,
-             warmup_steps: int, progress: ProgressFn | None, note: Callable[[str], None] | None = None) -> Trainer:
-    """AdamW on teacher-forced ``task.train`` (the model is put in train mode)."""
-    ids, labels = sft_tensors(tokenizer, task.train, chat)
+             warmup_steps: int, progress: ProgressFn | None, note: Callable[[str], None] | None = None,
+             data: tuple[torch.Tensor, torch.Tensor] | None = None) -> Trainer:
+    """AdamW on teacher-forced ``task.train`` or ``data`` (the model is put in train mode)."""
+    ids, labels = data if data is not None else sft_tensors(tokenizer, task.train, chat)
     ids, labels = ids.to(model.device), labels.to(model.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model.train()
@@ -188,6 +190,9 @@ def _trainer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: T
 def _measure(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: Task, eval_set: Sequence[Any],
              spec: EvalSpec) -> Callable[[int | None], float]:
     """``measure(n)``: the held-out metric on the first ``n`` problems of ``eval_set`` (None: all)."""
+    if spec.run is not None:  # (multi-turn: greedy episodes, asyncflow.tasks.environments)
+        run = spec.run
+        return lambda n: run(model, tokenizer, eval_set[:n])
     score = spec.score or getattr(task, "eval_score", None)
     longest = spec.max_new_tokens  # a subset decodes as far as the whole set does
     if longest is None and eval_set:
@@ -257,6 +262,8 @@ def load_or_warm_start(
     device: str = "cpu",
     model_dir: str | None = None,
     spec: EvalSpec = EvalSpec(),
+    traces: Callable[[PreTrainedTokenizerBase], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    traces_key: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, dict[str, Any]]:
     """Return a warm-started (model, tokenizer, info), from ``cache_dir`` when possible.
 
@@ -265,8 +272,9 @@ def load_or_warm_start(
     comes back on the CPU). It is not part of the cache key: a model warm-started on a GPU
     serves CPU runs too, and the other way round.
 
-    ``info`` holds ``accuracy``, ``steps``, ``seconds`` (of the original SFT run), the
-    cache ``key`` and ``path``, and ``cached`` (True when loaded from disk).
+    ``traces(tokenizer) -> (ids, labels)``: multi-turn SFT rows instead of the task's answers,
+    named in the cache key by ``traces_key``. ``info`` holds ``accuracy``, ``steps``, ``seconds``
+    (of the original SFT run), the cache ``key`` and ``path``, and ``cached`` (True when loaded).
     """
     sft_keys = {"target_acc": target_acc, "seed": seed, "lr": lr, "batch_size": batch_size,
                 "eval_every": eval_every, "eval_n": eval_n, "max_steps": max_steps}
@@ -275,6 +283,7 @@ def load_or_warm_start(
                                        ("land_every", land_every)) if v})
     sft_keys.update({"land_tol": LAND_TOL} if land_every else {})
     recipe = _recipe(task, model_dims, sft_keys, spec, model_dir)
+    recipe.update({"traces": traces_key} if traces is not None else {})
     folder = Path(cache_dir) / cache_key(recipe)
     if (folder / "info.json").exists():
         return load_entry(folder)
@@ -284,6 +293,7 @@ def load_or_warm_start(
         model, tokenizer, task, target_acc=target_acc, lr=lr, batch_size=batch_size,
         eval_every=eval_every, eval_n=eval_n, max_steps=max_steps, seed=seed, progress=progress,
         warmup_steps=warmup_steps, near_every=near_every, spec=spec, land_every=land_every, note=note,
+        data=traces(tokenizer) if traces is not None else None,
     )
     info = {**asdict(result), "key": folder.name, "recipe": recipe}
     model.cpu()

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from asyncflow.agents.calls import EnvCalls
+from asyncflow.agents.episode import EpisodeRunner
 from asyncflow.algorithms.algorithm import Algorithm
 from asyncflow.algorithms.etmr import TreeShape
 from asyncflow.config import RunConfig
@@ -50,6 +52,7 @@ from asyncflow.engines.sglang_engine import SGLangEngine
 from asyncflow.engines.training import TrainEngine, lr_multiplier
 from asyncflow.engines.vllm_engine import VLLMEngine
 from asyncflow.tasks.base import Task
+from asyncflow.tasks.environments import env_factory, episode_limits
 from asyncflow.tasks.majority import MajorityVote, load_extractor
 from asyncflow.tasks.plugins import load_callable
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
@@ -62,7 +65,7 @@ from asyncflow.workflow.roles.base import Role
 from asyncflow.workflow.roles.critic import CriticRole
 from asyncflow.workflow.roles.reference import ReferenceRole
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 from asyncflow.workflow.tree_batch import TreeEngine
 
 
@@ -166,7 +169,8 @@ def build_actor(ctx: RoleContext) -> Role:
     # data-parallel sync: each rank trains the rows of its own shard (those it generated and scored)
     own = sync_share(cfg, ctx.rank) * r.group_size if whole and sync_ranks(cfg) > 1 else None
     return ActorRole(engine, ctx.plane, cfg.batch_size, r.group_size, fetch_prompts, cfg.effective_staleness,
-                     algorithm=algorithm(cfg), publish=publish, group=ctx.group, shard_rows=own, greedy=greedy)
+                     algorithm=algorithm(cfg), publish=publish, group=ctx.group, shard_rows=own, greedy=greedy,
+                     masked=cfg.env.enabled)
 
 
 def _inference_engine(ctx: RoleContext) -> Any:
@@ -205,6 +209,16 @@ def _scoring(ctx: RoleContext) -> dict:
     return extras
 
 
+def _episodes(ctx: RoleContext) -> EpisodeRunner | None:
+    """Multi-turn (``env``): the episode runner of a rollout role (its environments' calls in threads)."""
+    cfg = ctx.cfg
+    if not cfg.env.enabled:
+        return None
+    make = env_factory(cfg, ctx.tokenizer, ctx.reward_fn(), seed=cfg.seed + ctx.rank)
+    return EpisodeRunner(ctx.tokenizer, make, episode_limits(cfg, ctx.tokenizer),
+                         EnvCalls(cfg.env.concurrency, cfg.env.timeout_s))
+
+
 def build_rollout(ctx: RoleContext) -> Role:
     cfg, r = ctx.cfg, ctx.cfg.rollout
     engine = base = _inference_engine(ctx)
@@ -221,7 +235,7 @@ def build_rollout(ctx: RoleContext) -> Role:
     shard = ctx.rank if sync_ranks(cfg) > 1 else None
     return RolloutRole(engine, ctx.plane, sp, r.group_size, sync_share(cfg, ctx.rank), cfg.effective_staleness,
                        subscriber, r.recompute_on_swap, r.on_swap, overprovision=r.overprovision, shard=shard,
-                       by_prompt_id=True, **(_scoring(ctx) if rewards_in_rollout(cfg) else {}))
+                       by_prompt_id=True, episodes=_episodes(ctx), **(_scoring(ctx) if rewards_in_rollout(cfg) else {}))
 
 
 def build_reward(ctx: RoleContext) -> Role:
@@ -261,7 +275,7 @@ BUILD_ORDER = ("actor", "rollout", "reward", "reference", "critic")  # the actor
 def link_local(cfg: RunConfig, roles: dict[str, Any]) -> None:
     """``sync`` (not FSDP): when this worker's rollout writes every field its actor reads (rewards
     in rollout, no reference, no critic), hand the step's rows over in memory
-    (:class:`~asyncflow.workflow.roles.rollout.RolloutRole` ``local``), not through the data plane."""
+    (:class:`~asyncflow.workflow.rollout.RolloutRole` ``local``), not through the data plane."""
     if not ({"rollout", "actor"} <= set(roles) and cfg.mode == "sync" and rewards_in_rollout(cfg)):
         return
     if set(roles) - {"rollout", "actor"} or (cfg.train.dp > 1 and cfg.train.strategy == "fsdp"):

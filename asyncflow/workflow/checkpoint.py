@@ -22,17 +22,17 @@ Python's RNG positions, the driver's state: the step, the prompt ids trained so 
 Resume (:func:`check_resume`, then :func:`latest` and :func:`read`) restores all of it
 (:func:`restore`). ``sync`` is exact: a resumed run takes the same steps as an uninterrupted
 one. At its step boundary nothing is decoding; what crosses it is rollout's state there
-(tensors ``rollout/...``, JSON ``rollout``: :mod:`asyncflow.workflow.inflight`, ``sync``):
+(tensors ``rollout/...``, JSON ``rollout``: :mod:`asyncflow.workflow.rollout.inflight`, ``sync``):
 over-provisioning's stalled stragglers, the groups fetched but not started, the counters, and
 rollout's prompt cursor, from which the feeder (the driver's, or dynamic sampling's self-feeding
 one) feeds again, so rollout reads the same prompts in the same fetches. ``stream``/``async``:
 the trainer is restored and republishes its weights, rollout takes them before it starts (:meth:`RolloutRole.resume
-<asyncflow.workflow.roles.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
+<asyncflow.workflow.rollout.RolloutRole.resume>`), and the feeder feeds every prompt the
 checkpoint had not trained nor continued, once. Rollout's groups in flight at the boundary are
 snapshotted with the checkpoint (tensors ``rollout/...``, JSON ``rollout``); on resume the
 built-in engine's continue from their saved tokens where the staleness bound (counted
 across the restart: the versions continue) still allows, the others and the answers
-generated but not trained restart from their prompts (:mod:`asyncflow.workflow.inflight`).
+generated but not trained restart from their prompts (:mod:`asyncflow.workflow.rollout.inflight`).
 Over-provisioning's soft and carried-over running groups continue as such and its stalled
 stragglers stay stalled (each restarts from its prompt once, as a firm group); dynamic
 sampling's self-feeding rollout saves its prompt position (the ids it fed, dropped, placed:

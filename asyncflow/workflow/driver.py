@@ -23,7 +23,7 @@ past the limit the error's line ends with the ``--resume`` command that continue
 A resume (automatic or ``--resume``) feeds every prompt the checkpoint had not trained,
 once (:mod:`asyncflow.workflow.feeder`): in ``stream``/``async`` the answers that were in
 flight continue from their saved tokens where the staleness bound allows (the built-in engine;
-:mod:`asyncflow.workflow.inflight`), the others and those generated but not trained restart
+:mod:`asyncflow.workflow.rollout.inflight`), the others and those generated but not trained restart
 from their prompts (counted: ``in_flight_answers`` in the summary), the versions continue and ``metrics.jsonl`` keeps
 each step once.
 """
@@ -36,8 +36,16 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from asyncflow.agents.episode import KEEP_FAILURES
 from asyncflow.config import ConfigError, RunConfig, dump_config
-from asyncflow.observe.report import Progress, RunMeter, reward_error_line, reward_failures, summarize
+from asyncflow.observe.episodes import env_error_line, episode_stats
+from asyncflow.observe.report import (
+    Progress,
+    RunMeter,
+    reward_error_line,
+    reward_failures,
+    summarize,
+)
 from asyncflow.observe.trace import PlotUnavailable, write_gantt, write_trace
 from asyncflow.observe.trackers import Trackers, open_trackers
 from asyncflow.tasks.base import Task
@@ -98,6 +106,8 @@ def train(cfg: RunConfig, launcher: Launcher, run_dir: Path | None = None, evalu
     task = build_task(cfg)  # a user's mistakes (a bad dataset row, a missing module) fail before any role starts
     check_reward_fn(cfg)
     metric, _ = heldout_metric(cfg, task)
+    if cfg.env.enabled and not cfg.env.tools:  # (an environment's or an agent's own reward: tasks.environments)
+        metric = "mean episode reward"
     if resume and run_dir is not None:
         (run_dir / "config.yaml").write_text(dump_config(cfg, absolute=True))  # train.steps may have grown
     else:
@@ -183,6 +193,7 @@ def _run(cfg: RunConfig, launcher: Launcher, run_dir: Path, evaluate: bool, task
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         trackers.log_summary(summary)
         _warn_reward_errors(summary, totals["stats"], run_dir)
+        _warn_env_errors(summary, totals["stats"], run_dir)
         return summary
     finally:  # (after a failure: the job first, so a checkpoint write still waiting on a worker ends at once)
         trackers.close()
@@ -345,5 +356,17 @@ def _warn_reward_errors(summary: dict, stats: dict, run_dir: Path) -> None:
         log.write_text("".join(f"--- failure {i + 1} of the first {len(failures)}\n{f}\n"
                                for i, f in enumerate(failures)))
     line = reward_error_line(summary, log)
+    if line:
+        print(line, file=sys.stderr, flush=True)
+
+
+def _warn_env_errors(summary: dict, stats: dict, run_dir: Path) -> None:
+    """Episodes an environment error ended: the first tracebacks to ``env_errors.log``, one line to stderr."""
+    failures = episode_stats(stats).get("env_failures", [])[:KEEP_FAILURES]
+    log = run_dir / "env_errors.log" if failures else None
+    if log is not None:
+        log.write_text("".join(f"--- failure {i + 1} of the first {len(failures)}\n{f}\n"
+                               for i, f in enumerate(failures)))
+    line = env_error_line(summary, log)
     if line:
         print(line, file=sys.stderr, flush=True)

@@ -63,6 +63,7 @@ from asyncflow.config import RunConfig
 from asyncflow.engines.inference import load_named_weights
 from asyncflow.engines.lora import LoraSpec, write_adapter_folder
 from asyncflow.engines.lora_merge import AdapterMerger
+from asyncflow.tasks.environments import heldout_episodes
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.rewards import RewardFunction, load_reward_fn
@@ -132,6 +133,7 @@ class Evaluator:
                 self._merger = AdapterMerger(self.model, self._lora.scale)
             self.task = build_task(self.cfg)
             self.metric, self.score = heldout_metric(self.cfg, self.task, self._reward)
+            self.episodes = heldout_episodes(self.cfg, self.task, self._reward)[1] if self.cfg.env.enabled else None
         except Exception as e:  # raised by health(), as a worker's
             self._init_error = tag(e, "worker 'evaluator' (building)")
 
@@ -171,8 +173,11 @@ class Evaluator:
             t0 = self._since = time.time()
             self._load(verify(buffers))
             problems = self.task.heldout[: self.cfg.task.eval_n]
-            out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
-                                          self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
+            if self.episodes is not None:  # (multi-turn: greedy episodes)
+                out["heldout_acc"] = self.episodes(self.model, self.tokenizer, problems)
+            else:
+                out["heldout_acc"] = evaluate(self.model, self.tokenizer, problems, EVAL_BATCH,
+                                              self.task.greedy_eval_tokens, self.score, self.cfg.task.chat_template)
             if self.keeper is not None:
                 self.keeper.offer(out["version"], out["heldout_acc"], self._save)
         except Exception as e:

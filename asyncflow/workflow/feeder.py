@@ -14,7 +14,7 @@ stalled and waiting ones) are exactly the ids below rollout's cursor, so the par
 uninterrupted run's; in ``stream``/``async`` a step may
 train prompts of later source partitions (completion order) and leave a straggler of an
 earlier one: each is fed again exactly once, and none twice (the invariant the resume test
-checks). Groups that continue across the restart (:mod:`asyncflow.workflow.inflight`) keep
+checks). Groups that continue across the restart (:mod:`asyncflow.workflow.rollout.inflight`) keep
 their prompt slots: their ids are skipped, and the first partitions fed hold that many fewer
 prompts (rollout starts taking prompts after those slots). In data-parallel ``sync``
 (``train.dp = N``) prompt ``i`` of a partition is tagged ``shard = i % N``: rank ``r`` generates the shard-``r`` prompts
@@ -146,9 +146,12 @@ class PromptFeeder:
             rows = [(self._source(q // P), q % P) for q in ids]
             probs = [src[0][i] for src, i in rows]
             tokens = prompt_ids(self.tok, [p.prompt for p in probs], self.cfg.task.chat_template)
-            self.plane.put({"query_ids": [np.asarray(x, dtype=np.int64) for x in tokens],
-                            "answer": [encode_text(p.answer) for p in probs],
-                            "gen_len": np.asarray([src[1][i] for src, i in rows], dtype=np.int64),
-                            "prompt_id": np.asarray(ids, dtype=np.int64)}, partition=self.fed,
+            data = {"query_ids": [np.asarray(x, dtype=np.int64) for x in tokens],
+                    "answer": [encode_text(p.answer) for p in probs],
+                    "gen_len": np.asarray([src[1][i] for src, i in rows], dtype=np.int64),
+                    "prompt_id": np.asarray(ids, dtype=np.int64)}
+            if self.cfg.env.enabled:  # (an environment starts from the prompt's text: asyncflow.agents)
+                data["prompt"] = [encode_text(p.prompt) for p in probs]
+            self.plane.put(data, partition=self.fed,
                            tags={"shard": [i % shards for i in range(len(probs))]} if shards > 1 else None)
             self.fed += 1

@@ -2,7 +2,7 @@
 
 Each training step owns one partition (its index). Two kinds of rows share the table:
 
-* prompt rows, put by the driver: ``query_ids``, ``answer``, ``gen_len``, ``prompt_id`` (the
+* prompt rows, put by the driver: ``query_ids``, ``answer``, ``gen_len``, (multi-turn) ``prompt``, ``prompt_id`` (the
   prompt's stable id, ``source partition * prompts_per_step + index``: the same across a
   resume, when row ids are not);
 * sample rows, put by rollout (one per answer): ``prompt_ids``, ``response_ids``,
@@ -11,7 +11,8 @@ Each training step owns one partition (its index). Two kinds of rows share the t
   when rollout runs without one), ``version``
   (policy version that started the answer); then ``reward`` (reward role) and
   ``ref_logprobs`` (reference role) and, for PPO, ``advantages`` (critic role: per-token
-  GAE advantages).
+  GAE advantages). A multi-turn sample (:mod:`asyncflow.agents`) also has ``loss_mask``
+  (per response token: 1 generated, 0 an observation the trainer must not learn).
 
 Rows also carry tags ``group``, ``version`` and ``tokens`` for the samplers.
 """
@@ -26,6 +27,7 @@ from asyncflow.dataplane import Field, Schema
 
 SCHEMA = Schema([
     Field("query_ids", "int64", ragged=True),
+    Field("prompt", "uint8", ragged=True),  # utf-8 bytes of the prompt's text (multi-turn: the env's reset)
     Field("gen_len", "int64"),
     Field("answer", "uint8", ragged=True),  # utf-8 bytes of the ground truth
     Field("prompt_ids", "int64", ragged=True),
@@ -38,6 +40,7 @@ SCHEMA = Schema([
     Field("reward", "float32"),
     Field("ref_logprobs", "float32", ragged=True),
     Field("advantages", "float32", ragged=True),
+    Field("loss_mask", "uint8", ragged=True),
 ])
 
 

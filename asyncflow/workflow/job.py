@@ -241,7 +241,7 @@ class Job:
         checkpoint writer's thread: the trainer's state, rank 0's whole and the other ranks' RNGs
         and versions (FSDP: and their shards), copied to host memory beside the next step
         (:mod:`asyncflow.workflow.hostcopy`); not ``sync``: also rollout's groups not trained once ``done`` steps are
-        (:mod:`asyncflow.workflow.inflight`: tensors ``rollout/...``, JSON ``rollout``), asked now
+        (:mod:`asyncflow.workflow.rollout.inflight`: tensors ``rollout/...``, JSON ``rollout``), asked now
         and taken by rollout's loop meanwhile (any time before step ``done`` is trained is
         consistent with the trainer's state); and PPO's critic worker's, which it took itself right
         after its update of step ``done - 1`` (before that step's metrics, which :meth:`result` waited

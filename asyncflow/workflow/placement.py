@@ -46,14 +46,14 @@ later one. The staleness bound stays exact, per sample:
     among the fastest); with ``k >= 1`` a straggler that finishes within ``k`` more steps
     carries over with nothing thrown away. With ``E = 0`` every group is firm and the
     rules above reduce exactly to the ones before (the property tests of both hold);
-* **resume** (a checkpoint's groups, :mod:`asyncflow.workflow.inflight`): the placed groups go
+* **resume** (a checkpoint's groups, :mod:`asyncflow.workflow.rollout.inflight`): the placed groups go
   back into their steps (:meth:`refill`), the running ones rejoin with their deadlines, soft
   ones soft and firm ones only where the firm groups stay feasible (:meth:`adopt`), the
   stalled ones stalled (:meth:`adopt_stalled`: a prompt is still thrown away at most once);
   ``started`` counts them all, so admission continues where it was (``started - dropped``: a
   dropped group was given back before the checkpoint, so neither counts it).
 
-Plain logic, no I/O: :class:`~asyncflow.workflow.roles.rollout.RolloutRole` drives it, and a
+Plain logic, no I/O: :class:`~asyncflow.workflow.rollout.RolloutRole` drives it, and a
 property test drives it with random completion orders.
 """
 

@@ -1,7 +1,7 @@
 """What each role of a trainer's worker puts in a checkpoint, and takes back from one.
 
 ``stream``/``async``: the trainer's worker holds the actor alone (rollout restarts from the
-prompts or continues its saved groups: :mod:`asyncflow.workflow.inflight`); a restore
+prompts or continues its saved groups: :mod:`asyncflow.workflow.rollout.inflight`); a restore
 republishes the weights (FSDP, TP: all-gathers every rank joins, so the job restores its ranks
 at once; each restores its own shards: :mod:`asyncflow.workflow.shards`). PPO's critic is a
 worker of its own there (:func:`critic_parts`): it snapshots itself on its own thread right
@@ -11,7 +11,7 @@ own RNGs (``critic/rng/...``); it is restored before the actor (whose RNGs, in o
 the ones restored last). ``sync``: the colocated worker's actor engine, rollout's sampling
 generator and version, PPO's critic (its own model, AdamW and version under ``critic/``, its
 RNGs the actor's), rollout's state at the step boundary (``rollout/...``, JSON ``rollout``:
-stalled and waiting groups, counters, prompt cursor; :mod:`asyncflow.workflow.inflight`),
+stalled and waiting groups, counters, prompt cursor; :mod:`asyncflow.workflow.rollout.inflight`),
 and the roles' counters set to the steps done. The live tensors
 (:func:`snapshot_parts`) are copied by :mod:`asyncflow.workflow.hostcopy`;
 :mod:`asyncflow.workflow.checkpoint` has the format and the capture of one engine.
@@ -24,9 +24,11 @@ from typing import Any
 import torch
 
 from asyncflow.config import ConfigError
-from asyncflow.workflow import inflight
 from asyncflow.workflow.checkpoint import Snapshot, capture_parts, host_all, restore
 from asyncflow.workflow.roles.actor import publish_weights
+from asyncflow.workflow.roles.critic import CriticRole
+from asyncflow.workflow.rollout import inflight
+from asyncflow.workflow.rollout.role import RolloutRole
 
 
 def snapshot_roles(model: torch.nn.Module, roles: dict[str, Any], full: bool = True) -> Snapshot:
@@ -45,7 +47,7 @@ def snapshot_parts(model: torch.nn.Module, roles: dict[str, Any],
     actor = roles["actor"].engine
     if "rollout" not in roles:  # stream/async: the trainer's worker (rollout restarts from the prompts)
         return (*capture_parts(model, actor, None, full), [actor])
-    rollout = roles["rollout"]
+    rollout: RolloutRole = roles["rollout"]
     live, (tensors, meta) = capture_parts(model, actor, getattr(rollout.engine, "generator", None), full)
     meta["rollout_version"] = rollout.version
     rtensors, meta["rollout"] = inflight.capture(rollout, rollout.version, sync=True)  # (the step boundary)
@@ -59,7 +61,7 @@ def snapshot_parts(model: torch.nn.Module, roles: dict[str, Any],
     return live, (tensors, meta), engines
 
 
-def critic_parts(critic: Any) -> tuple[dict[str, torch.Tensor], Snapshot, list[Any]]:
+def critic_parts(critic: CriticRole) -> tuple[dict[str, torch.Tensor], Snapshot, list[Any]]:
     """``stream``/``async``: :func:`snapshot_parts` of PPO's critic worker (a ``CriticRole`` alone):
     its value model and AdamW state (live), its version, LR schedule and its process's RNGs, all
     under ``critic/`` (JSON: ``critic``), and its engine (its next optimizer step waits for the copy)."""
@@ -79,7 +81,7 @@ def split_critic(snap: Snapshot) -> tuple[Snapshot, Snapshot]:
     return (mine, {"critic": meta["critic"]}), ({k: v for k, v in tensors.items() if not k.startswith("critic/")}, meta)
 
 
-def _restore_critic(critic: Any, snap: Snapshot, step: int) -> None:
+def _restore_critic(critic: CriticRole, snap: Snapshot, step: int) -> None:
     """Put the critic of a snapshot back (its RNGs: its own if saved, else the actor's), ``step`` steps done."""
     tensors, meta = snap
     own = {k[7:]: v for k, v in tensors.items() if k.startswith("critic/")}
@@ -102,28 +104,11 @@ def restore_roles(model: torch.nn.Module, roles: dict[str, Any], snap: Snapshot,
         restore(model, actor.engine, None, snap)
         publish_weights(actor.engine, actor.publish)  # (sharded: all-gathers every rank joins)
         return []
-    rollout = roles["rollout"]
+    rollout: RolloutRole = roles["rollout"]
     if "critic" in roles:  # (before the actor's: its RNG states are the ones restored last)
         _restore_critic(roles["critic"], snap, step)
     restore(model, roles["actor"].engine, getattr(rollout.engine, "generator", None), snap)
-    rollout.set_version(meta["rollout_version"])
-    rollout.partition, rollout.taken, rollout.items = step, 0, step * rollout.batch_rows
-    rollout.placer.started, rollout.placer.lowest = step * rollout.prompts_per_step, step
     for name in ("reward", "reference"):  # their counters of rows done (see Worker._sync_step)
         if name in roles:
             roles[name].items = step * rollout.batch_rows
-    return _restore_rollout(rollout, snap, step) if "rollout" in meta else []  # (else: a checkpoint before it)
-
-
-def _restore_rollout(rollout: Any, snap: Snapshot, step: int) -> list[int]:
-    """``sync``: rollout's state at the step boundary (:mod:`asyncflow.workflow.inflight`, ``sync``):
-    the counters, the stalled and waiting groups (their ids returned), and its prompt cursor; a
-    self-feeding feeder (dynamic sampling) feeds from the cursor on, its partition short by the prompts taken."""
-    tensors, meta = snap
-    saved = meta["rollout"]
-    kept = inflight.resume(rollout, step, {k: v for k, v in tensors.items() if k.startswith(inflight.PREFIX)}, saved)
-    rollout.partition, rollout.taken = (int(x) for x in saved["cursor"])
-    if rollout.feed is not None:  # (ids below the cursor were read: never fed again)
-        read = rollout.partition * rollout.prompts_per_step + rollout.taken
-        rollout.feed.resume(rollout.partition, range(read), rollout.taken)
-    return kept
+    return inflight.restore_sync(rollout, tensors, meta, step)

@@ -34,6 +34,7 @@ from asyncflow.engines.allocator import keep_heap
 from asyncflow.engines.collective import Collective, ThreadRendezvous, TorchGroup, free_address, full_buckets, join
 from asyncflow.engines.device import resolve_device
 from asyncflow.engines.lora import attach, save_adapter, save_merged
+from asyncflow.tasks.environments import heldout_episodes
 from asyncflow.tasks.models import load_model
 from asyncflow.tasks.registry import build_task, heldout_metric
 from asyncflow.tasks.warmstart import evaluate
@@ -70,6 +71,7 @@ class Worker:
         self.ctx: RoleContext | None = None
         self.started = time.perf_counter()
         self._copies: dict[int, HostCopy] = {}  # checkpoint snapshots by steps done (see train_step)
+        self._episodes: Callable | None = None  # multi-turn: the held-out episodes (tasks.environments)
         # an error while building is kept and raised by health(): under Ray a constructor's
         # error would kill the actor and reach the driver as an ActorDiedError without its cause
         self._init_error: BaseException | None = None
@@ -246,7 +248,7 @@ class Worker:
         rows, PPO's critic on rank 0 values all of them; then every rank trains together.)"""
         roles = self.roles
         mine = roles["rollout"].batch_rows  # this rank's rows of a step (all of them when it is alone)
-        while roles["rollout"].produced[v] < mine:
+        while roles["rollout"].state.produced[v] < mine:
             roles["rollout"].poll(0.05)
         for name in ("reward", "reference", "critic"):
             share = self.cfg.batch_size if name == "critic" else mine
@@ -262,6 +264,10 @@ class Worker:
     # ------------------------------------------------------------------ common
     def evaluate(self, n: int | None = None) -> float:
         problems = self.task.heldout[: n or self.cfg.task.eval_n]
+        if self.cfg.env.enabled:  # (multi-turn: greedy episodes)
+            if self._episodes is None:
+                self._episodes = heldout_episodes(self.cfg, self.task, self.reward_fn)[1]
+            return self._on_compute(self._episodes, self._whole(), self.tokenizer, problems)
         _, score = heldout_metric(self.cfg, self.task, self.reward_fn)  # (None: exact match)
         return self._on_compute(evaluate, self._whole(), self.tokenizer, problems, 512, self.task.greedy_eval_tokens,
                                 score, self.cfg.task.chat_template)
@@ -302,11 +308,11 @@ class Worker:
     def resume_rollout(self, step: int, version: int, timeout: float, saved: Snapshot | None = None) -> list[int]:
         """``stream``/``async`` resume: rollout takes the restored weights, continues the ``saved``
         groups in flight that may, then goes on from partition ``step``; the continued group ids
-        (:meth:`RolloutRole.resume <asyncflow.workflow.roles.rollout.RolloutRole.resume>`)."""
+        (:meth:`RolloutRole.resume <asyncflow.workflow.rollout.RolloutRole.resume>`)."""
         return self.roles["rollout"].resume(step, version, timeout, saved)
 
     def rollout_snapshot(self, timeout: float, done: int) -> Snapshot:
-        """Rollout's groups not trained once ``done`` steps are (:mod:`asyncflow.workflow.inflight`)."""
+        """Rollout's groups not trained once ``done`` steps are (:mod:`asyncflow.workflow.rollout.inflight`)."""
         try:
             return self.roles["rollout"].snapshot_in_flight(timeout, done)
         except Exception as e:

@@ -126,7 +126,8 @@ class ActorRole(Role):
     def __init__(self, engine: TrainEngine, plane: DataPlaneClient, batch_size: int, group_size: int,
                  micro_prompts: int, staleness: int, *, algorithm: Algorithm,
                  publish: Callable[[int, Iterable[dict]], None] | None = None, wait_timeout_s: float = 600.0,
-                 group: Collective | None = None, shard_rows: int | None = None, greedy: bool = False):
+                 group: Collective | None = None, shard_rows: int | None = None, greedy: bool = False,
+                 masked: bool = False):
         super().__init__()
         self.group = group  # data-parallel ranks (None: this role trains alone)
         self.rank, self.world = (group.rank, group.world) if group is not None else (0, 1)
@@ -144,6 +145,7 @@ class ActorRole(Role):
         self.loss = self.algorithm.loss(batch_size)
         self.fields = FIELDS + (["ref_logprobs"] if self.algorithm.needs_reference else [])
         self.fields += ["advantages"] if self.algorithm.needs_critic else []  # PPO: written by the critic
+        self.fields += ["loss_mask"] if masked else []  # multi-turn: observation tokens stay out of the loss
         self.wait_timeout_s = wait_timeout_s
         self.wait_s = 0.0
         self._fetcher = ThreadPoolExecutor(1, thread_name_prefix="actor-prefetch")
@@ -233,7 +235,7 @@ class ActorRole(Role):
                     metrics.append(self._accumulate(v, data, self.algorithm.advantages(data)))
             rewards.extend(data["reward"].tolist())
             groups.update(int(g) for g in data["group"])  # (metrics' 'groups': a resume feeds the others)
-            lengths.extend(len(r) for r in data["response_ids"])
+            lengths.extend(_trained_tokens(data))
         with self.work("step"):
             if pending:
                 metrics.extend(self._accumulate_batch(v, pending))
@@ -324,8 +326,9 @@ class ActorRole(Role):
         if not idx:
             return {}
         extras = {"logprobs": take_rows(data["logprobs"], idx), "advantages": take_rows(adv, idx)}
-        if "ref_logprobs" in data:
-            extras["ref_logprobs"] = take_rows(data["ref_logprobs"], idx)
+        for k in ("ref_logprobs", "loss_mask"):
+            if k in data:
+                extras[k] = take_rows(data[k], idx)
         return self.engine.forward_backward([data["prompt_ids"][i].tolist() for i in idx],
                                             [data["response_ids"][i].tolist() for i in idx], extras, self.loss)
 
@@ -334,3 +337,10 @@ class ActorRole(Role):
         s.update(version=self.engine.version, wait_s=self.wait_s, max_staleness=self.max_staleness,
                  staleness_hist=dict(self.staleness_hist))
         return s
+
+
+def _trained_tokens(data: dict) -> list[int]:
+    """Each row's tokens in the loss: its response, or (multi-turn) the generated ones of it."""
+    if "loss_mask" in data:
+        return [int(np.count_nonzero(m)) for m in data["loss_mask"]]
+    return [len(r) for r in data["response_ids"]]

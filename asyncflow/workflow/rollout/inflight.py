@@ -23,7 +23,9 @@ It holds
   <asyncflow.workflow.feeder.PromptFeeder.position>`), so a dropped prompt is never fed again.
 
 Stored as safetensors arrays ``rollout/<j>/{prompt,response,logprobs,versions,answer}`` and
-one JSON record per answer (no pickle).
+one JSON record per answer (no pickle); a multi-turn sample also ``rollout/<j>/mask`` (its loss
+mask) and its episode's outcome. Multi-turn runs save their running groups' episodes instead of
+live answers: :mod:`asyncflow.workflow.rollout.episodes`.
 
 The request is made at the step boundary and served at rollout's next poll, while the
 trainer may already train the next step: any moment before rollout forgets that step's
@@ -78,11 +80,17 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from asyncflow.agents.episode import Trajectory
 from asyncflow.engines.types import Completion, Partial, Request
+from asyncflow.workflow.rollout import episodes
+from asyncflow.workflow.rollout.state import RolloutState
+
+if TYPE_CHECKING:  # (the role imports this module)
+    from asyncflow.workflow.rollout.role import RolloutRole
 
 PREFIX = "rollout/"
 
@@ -96,14 +104,14 @@ class SnapshotRequest:
         self._out: tuple[dict[str, np.ndarray], dict[str, Any]] | None = None
         self._error: BaseException | None = None
 
-    def serve(self, role: Any) -> None:
+    def serve(self, role: RolloutRole) -> None:
         try:
             self._out = capture(role, self.done_steps)
         except Exception as e:  # (raised to the caller of wait)
             self._error = e
         self._done.set()
 
-    def wait(self, timeout: float, role: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    def wait(self, timeout: float, role: RolloutRole) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
         """The snapshot, once ``role``'s loop has served it; the loop's error if it stopped, a
         ``TimeoutError`` if it did not serve it within ``timeout`` seconds."""
         deadline = time.monotonic() + timeout
@@ -118,7 +126,7 @@ class SnapshotRequest:
         return self._out
 
 
-def capture(role: Any, done: int, sync: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+def capture(role: RolloutRole, done: int, sync: bool = False) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The groups of a rollout role not trained once ``done`` steps are (module doc), as arrays
     and JSON records: the placed ones (with their step and rewards), then the running ones;
     ``sync`` (at the step boundary, on the compute thread): also the fetched groups not started
@@ -128,7 +136,8 @@ def capture(role: Any, done: int, sync: bool = False) -> tuple[dict[str, np.ndar
     if partials is not None:
         for p in partials():
             live[p.req.key[0]].append(p)
-    pending = set(role.restarts) | set(role.stale)
+    s = role.state
+    pending = set(s.restarts) | set(s.stale)
     tensors: dict[str, np.ndarray] = {}
     records: list[dict[str, Any]] = []
 
@@ -138,49 +147,61 @@ def capture(role: Any, done: int, sync: bool = False) -> tuple[dict[str, np.ndar
         for i, p in enumerate(finished + live):
             fin = i < len(done)
             tensors.update(_arrays(len(records), p))
-            records.append({"group": int(gid), "version": int(p.version), "finished": fin,
-                            "eos": fin and bool(done[i].finished_on_eos), "max_new": p.req.max_new_tokens,
-                            "min_new": p.req.min_new_tokens, **{k: v[i] if k == "reward" else v
-                                                                for k, v in extra.items() if v is not None}})
+            record = {"group": int(gid), "version": int(p.version), "finished": fin,
+                      "eos": fin and bool(done[i].finished_on_eos), "max_new": p.req.max_new_tokens,
+                      "min_new": p.req.min_new_tokens, **{k: v[i] if k == "reward" else v
+                                                          for k, v in extra.items() if v is not None}}
+            c = done[i] if fin else None
+            if isinstance(c, Trajectory):  # (multi-turn: the loss mask and the episode's outcome travel with it)
+                tensors[f"{PREFIX}{len(records)}/mask"] = np.asarray(c.loss_mask, dtype=np.uint8)
+                record["episode"] = {"reward": c.reward, "turns": c.turns, "end": c.end, "error": c.error}
+            records.append(record)
 
-    for gid, (part, group, raw) in role.placed.items():
+    for gid, (part, group, raw) in s.placed.items():
         if part >= done:
             add(gid, group, [], placed=int(part), reward=None if raw is None else [float(x) for x in raw])
-    placer = role.placer
-    for gid in role.groups:
-        finished = role.scoring[gid][1] if gid in role.scoring else role.finished.get(gid, [])
+    placer = s.placer
+    for gid in s.groups if role.episodes is None else ():  # (multi-turn: episodes.capture below)
+        finished = s.scoring[gid][1] if gid in s.scoring else s.finished.get(gid, [])
         if partials is not None and gid not in pending and len(finished) + len(live[gid]) == role.group_size:
             add(gid, finished, live[gid], soft=gid in placer.soft or None, crossed=gid in placer.crossed or None)
-    for gid in role.stale:  # (over-provisioning: stalled, to start again from the prompt as firm groups)
-        add(gid, [], [Partial(r, [], [], [], role.version) for r in role.groups[gid]], stalled=True)
-    for group in role.waiting if sync else ():  # (sync: fetched, not started; in order)
-        add(group[0].key[0], [], [Partial(r, [], [], [], role.version) for r in group], waiting=True)
+    for gid in s.stale:  # (over-provisioning: stalled, to start again from the prompt as firm groups)
+        add(gid, [], [Partial(r, [], [], [], role.version) for r in s.groups[gid]], stalled=True)
+    for reqs in s.waiting if sync else ():  # (sync: fetched, not started; in order)
+        add(reqs[0].key[0], [], [Partial(r, [], [], [], role.version) for r in reqs], waiting=True)
     meta = {"answers": records, "started": int(placer.started - placer.dropped), "version": int(role.version),
-            "counters": {"discarded": role.discarded, "carried": placer.carried, "stalls": placer.stalls,
-                         "scored": role.groups_scored, "dropped": role.groups_dropped, "decode_steps": role.steps}}
+            "counters": s.counters()}
+    if role.episodes is not None:  # (multi-turn: the running groups' episodes)
+        etensors, meta["episodes"] = episodes.capture(role)
+        tensors.update(etensors)
     if sync:  # (the prompts read so far are exactly the ids below the cursor: see the module doc)
-        meta["cursor"] = [int(role.partition), int(role.taken)]
+        meta["cursor"] = [int(s.partition), int(s.taken)]
     elif role.feed is not None:  # (dynamic sampling: rollout feeds itself)
         meta["prompts"] = role.feed.position(done)
     return tensors, meta
 
 
-def forget_trained(role: Any) -> None:
-    """Forget the placed groups of steps trained already (rollout has the weights of a version
-    ``v``: steps ``< v`` are trained)."""
-    for gid in [g for g, (part, _, _) in role.placed.items() if part < role.version]:
-        del role.placed[gid]
+def forget_trained(state: RolloutState, version: int) -> None:
+    """Forget the placed groups of steps trained already (rollout has the weights of a
+    ``version`` ``v``: steps ``< v`` are trained)."""
+    for gid in [g for g, (part, _, _) in state.placed.items() if part < version]:
+        del state.placed[gid]
 
 
 def _arrays(j: int, p: Partial) -> dict[str, np.ndarray]:
-    return {f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
-            f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
-            f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
-            f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
-            f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
+    out: dict[str, np.ndarray] = {
+        f"{PREFIX}{j}/prompt": np.asarray(p.req.prompt_ids, dtype=np.int64),
+        f"{PREFIX}{j}/response": np.asarray(p.response_ids, dtype=np.int64),
+        f"{PREFIX}{j}/logprobs": np.asarray(p.logprobs, dtype=np.float64),
+        f"{PREFIX}{j}/versions": np.asarray(p.token_versions, dtype=np.int64),
+        f"{PREFIX}{j}/answer": np.asarray(p.req.key[1], dtype=np.uint8)}
+    if len(p.req.key) > 2:  # (multi-turn: the prompt's text, an environment's reset reads it)
+        out[f"{PREFIX}{j}/text"] = np.asarray(p.req.key[2], dtype=np.uint8)
+    return out
 
 
-Saved = tuple[bool, Partial, bool, float | None]  # (finished, the answer, finished on EOS, its reward if placed)
+# (finished, the answer, finished on EOS, its reward if placed, a multi-turn sample's episode: loss mask...)
+Saved = tuple[bool, Partial, bool, "float | None", "dict[str, Any] | None"]
 
 
 def saved_groups(tensors: dict[str, np.ndarray], meta: dict[str, Any]
@@ -190,70 +211,114 @@ def saved_groups(tensors: dict[str, np.ndarray], meta: dict[str, Any]
     out: dict[int, tuple[int | None, list[Saved], dict[str, Any]]] = {}
     for j, r in enumerate(meta.get("answers", [])):
         t = {k: tensors[f"{PREFIX}{j}/{k}"] for k in ("prompt", "response", "logprobs", "versions", "answer")}
-        req = Request((r["group"], t["answer"].copy()), t["prompt"].tolist(), r["max_new"], r["min_new"], r["version"])
+        text = (tensors[f"{PREFIX}{j}/text"].copy(),) if f"{PREFIX}{j}/text" in tensors else ()
+        req = Request((r["group"], t["answer"].copy(), *text), t["prompt"].tolist(), r["max_new"], r["min_new"],
+                      r["version"])
         part = out.setdefault(r["group"], (r.get("placed"), [], r))
+        extra = None
+        if "episode" in r:  # (a multi-turn sample: its loss mask and how its episode went)
+            extra = {**r["episode"], "mask": tensors[f"{PREFIX}{j}/mask"].tolist()}
         part[1].append((r["finished"], Partial(req, t["response"].tolist(), t["logprobs"].tolist(),
-                                               t["versions"].tolist(), r["version"]), r["eos"], r.get("reward")))
+                                               t["versions"].tolist(), r["version"]), r["eos"], r.get("reward"), extra))
     return out
 
 
-def resume(role: Any, step: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> list[int]:
+def resume(role: RolloutRole, step: int, tensors: dict[str, np.ndarray], meta: dict[str, Any]) -> list[int]:
     """Put back the saved groups that may be kept (module doc) in ``role`` (a rollout role
     resumed at ``step``, its loop not started): the placed ones in their steps first, then the
     running ones that may continue; return their group ids (prompt ids)."""
-    groups = saved_groups(tensors, meta)
-    can = getattr(role.batch, "resume", None) is not None
-    k, kept, placer = role.placer.k, [], role.placer
-    c = meta.get("counters", {})  # (the summary's counters continue)
-    role.discarded, role.groups_scored, role.groups_dropped = c.get("discarded", 0), c.get("scored", 0), \
-        c.get("dropped", 0)
-    placer.carried, placer.stalls, role.steps = c.get("carried", 0), c.get("stalls", 0), c.get("decode_steps", 0)
-
-    def restored(answers: list[Saved]) -> bool:  # (no token of weights newer than the restored version)
-        return all(v <= step for _, p, _, _ in answers for v in p.token_versions)
-
-    for gid, (part, answers, _) in sorted((g, v) for g, v in groups.items()
-                                          if v[0] is not None and v[0] >= step and restored(v[1])):
-        assert part is not None  # (filtered above)
-        kept.append(gid)
-        placer.refill(part)
-        done = [_completion(p, eos) for _, p, eos, _ in answers]
-        role.outbox[part].extend(done)
-        raw = [float(r) for *_, r in answers if r is not None] if role.scorer is not None else None
-        if raw is not None:  # (rewards in rollout: every placed group was saved with its rewards)
-            if len(raw) != len(done):
-                raise ValueError(f"checkpoint: placed group {gid} was saved without its rewards")
-            role.rewards[part].extend(raw)
-        role.placed[gid] = (part, done, raw)  # (saved again at the next checkpoint until trained)
-        if role.feed is not None:
-            role.feed.settle(gid, part)
-        role._outbox_since = role._outbox_since or time.perf_counter()
-    running = {g: v for g, v in groups.items() if v[0] is None and not (v[2].get("stalled") or v[2].get("waiting"))}
-    for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g][1]), g)):  # earliest deadline 1st
-        answers, flags = running[gid][1], running[gid][2]
-        w = min(p.version for _, p, _, _ in answers)
-        one_version = role.on_swap == "continue" or all(v == role.version for _, p, _, _ in answers
-                                                         for v in p.token_versions)
-        if not (can and len(answers) == role.group_size and w + k >= step and one_version and restored(answers)
-                and placer.adopt(gid, w, bool(flags.get("soft")), bool(flags.get("crossed")))):
-            continue
-        kept.append(gid)
-        role.groups[gid] = [Request(p.req.key, p.req.prompt_ids, p.req.max_new_tokens, p.req.min_new_tokens)
-                            for _, p, _, _ in answers]
-        role.batch.resume([p for fin, p, _, _ in answers if not fin])
-        role._emit([_completion(p, eos) for fin, p, eos, _ in answers if fin])
+    groups, s = saved_groups(tensors, meta), role.state
+    s.set_counters(meta.get("counters", {}))  # (the summary's counters continue)
+    kept = _resume_placed(role, step, groups)
+    if role.episodes is None:
+        kept += _resume_running(role, step, groups)
+    else:  # (multi-turn: asyncflow.workflow.rollout.episodes)
+        kept += episodes.resume(role, step, tensors, meta.get("episodes", []))
     for gid in [g for g, v in groups.items() if v[2].get("stalled")]:  # (in their saved order: oldest first)
         kept.append(gid)
-        placer.adopt_stalled(gid)
-        role.groups[gid] = [p.req for _, p, _, _ in groups[gid][1]]
-        role.stale.append(gid)
+        s.placer.adopt_stalled(gid)
+        s.groups[gid] = [p.req for _, p, *_ in groups[gid][1]]
+        s.stale.append(gid)
     for gid in [g for g, v in groups.items() if v[2].get("waiting")]:  # (sync: in their saved order)
         kept.append(gid)
-        role.waiting.append([p.req for _, p, _, _ in groups[gid][1]])
+        s.waiting.append([p.req for _, p, *_ in groups[gid][1]])
     if role.feed is not None and "prompts" in meta:  # (the kept groups keep their prompt slots)
         role.feed.resume_position(step, meta["prompts"], kept)
     return kept
 
 
-def _completion(p: Partial, eos: bool) -> Completion:
-    return Completion(p.req.key, p.req.prompt_ids, p.response_ids, p.logprobs, p.version, eos, p.token_versions)
+Groups = dict[int, tuple[int | None, list[Saved], dict[str, Any]]]
+
+
+def _restored(answers: list[Saved], step: int) -> bool:
+    """No token of weights newer than the restored version (``step``)?"""
+    return all(v <= step for _, p, *_ in answers for v in p.token_versions)
+
+
+def _resume_placed(role: RolloutRole, step: int, groups: Groups) -> list[int]:
+    """The placed groups of steps not trained, back into their steps (with their rewards)."""
+    kept = []
+    for gid, (part, answers, _) in sorted((g, v) for g, v in groups.items()
+                                          if v[0] is not None and v[0] >= step and _restored(v[1], step)):
+        assert part is not None  # (filtered above)
+        kept.append(gid)
+        role.state.placer.refill(part)
+        done = [_completion(p, eos, extra) for _, p, eos, _, extra in answers]
+        raw = [float(a[3]) for a in answers if a[3] is not None] if role.scorer is not None else None
+        if raw is not None and len(raw) != len(done):  # (rewards in rollout: every placed group has them)
+            raise ValueError(f"checkpoint: placed group {gid} was saved without its rewards")
+        role.collector.put_back(gid, part, done, raw)  # (kept: saved again at the next checkpoint until trained)
+        if role.feed is not None:
+            role.feed.settle(gid, part)
+    return kept
+
+
+def _resume_running(role: RolloutRole, step: int, groups: Groups) -> list[int]:
+    """The running groups that may continue (module doc), earliest deadline first."""
+    s, kept = role.state, []
+    continue_rows = getattr(role.batch, "resume", None)  # (an engine that can continue answers)
+    running = {g: v for g, v in groups.items() if v[0] is None and not (v[2].get("stalled") or v[2].get("waiting"))}
+    for gid in sorted(running, key=lambda g: (min(a[1].version for a in running[g][1]), g)):
+        answers, flags = running[gid][1], running[gid][2]
+        w = min(p.version for _, p, *_ in answers)
+        one_version = role.on_swap == "continue" or all(v == role.version for _, p, *_ in answers
+                                                         for v in p.token_versions)
+        if not (continue_rows is not None and len(answers) == role.group_size and w + s.placer.k >= step and one_version
+                and _restored(answers, step)
+                and s.placer.adopt(gid, w, bool(flags.get("soft")), bool(flags.get("crossed")))):
+            continue
+        kept.append(gid)
+        s.groups[gid] = [Request(p.req.key, p.req.prompt_ids, p.req.max_new_tokens, p.req.min_new_tokens)
+                         for _, p, *_ in answers]
+        continue_rows([p for fin, p, *_ in answers if not fin])
+        role.collector.collect([_completion(p, eos, extra) for fin, p, eos, _, extra in answers if fin])
+    return kept
+
+
+def _completion(p: Partial, eos: bool, extra: dict[str, Any] | None = None) -> Completion:
+    """A saved finished answer; a multi-turn one (``extra``: its loss mask and episode) as a Trajectory."""
+    if extra is None:
+        return Completion(p.req.key, p.req.prompt_ids, p.response_ids, p.logprobs, p.version, eos, p.token_versions)
+    return Trajectory(p.req.key, p.req.prompt_ids, p.response_ids, p.logprobs, p.version, eos, p.token_versions, "",
+                      extra["mask"], extra["reward"], extra["turns"], extra["end"], extra.get("error"))
+
+
+def restore_sync(role: RolloutRole, tensors: dict[str, np.ndarray], meta: dict[str, Any], step: int) -> list[int]:
+    """``sync``: put rollout back as it was at the step boundary of ``step`` steps done (module doc):
+    its version (``meta["rollout_version"]``), its counters and, when the checkpoint has them
+    (JSON ``rollout``), the stalled and waiting groups (their ids returned) and its prompt cursor;
+    a self-feeding feeder (dynamic sampling) feeds from the cursor on, its partition short by
+    the prompts taken."""
+    s = role.state
+    role.set_version(meta["rollout_version"])
+    s.partition, s.taken, role.items = step, 0, step * role.batch_rows
+    s.placer.started, s.placer.lowest = step * role.prompts_per_step, step
+    if "rollout" not in meta:  # (a checkpoint from before rollout's state was saved)
+        return []
+    saved = meta["rollout"]
+    kept = resume(role, step, {k: v for k, v in tensors.items() if k.startswith(PREFIX)}, saved)
+    s.partition, s.taken = (int(x) for x in saved["cursor"])
+    if role.feed is not None:  # (ids below the cursor were read: never fed again)
+        read = s.partition * role.prompts_per_step + s.taken
+        role.feed.resume(s.partition, range(read), s.taken)
+    return kept
