@@ -23,7 +23,7 @@ import pytest
 
 from asyncflow.cli import main
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.acceptance]  # (python3 -m pytest -m acceptance)
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "calculator_tool"
 MIN_GAIN = 0.15  # held-out exact match points gained by RL (issue 35)
 MAX_RL_S = 300.0  # wall seconds of the RL part on a 2-core CPU

@@ -151,7 +151,7 @@ def _run(tmp_path: Path, launcher: str, *overrides: str) -> tuple[dict, list[dic
     spans: dict = {}
     for e in trace["traceEvents"] if isinstance(trace, dict) else trace:
         if e.get("ph") == "X":
-            spans.setdefault(e["name"], []).append((e["ts"], e["ts"] + e["dur"]))
+            spans.setdefault(e["cat"], []).append((e["ts"], e["ts"] + e["dur"]))
     return summary, metrics, spans
 
 

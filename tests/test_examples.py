@@ -51,10 +51,28 @@ def _prepare(name: str, tmp_path: Path, scripts: tuple[str, ...]) -> Path:
     return folder
 
 
-@pytest.mark.parametrize("name, yaml, scripts", [
+EXAMPLE_RUNS = [
     ("uppercase", "uppercase.yaml", ("make_data.py",)),
     ("word_order_hf", "word_order.yaml", ("make_data.py", "build_model.py")),
-])
+]
+
+
+@pytest.mark.parametrize("name, yaml, scripts", EXAMPLE_RUNS)
+def test_example_config_data_and_reward_train_two_steps(tmp_path, name, yaml, scripts):
+    """The default run's check of each example (the learning target below is in the acceptance
+    tier): its generators, its YAML, data, reward and model folder load and train two RL steps
+    with a held-out evaluation before and after (no warm-start: that is the slow part)."""
+    folder = _prepare(name, tmp_path, scripts)
+    assert main(["train", str(folder / yaml), f"run_dir={tmp_path}/runs", "progress=false", "train.steps=2",
+                 "warmstart.enabled=false", "train.eval_every=0", "task.eval_n=16"]) == 0
+    run = next(p for p in (tmp_path / "runs").iterdir() if p.is_dir())
+    s = json.loads((run / "summary.json").read_text())
+    assert s["heldout_metric"] == "exact" and s["heldout_acc_after"] is not None
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+@pytest.mark.acceptance  # (python3 -m pytest -m acceptance: minutes each, the warm-start included)
+@pytest.mark.parametrize("name, yaml, scripts", EXAMPLE_RUNS)
 def test_example_trains_by_configuration_only(tmp_path, capsys, name, yaml, scripts):
     folder = _prepare(name, tmp_path, scripts)
     t0 = time.perf_counter()

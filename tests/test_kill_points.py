@@ -52,6 +52,7 @@ def _resumes(text: str) -> list[tuple[int, int, int]]:
     return [tuple(int(x) for x in m.groups()) for line in text.splitlines() if (m := RESUMED.match(line))]
 
 
+@pytest.mark.acceptance  # (the acceptance tier: python3 -m pytest -m acceptance; docs/testing.md)
 @pytest.mark.slow
 def test_the_driver_killed_at_5_random_points_and_resumed_trains_every_group_once(tmp_path):
     seed = random.randrange(10**6)
@@ -88,6 +89,7 @@ def _pid(job: Job, target: str) -> int:
     return procs[0 if target == "storage unit" else -1].pid
 
 
+@pytest.mark.acceptance  # (the acceptance tier: python3 -m pytest -m acceptance; docs/testing.md)
 @pytest.mark.ray
 @pytest.mark.slow
 def test_processes_of_every_kind_killed_in_turn_under_ray_restart_and_train_every_group_once(

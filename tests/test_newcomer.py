@@ -180,7 +180,7 @@ def test_best_keeper_leaves_the_last_when_it_is_as_good(tmp_path):
 @pytest.mark.parametrize("mode", ["sync", "async"])  # (evaluations pausing training; beside it, from the evaluator)
 def test_keep_best_in_a_run_keeps_the_best_evaluated_version(tmp_path, mode):
     args = ["train", "launcher=local", f"mode={mode}", "warmstart.enabled=false", "progress=false",
-            "train.steps=4", "train.eval_every=1", "task.eval_n=20", "train.prompts_per_step=2",
+            f"train.steps={4 if mode == 'sync' else 8}", "train.eval_every=1", "task.eval_n=20", "train.prompts_per_step=2",
             "train.micro_prompts=1", "train.lr=1e-2", "train.keep_best=true", f"run_dir={tmp_path}"]
     assert main(args) == 0
     run = next(tmp_path.iterdir())
@@ -188,8 +188,10 @@ def test_keep_best_in_a_run_keeps_the_best_evaluated_version(tmp_path, mode):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     periodic = [m["heldout_acc"] for m in lines if m.get("heldout_acc") is not None]
     kept = s["checkpoint_kept"]
-    assert periodic and kept is not None
-    if max(periodic) > s["heldout_acc_after"]:
+    # (async: evaluations run beside training and one due while another runs is skipped: on a busy
+    # machine none may finish before the end; then the last is kept, which the else branch checks)
+    assert kept is not None and (periodic or mode == "async")
+    if periodic and max(periodic) > s["heldout_acc_after"]:
         assert kept["kept"] == "best" and kept["heldout_acc"] == max(periodic)
         assert (run / "checkpoint-last" / "config.json").is_file()
     else:

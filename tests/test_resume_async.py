@@ -167,7 +167,7 @@ def test_a_lost_worker_restarts_the_run_from_its_checkpoint_or_ends_it_with_the_
 
 
 @pytest.mark.ray
-@pytest.mark.parametrize("target", ["rollout", "storage unit"])  # ("controller" passes too: slower, left out)
+@pytest.mark.parametrize("target", ["rollout", pytest.param("storage unit", marks=pytest.mark.acceptance)])  # (controller: passes, slower)
 def test_a_process_killed_under_ray_restarts_the_run_from_the_checkpoint(tmp_path, capfd, monkeypatch, target):
     """``kill -9`` of the rollout worker's process or of a data-plane storage unit (its
     controller: ``procs[-1]``), once a checkpoint exists: the run restarts from it (one line)

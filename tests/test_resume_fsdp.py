@@ -177,6 +177,7 @@ def _end_orphans(procs: dict[int, bytes], wait_s: float = 10.0) -> None:
             pass
 
 
+@pytest.mark.acceptance  # (the acceptance tier: python3 -m pytest -m acceptance; docs/testing.md)
 @pytest.mark.ray
 @pytest.mark.slow
 def test_an_async_fsdp_run_killed_and_resumed_trains_every_group_once(tmp_path):

@@ -147,6 +147,7 @@ def test_tp_ranks_killed_after_a_checkpoint_and_resumed_end_with_the_weights_of_
             np.testing.assert_allclose(got[name], w, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} {name}")
 
 
+@pytest.mark.acceptance  # (the acceptance tier: python3 -m pytest -m acceptance; docs/testing.md)
 @pytest.mark.ray
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:train.dp=1 x train.tp=2.*oversubscribe")  # 3 compute roles on 2 CPUs, as intended

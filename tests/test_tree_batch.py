@@ -16,7 +16,7 @@ from asyncflow.engines.types import Request, SamplingParams
 from asyncflow.tasks.majority import MajorityVote
 from asyncflow.workflow.fields import SCHEMA, encode_text
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 from asyncflow.workflow.tree_batch import TreeEngine
 
 torch.set_num_threads(1)
@@ -107,7 +107,7 @@ def test_rollout_places_whole_tree_groups_scored_by_the_vote():
     role = RolloutRole(engine, plane, SP, 8, 2, 0, scorer=scorer, by_prompt_id=True)
     for _ in range(50):
         role.poll(0.01)
-        if role.produced[0] == 16:
+        if role.state.produced[0] == 16:
             break
     _, data = plane.get_batch("check", ["response_ids", "reward", "group"], n=16, partition=0)
     assert sorted(data["group"].tolist()) == [0] * 8 + [1] * 8 and data["reward"].tolist() == [1.0] * 16

@@ -27,7 +27,7 @@ from asyncflow.observe.ttrl import VoteMeter, vote_summary
 from asyncflow.tasks.majority import MajorityVote, majority_vote, stripped
 from asyncflow.workflow.fields import SCHEMA, decode_text, encode_text
 from asyncflow.workflow.roles.reward import GroupScorer, RewardRole
-from asyncflow.workflow.roles.rollout import RolloutRole
+from asyncflow.workflow.rollout import RolloutRole
 from asyncflow.workflow.tree_batch import TreeEngine
 
 DIGITS = "0123456789"
@@ -174,7 +174,7 @@ def test_rollout_scores_a_group_only_once_all_its_answers_finished(group, prompt
         _prompts(plane, prompts, p)
     for _ in range(400):
         role.poll(0.01)
-        if sum(role.produced.values()) == group * prompts * (staleness + 1):
+        if sum(role.state.produced.values()) == group * prompts * (staleness + 1):
             break
     assert len(spy.calls) == prompts * (staleness + 1)
     for part in range(staleness + 1):

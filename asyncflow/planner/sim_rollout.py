@@ -1,6 +1,6 @@
 """The simulated rollout worker's loop (:class:`asyncflow.planner.sim._Job`'s ``rollout``).
 
-One iteration is one poll of the real :class:`~asyncflow.workflow.roles.rollout.RolloutRole`:
+One iteration is one poll of the real :class:`~asyncflow.workflow.rollout.RolloutRole`:
 swap a newer version in (stream/async), fetch admitted prompts when none wait (one
 data-plane round trip), start waiting groups in free slots (a ``prefill`` span), decode one
 round for every live answer (a ``decode`` span, with the rewards of the answers it finishes
