@@ -32,8 +32,11 @@ def calc(expr: str) -> str:
     """
     for op in ("*", "+"):
         a, sep, b = expr.partition(op)
-        if sep and a.strip().isdigit() and b.strip().isdigit():
-            x, y = int(a), int(b)
+        if sep and a.strip().isdecimal() and b.strip().isdecimal():
+            try:  # (isdecimal admits other scripts' digits and str.strip control characters int() refuses)
+                x, y = int(a.strip()), int(b.strip())
+            except ValueError:
+                return "error"
             return str(x * y if op == "*" else x + y)
     return "error"  # (a malformed expression is the model's mistake: it reads the error and goes on)
 
