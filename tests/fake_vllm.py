@@ -98,7 +98,7 @@ class Encoder:
             raise TypeError(f"Object of type {type(obj)} is not serializableSet VLLM_ALLOW_INSECURE_SERIALIZATION=1 "
                             f"to allow fallback to pickle-based serialization.")
         if isinstance(obj, types.FunctionType):
-            import cloudpickle
+            from ray import cloudpickle  # (vLLM's cloudpickle; Ray's copy: a dependency here)
 
             return msgpack.ExtType(CLOUDPICKLE, cloudpickle.dumps(obj))
         return msgpack.ExtType(PICKLE, pickle.dumps(obj))
